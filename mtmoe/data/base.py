@@ -1,0 +1,167 @@
+"""What every dataset provides: task specs, architecture defaults, in-memory batching by index, file helpers.
+
+A dataset's tensors live in memory; batches are dicts of tensors sliced with a shuffled index permutation
+(:class:`IndexBatches`), so there is no per-sample Python ``__getitem__`` or collate in the training loop.
+
+Batch convention (a ``dict[str, Tensor]``): the model's inputs (``user``/``item`` ids or ``image``), ``sample_id``
+(a stable id per sample, for pre-assigned routing), one target per task under the task's name, and for masked
+tasks a bool tensor ``<task>_mask`` selecting the rows that task's loss and metrics see (masks are data; they are
+never inferred from target values).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+
+from mtmoe.errors import UsageError
+
+PROJECT_DATASETS = Path(__file__).resolve().parents[2] / "datasets"
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    name: str  # key of the target in the batch
+    kind: Literal["binary", "regression", "multiclass"]
+    n_classes: int = 1
+    masked: bool = False  # the batch carries a bool ``<name>_mask``
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    """Static description of a dataset and the paper's architecture for it (Supplement S1.2).
+
+    Available right after the DataModule's ``__init__`` (no data is read), so the CLI can link it to the model.
+    """
+
+    name: str
+    tasks: tuple[TaskSpec, ...]
+    n_ids: int  # number of distinct ``sample_id`` values
+    n_users: int = 0  # embedding table sizes (recommenders)
+    n_items: int = 0
+    image_shape: tuple[int, ...] | None = None
+    n_experts: int = 16
+    k: int = 2
+    embedding_dim: int = 128
+    expert_units: int = 256
+    tower_units: int = 256
+    expert_dropout: float = 0.5
+    task_weighting: Literal["alpha", "equal"] = "alpha"  # alpha: (alpha, 1 - alpha) for two tasks
+
+
+class IndexBatches:
+    """An epoch-by-epoch iterable of dict batches cut from in-memory tensors by (shuffled) index.
+
+    Shuffling uses ``torch.Generator(seed + epoch)``, so the order is reproducible and differs between epochs.
+    """
+
+    def __init__(self, tensors: dict[str, Tensor], batch_size: int, shuffle: bool, seed: int = 0) -> None:
+        sizes = {len(t) for t in tensors.values()}
+        if len(sizes) != 1:
+            raise ValueError(f"tensors of different lengths: {sizes}")
+        self.tensors, self.batch_size, self.shuffle, self.seed = tensors, batch_size, shuffle, seed
+        self.n_rows = sizes.pop()
+        self.epoch = 0
+
+    def __len__(self) -> int:
+        return -(-self.n_rows // self.batch_size)
+
+    def __iter__(self) -> Iterator[dict[str, Tensor]]:
+        if self.shuffle:
+            order = torch.randperm(self.n_rows, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+            self.epoch += 1
+            for start in range(0, self.n_rows, self.batch_size):
+                index = order[start : start + self.batch_size]
+                yield {key: t[index] for key, t in self.tensors.items()}
+        else:
+            for start in range(0, self.n_rows, self.batch_size):
+                yield {key: t[start : start + self.batch_size] for key, t in self.tensors.items()}
+
+
+class InMemoryDataModule(pl.LightningDataModule):
+    """Base DataModule: subclasses implement ``info`` and ``load_splits`` (train/val/test dicts of tensors).
+
+    Args:
+        root: data root holding the raw files (default: ``$MTMOE_DATA``, else the project's ``datasets/``).
+        cache_dir: where prepared splits are cached (default: ``$MTMOE_CACHE``, else ``~/.cache/mtmoe``).
+        batch_size: training batch size (the paper's per dataset, S1.3).
+        eval_batch_size: validation/test batch size (default: ``batch_size``).
+        seed: seed of the training shuffle.
+        download: fetch missing raw files from the official source (with checksum and a progress bar).
+    """
+
+    def __init__(
+        self,
+        root: str | None = None,
+        cache_dir: str | None = None,
+        batch_size: int = 512,
+        eval_batch_size: int | None = None,
+        seed: int = 0,
+        download: bool = True,
+    ) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise UsageError(f"batch_size must be >= 1, got {batch_size}")
+        self.root = Path(root or os.environ.get("MTMOE_DATA") or PROJECT_DATASETS)
+        self.cache_dir = Path(cache_dir or os.environ.get("MTMOE_CACHE") or Path.home() / ".cache" / "mtmoe")
+        self.batch_size, self.eval_batch_size = batch_size, eval_batch_size or batch_size
+        self.seed, self.download = seed, download
+        self.splits: dict[str, dict[str, Tensor]] | None = None
+
+    @property
+    def info(self) -> DatasetInfo:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def load_splits(self) -> dict[str, dict[str, Tensor]]:  # pragma: no cover - abstract
+        """Read (preparing and caching once if needed) and return ``{"train"|"val"|"test": tensors}``."""
+        raise NotImplementedError
+
+    def prepare_data(self) -> None:
+        self.load_splits()
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.splits is None:
+            self.splits = self.load_splits()
+
+    def _batches(self, split: str, train: bool) -> IndexBatches:
+        self.setup()
+        size = self.batch_size if train else self.eval_batch_size
+        return IndexBatches(self.splits[split], size, shuffle=train, seed=self.seed)
+
+    def train_dataloader(self) -> IndexBatches:
+        return self._batches("train", train=True)
+
+    def val_dataloader(self) -> IndexBatches:
+        return self._batches("val", train=False)
+
+    def test_dataloader(self) -> IndexBatches:
+        return self._batches("test", train=False)
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def atomic_save(obj: object, path: Path) -> None:
+    """``torch.save`` to a temporary file in the same folder, then rename: readers never see a half-written file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

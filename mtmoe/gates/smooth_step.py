@@ -1,0 +1,19 @@
+"""The smooth-step function of Hazimeh et al. (The Tree Ensemble Layer), COMET paper Appendix A, eq. (9).
+
+    S_gamma(t) = 0                                  for t <= -gamma/2
+               = -2/gamma^3 t^3 + 3/(2 gamma) t + 1/2  for -gamma/2 < t < gamma/2
+               = 1                                  for t >= gamma/2
+
+C^1 everywhere and exactly 0 or 1 outside [-gamma/2, gamma/2]: that is what gives DSelect-k and COMET exact zeros.
+(The paper's text prints the middle interval as gamma/2 <= t <= gamma/2; the official code uses the one above.)
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def smooth_step(t: Tensor, gamma: float) -> Tensor:
+    half = gamma / 2.0
+    cubic = -2.0 / gamma**3 * t**3 + 1.5 / gamma * t + 0.5
+    return torch.where(t <= -half, torch.zeros_like(t), torch.where(t >= half, torch.ones_like(t), cubic))
