@@ -34,6 +34,7 @@ class GateDims:
     in_features: int
     n_experts: int
     n_ids: int = 0  # number of distinct stable sample ids (users, images); needed by pre-assigned routing
+    k: int = 2  # the dataset's cardinality (S1.3), used by gates whose ``k`` is left unset
 
 
 @dataclass
@@ -82,10 +83,12 @@ class Gate(nn.Module):
         return like.new_zeros(())
 
 
-def check_k(k: int, n_experts: int) -> int:
-    if not 1 <= k <= n_experts:
-        raise UsageError(f"k must satisfy 1 <= k <= n_experts, got k={k} with n_experts={n_experts}")
-    return k
+def resolve_k(k: int | None, dims: GateDims) -> int:
+    """``k`` if given, else the dataset's default ``dims.k``; checked against ``1 <= k <= n``."""
+    k = dims.k if k is None else k
+    if not 1 <= k <= dims.n_experts:
+        raise UsageError(f"k must satisfy 1 <= k <= n_experts, got k={k} with n_experts={dims.n_experts}")
+    return int(k)
 
 
 def check_gamma(gamma: float) -> float:

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from mtmoe.errors import UsageError
-from mtmoe.gates.base import Gate, GateDims, GateOutput, RoutingInput, check_gamma, check_k, safe_log
+from mtmoe.gates.base import Gate, GateDims, GateOutput, RoutingInput, check_gamma, resolve_k, safe_log
 from mtmoe.gates.registry import register_gate
 from mtmoe.gates.smooth_step import smooth_step
 
@@ -56,13 +56,13 @@ class COMETGate(Gate):
     def __init__(
         self,
         dims: GateDims,
-        k: int = 2,
+        k: int | None = None,
         gamma: float = 1.0,
         entropy_reg: float = 1.0,
         split_bias: bool = True,
     ) -> None:
         super().__init__(dims)
-        self.k = check_k(k, dims.n_experts)
+        self.k = resolve_k(k, dims)
         self.gamma = check_gamma(gamma)
         if entropy_reg < 0:
             raise UsageError(f"entropy_reg must be >= 0, got {entropy_reg}")

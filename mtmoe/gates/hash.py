@@ -2,9 +2,10 @@
 
 Every stable sample id (the user id for recommenders, the sample index for images) is pre-assigned to one expert
 uniformly at random; the gate returns the one-hot vector of that expert (n/s = 1, no trainable parameters).
-The table is a buffer, so it is saved with the model. It is drawn from ``torch.Generator(seed)`` when ``seed`` is
-given, otherwise from the global generator (reproducible under ``--seed_everything``). The official code draws it
-from an unseeded NumPy generator.
+The table is a buffer, so it is saved with the model. It is drawn from ``torch.Generator(seed)``; ``seed`` defaults
+to the run's seed (``torch.initial_seed()``, set by ``--seed_everything``), so the task gates of one model share
+one table, as the official code's per-user assignment in the data opener does, and a new run seed draws a new
+table. The official code draws it from an unseeded NumPy generator.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ class HashGate(Gate):
         super().__init__(dims)
         if dims.n_ids < 1:
             raise UsageError("the hash gate needs stable sample ids (n_ids >= 1); this dataset provides none")
-        generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        generator = torch.Generator().manual_seed(torch.initial_seed() if seed is None else seed)
         self.register_buffer("table", torch.randint(0, dims.n_experts, (dims.n_ids,), generator=generator))
 
     def max_active(self) -> int:

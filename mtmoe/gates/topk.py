@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from mtmoe.gates.base import Gate, GateDims, GateOutput, RoutingInput, check_k
+from mtmoe.gates.base import Gate, GateDims, GateOutput, RoutingInput, resolve_k
 from mtmoe.gates.registry import register_gate
 from mtmoe.gates.softmax import keras_dense
 
@@ -17,9 +17,9 @@ from mtmoe.gates.softmax import keras_dense
 class TopKGate(Gate):
     hyperparameters = ("k",)
 
-    def __init__(self, dims: GateDims, k: int = 2, noisy: bool = False) -> None:
+    def __init__(self, dims: GateDims, k: int | None = None, noisy: bool = False) -> None:
         super().__init__(dims)
-        self.k = check_k(k, dims.n_experts)
+        self.k = resolve_k(k, dims)
         self.logits = keras_dense(dims.in_features, dims.n_experts)
         self.noise = keras_dense(dims.in_features, dims.n_experts, bias=False) if noisy else None
 

@@ -1,0 +1,3 @@
+from mtmoe.cli import main
+
+main()

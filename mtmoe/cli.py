@@ -1,0 +1,159 @@
+"""Command line: ``python -m mtmoe fit --gate comet --data movielens`` (and ``validate``, ``test``, ``gates``).
+
+``fit``/``validate``/``test`` are a ``LightningCLI`` (``--config``, ``--print_config``, ``--trainer.*``,
+``--model.*``, ``--data.*``, ``--seed_everything``) with two shortcuts: ``--gate NAME`` selects a registered gate
+(``--model.gate``) and ``--data NAME`` a registered dataset. ``fit`` trains with early stopping, restores the
+best-validation weights, then tests; every command ends with a table of results on the terminal and the same
+results as ``results.json`` next to the run's logs.
+
+Bad input (unknown names, out-of-range hyperparameters, missing data files) prints one line and exits with code 2.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch.callbacks import EarlyStopping
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+
+from mtmoe.data import DATASETS
+from mtmoe.data.base import InMemoryDataModule
+from mtmoe.errors import UsageError
+from mtmoe.gates import gate_class, list_gates
+from mtmoe.lit.callbacks import RestoreBestWeights
+from mtmoe.lit.module import MultiTaskMoE
+
+LIGHTNING_COMMANDS = ("fit", "validate", "test")
+
+
+class MTMoECLI(LightningCLI):
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.link_arguments("data.info", "model.info", apply_on="instantiate")
+        parser.add_lightning_class_args(EarlyStopping, "early_stopping")
+        parser.set_defaults(
+            {"early_stopping.monitor": "val/loss", "early_stopping.patience": 25, "early_stopping.mode": "min"}
+        )
+        parser.add_lightning_class_args(RestoreBestWeights, "restore_best")
+
+    def fit(self, model: MultiTaskMoE, datamodule: InMemoryDataModule, ckpt_path: str | None = None) -> None:
+        """Train to early stopping, restore the best-validation weights, then test them."""
+        self.trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
+        self.trainer.test(model, datamodule=datamodule, verbose=False)
+        self.report(model, datamodule)
+
+    def validate(self, model: MultiTaskMoE, datamodule: InMemoryDataModule, ckpt_path: str | None = None) -> None:
+        self.trainer.validate(model, datamodule=datamodule, ckpt_path=ckpt_path, verbose=False)
+        self.report(model, datamodule)
+
+    def test(self, model: MultiTaskMoE, datamodule: InMemoryDataModule, ckpt_path: str | None = None) -> None:
+        self.trainer.test(model, datamodule=datamodule, ckpt_path=ckpt_path, verbose=False)
+        self.report(model, datamodule)
+
+    def report(self, model: MultiTaskMoE, datamodule: InMemoryDataModule) -> None:
+        restore = next((c for c in self.trainer.callbacks if isinstance(c, RestoreBestWeights)), None)
+        results: dict[str, Any] = {
+            "dataset": datamodule.info.name,
+            "gate": getattr(model.net.gates[0], "registry_name", type(model.net.gates[0]).__name__),
+            "seed": self.config[self.config.subcommand].get("seed_everything"),
+            "epochs_run": self.trainer.current_epoch,
+            **(
+                {"best_epoch": restore.best_epoch, "best_val_loss": restore.best_score}
+                if restore is not None and restore.best_epoch >= 0
+                else {}
+            ),
+            **model.last_results,
+        }
+        print(format_results(results))
+        log_dir = Path(self.trainer.log_dir or ".")
+        write_json_atomic(results, log_dir / "results.json")
+        print(f"results written to {log_dir / 'results.json'}")
+
+
+def format_results(results: dict[str, Any]) -> str:
+    """A small table: one row per scalar metric, one column per evaluated split."""
+    splits = [s for s in ("val", "test") if s in results]
+    keys = sorted({k for s in splits for k, v in results[s].items() if isinstance(v, float)})
+    width = max([len(k) for k in keys] + [6])
+    lines = [f"{results['gate']} on {results['dataset']}"]
+    lines.append(f"{'metric':<{width}}  " + "  ".join(f"{s:>10}" for s in splits))
+    for key in keys:
+        cells = [f"{results[s][key]:>10.4f}" if key in results[s] else f"{'':>10}" for s in splits]
+        lines.append(f"{key:<{width}}  " + "  ".join(cells))
+    return "\n".join(lines)
+
+
+def write_json_atomic(obj: Any, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    tmp.replace(path)
+
+
+def translate_shortcuts(argv: list[str]) -> list[str]:
+    """``--gate NAME`` -> ``--model.gate CLASS``, ``--data NAME`` -> ``--data CLASS``; unknown names fail here."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        flag, eq, value = arg.partition("=")
+        if flag in ("--gate", "--data") and not eq:
+            if i + 1 >= len(argv):
+                raise UsageError(f"{flag} needs a value")
+            value, i = argv[i + 1], i + 1
+        if flag == "--gate":
+            cls = gate_class(value)
+            out.append(f"--model.gate={cls.__module__}.{cls.__qualname__}")
+        elif flag == "--data" and "." not in value:
+            if value not in DATASETS:
+                raise UsageError(f"unknown dataset {value!r}; valid datasets: {', '.join(sorted(DATASETS))}")
+            out.append(f"--data={DATASETS[value]}")
+        elif flag == "--data":
+            out.append(f"--data={value}")
+        else:
+            out.append(arg)
+        i += 1
+    return out
+
+
+def run_lightning(argv: list[str]) -> None:
+    MTMoECLI(
+        MultiTaskMoE,
+        InMemoryDataModule,
+        subclass_mode_data=True,
+        args=translate_shortcuts(argv),
+        seed_everything_default=0,
+        trainer_defaults={
+            "max_epochs": 100,
+            "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": "runs"}},
+        },
+        save_config_kwargs={"overwrite": True},
+        auto_configure_optimizers=False,
+    )
+
+
+def print_gates() -> None:
+    for name in list_gates():
+        cls = gate_class(name)
+        kind = "sparse" if cls.sparse else "dense"
+        tuned = ", ".join(cls.hyperparameters) or "-"
+        print(f"{name:<10} {kind:<7} {cls.__module__}.{cls.__qualname__}  (tuned: {tuned})")
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        if argv and argv[0] == "gates":
+            print_gates()
+        elif argv and argv[0] == "datasets":
+            print("\n".join(f"{name:<16} {path}" for name, path in sorted(DATASETS.items())))
+        elif not argv or argv[0] in LIGHTNING_COMMANDS or argv[0].startswith("-"):
+            run_lightning(argv)
+        else:
+            raise UsageError(f"unknown command {argv[0]!r}; commands: {', '.join(LIGHTNING_COMMANDS)}, gates, datasets")
+    except UsageError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+
+

@@ -1,0 +1,66 @@
+"""Experts, shared bottoms and task towers as plain ``nn.Module``s (Supplement S1.2).
+
+All n experts run as one batched operation: for dense experts a single ``Linear(p, n * units)`` whose output is
+viewed as ``[B, n, units]``. That is the same function as n separate ``Dense(units)`` layers, at the cost of one
+matmul. Computing every expert and multiplying by the gate's dense weights is exact for every gate: zero weights
+give zero gradient to unselected experts (comet-protocol.md §1).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+
+class DenseExperts(nn.Module):
+    """n experts, each ``Dense(units) -> ReLU -> Dropout(p)``; ``[B, in] -> [B, n, units]``."""
+
+    def __init__(self, in_features: int, units: int, n_experts: int, dropout: float = 0.5) -> None:
+        super().__init__()
+        self.in_features, self.n_experts, self.units = in_features, n_experts, units
+        self.linear = nn.Linear(in_features, n_experts * units)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.dropout(self.linear(x).relu_()).view(-1, self.n_experts, self.units)
+
+    @torch.no_grad()
+    def keras_init_(self) -> None:
+        """Glorot-uniform per expert (fan-in p, fan-out units), zero bias."""
+        bound = math.sqrt(6.0 / (self.in_features + self.units))
+        self.linear.weight.uniform_(-bound, bound)
+        self.linear.bias.zero_()
+
+
+class EmbeddingBottom(nn.Module):
+    """Recommender shared bottom: user and item embeddings, concatenated; experts and gates both read it."""
+
+    def __init__(self, n_users: int, n_items: int, dim: int) -> None:
+        super().__init__()
+        self.user = nn.Embedding(n_users, dim)
+        self.item = nn.Embedding(n_items, dim)
+        self.out_features = 2 * dim
+
+    def forward(self, batch: dict[str, Tensor]) -> Tensor:
+        return torch.cat([self.user(batch["user"]), self.item(batch["item"])], dim=-1)
+
+    @torch.no_grad()
+    def keras_init_(self) -> None:
+        """Keras' Embedding default, U(-0.05, 0.05)."""
+        self.user.weight.uniform_(-0.05, 0.05)
+        self.item.weight.uniform_(-0.05, 0.05)
+
+
+class Tower(nn.Sequential):
+    """Task tower ``Dense(units) -> ReLU -> Dense(out)`` (S1.2); outputs a logit or a raw regression value."""
+
+    def __init__(self, in_features: int, units: int, out_features: int) -> None:
+        super().__init__(nn.Linear(in_features, units), nn.ReLU(), nn.Linear(units, out_features))
+
+    @torch.no_grad()
+    def keras_init_(self) -> None:
+        """Glorot-uniform kernels, zero biases."""
+        for layer in (self[0], self[2]):
+            nn.init.xavier_uniform_(layer.weight)
+            layer.bias.zero_()

@@ -1,0 +1,198 @@
+"""``MultiTaskMoE``: the LightningModule around :class:`mtmoe.mmoe.MMoE` (losses, metrics, optimiser).
+
+Loss (comet-protocol.md §5): ``sum_t w_t L_t + sum over task gates of their auxiliary losses`` where, for the
+recommenders, ``w = (alpha, 1 - alpha)`` over (BCE of task 1, MSE of task 2 on rated rows only, via the batch's
+explicit mask), and for the other datasets the tasks are equally weighted. Auxiliary losses exist only in training
+mode, so ``val/loss`` and ``test/loss`` are pure task losses (what early stopping and model selection read).
+
+Two test-loss definitions are logged (comet-protocol.md §7.4): ``loss`` is the official code's batch-size-weighted
+mean of per-batch losses (masked MSE within each batch), ``loss_dataset`` uses dataset-level task losses.
+AUROC is exact (torchmetrics ``BinaryAUROC(thresholds=None)``); the official Keras ``AUC()`` is binned.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+from torchmetrics import MeanMetric, MeanSquaredError, MetricCollection
+from torchmetrics.classification import BinaryAccuracy, BinaryAUROC, MulticlassAccuracy
+
+from mtmoe.data.base import DatasetInfo, TaskSpec
+from mtmoe.errors import UsageError
+from mtmoe.gates.base import Gate, GateDims
+from mtmoe.lit.metrics import RoutingStats
+from mtmoe.mmoe import MMoE, MMoEOutput, build_mmoe
+
+STAGES = ("train", "val", "test")
+
+
+def task_weights(info: DatasetInfo, alpha: float | None) -> list[float]:
+    """``(alpha, 1 - alpha)`` for two-task recommenders (default alpha = 0.9), equal weights otherwise."""
+    if alpha is not None and not 0.0 <= alpha <= 1.0:
+        raise UsageError(f"alpha must be in [0, 1], got {alpha}")
+    if info.task_weighting == "alpha":
+        alpha = 0.9 if alpha is None else alpha
+        return [alpha, 1.0 - alpha]
+    if alpha is not None:
+        raise UsageError(f"alpha applies to the two-task recommenders only; {info.name} weights its tasks equally")
+    return [1.0 / len(info.tasks)] * len(info.tasks)
+
+
+def task_loss(task: TaskSpec, prediction: Tensor, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+    """Mean loss of one task over the rows it sees, and the number of those rows."""
+    target = batch[task.name]
+    if task.masked:
+        mask = batch[f"{task.name}_mask"]
+        prediction, target = prediction[mask], target[mask]
+    count = prediction.new_tensor(target.shape[0])
+    if target.shape[0] == 0:  # a batch with no rated row contributes no loss (not NaN)
+        return prediction.sum() * 0.0, count
+    if task.kind == "binary":
+        return F.binary_cross_entropy_with_logits(prediction, target.float()), count
+    if task.kind == "regression":
+        return F.mse_loss(prediction, target.float()), count
+    return F.cross_entropy(prediction, target.long()), count
+
+
+def task_metrics(task: TaskSpec) -> MetricCollection:
+    if task.kind == "binary":
+        return MetricCollection({"auroc": BinaryAUROC(thresholds=None), "accuracy": BinaryAccuracy()})
+    if task.kind == "regression":
+        return MetricCollection({"mse": MeanSquaredError()})
+    return MetricCollection({"accuracy": MulticlassAccuracy(num_classes=task.n_classes, average="micro")})
+
+
+class MultiTaskMoE(pl.LightningModule):
+    """A multi-gate MoE on one dataset with one gate type, trained with Adam at a constant learning rate.
+
+    Args:
+        gate: the gate type, a callable ``GateDims -> Gate`` (on the command line: ``--gate comet`` or
+            ``--model.gate mtmoe.gates.COMETGate --model.gate.gamma 1``); one instance per task.
+        info: the dataset's description, linked from the DataModule by the CLI.
+        lr: Adam's learning rate.
+        alpha: weight of task 1 for the two-task recommenders (paper: 0.1 and 0.9; default 0.9).
+        n_experts, embedding_dim, expert_units, tower_units, expert_dropout: architecture overrides
+            (``None``: the paper's value for the dataset, Supplement S1.2).
+        keras_init: initialise bottom, experts and towers as Keras does (the official code); False: PyTorch's.
+        adam_eps: Adam's epsilon; 1e-7 is Keras' default (the official code), 1e-8 PyTorch's.
+    """
+
+    def __init__(
+        self,
+        gate: Callable[[GateDims], Gate] | None = None,
+        info: DatasetInfo | None = None,
+        lr: float = 1e-4,
+        alpha: float | None = None,
+        n_experts: int | None = None,
+        embedding_dim: int | None = None,
+        expert_units: int | None = None,
+        tower_units: int | None = None,
+        expert_dropout: float | None = None,
+        keras_init: bool = True,
+        adam_eps: float = 1e-7,
+    ) -> None:
+        super().__init__()
+        if gate is None:
+            raise UsageError("no gate chosen: pass --gate NAME (see `python -m mtmoe gates`)")
+        if info is None:
+            raise UsageError("no dataset description: pass --data NAME")
+        if not lr > 0:
+            raise UsageError(f"lr must be > 0, got {lr}")
+        if n_experts is not None and n_experts < 2:
+            raise UsageError(f"n_experts must be >= 2, got {n_experts}")
+        self.save_hyperparameters(logger=False)
+        self.info, self.lr, self.adam_eps = info, lr, adam_eps
+        self.weights = task_weights(info, alpha)
+        self.net: MMoE = build_mmoe(
+            info, gate, n_experts, embedding_dim, expert_units, tower_units, expert_dropout, keras_init
+        )
+        n = self.net.experts.n_experts
+        for stage in STAGES:  # separate metric objects per split and task (torchmetrics' rule)
+            collections = {
+                task.name: MetricCollection(
+                    {**task_metrics(task), "loss": MeanMetric(), "routing": RoutingStats(n)}, compute_groups=False
+                )
+                for task in info.tasks
+            }
+            setattr(self, f"{stage}_metrics", nn.ModuleDict(collections))
+            setattr(self, f"{stage}_batch_loss", MeanMetric())  # batch-size-weighted mean of batch losses
+        self.last_results: dict[str, dict[str, float | list[float]]] = {}
+
+    def forward(self, batch: dict[str, Tensor]) -> MMoEOutput:
+        return self.net(batch)
+
+    def _step(self, batch: dict[str, Tensor], stage: str) -> Tensor:
+        output = self.net(batch)
+        batch_size = next(iter(batch.values())).shape[0]
+        loss = output.predictions[0].new_zeros(())
+        for weight, task, prediction, gate_output in zip(self.weights, self.info.tasks, output.predictions, output.gates):
+            value, count = task_loss(task, prediction, batch)
+            loss = loss + weight * value
+            metrics = getattr(self, f"{stage}_metrics")[task.name]
+            metrics["loss"].update(value.detach(), count)
+            metrics["routing"].update(gate_output.weights)
+            if stage != "train":
+                target = batch[task.name]
+                if task.masked:
+                    mask = batch[f"{task.name}_mask"]
+                    prediction, target = prediction[mask], target[mask]
+                if task.kind == "binary":
+                    prediction = prediction.sigmoid()
+                    target = target.long()
+                for name, metric in metrics.items():
+                    if name not in ("loss", "routing") and target.shape[0] > 0:
+                        metric.update(prediction.detach(), target)
+        getattr(self, f"{stage}_batch_loss").update(loss.detach(), batch_size)
+        if stage == "train":
+            aux = output.aux_loss
+            self.log("train/aux_loss", aux, batch_size=batch_size, on_step=False, on_epoch=True)
+            return loss + aux
+        return loss
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        return self._step(batch, "train")
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        self._step(batch, "val")
+
+    def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        self._step(batch, "test")
+
+    def _log_epoch(self, stage: str) -> None:
+        """Compute, log and reset the epoch's metrics; keep val/test results (vectors included) for reports."""
+        batch_loss = getattr(self, f"{stage}_batch_loss")
+        results: dict[str, float | list[float]] = {"loss": float(batch_loss.compute())}
+        batch_loss.reset()
+        for task in self.info.tasks:
+            collection = getattr(self, f"{stage}_metrics")[task.name]
+            for name, metric in collection.items():
+                if metric.update_count == 0:
+                    continue
+                value = metric.compute()
+                for key, v in (value if isinstance(value, dict) else {name: value}).items():
+                    results[f"{task.name}/{key}"] = v.tolist() if v.numel() > 1 else float(v)
+            collection.reset()
+        results["loss_dataset"] = sum(w * results[f"{t.name}/loss"] for w, t in zip(self.weights, self.info.tasks))
+        scalars = {}
+        for key, value in results.items():
+            for i, v in enumerate(value) if isinstance(value, list) else [(None, value)]:
+                scalars[f"{stage}/{key}" + ("" if i is None else f"/{i}")] = v
+        self.log(f"{stage}/loss", scalars.pop(f"{stage}/loss"), prog_bar=True)
+        self.log_dict(scalars)
+        if stage != "train":
+            self.last_results[stage] = results
+
+    def on_train_epoch_end(self) -> None:
+        self._log_epoch("train")
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_epoch("val")
+
+    def on_test_epoch_end(self) -> None:
+        self._log_epoch("test")
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=self.lr, eps=self.adam_eps)

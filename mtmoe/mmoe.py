@@ -1,0 +1,93 @@
+"""Multi-gate mixture of experts (MMoE; Ma et al., KDD'18) as used throughout the COMET paper (comet-protocol.md §1).
+
+    z_t(x) = sum_i g_t(x)_i f_i(h(x)),   y_t = tower_t(z_t)
+
+``h`` is the shared bottom, the experts are shared by all tasks, and each task has its own gate of the same type.
+A plain ``nn.Module``: it knows nothing of Lightning, losses or metrics.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from mtmoe.data.base import DatasetInfo
+from mtmoe.experts import DenseExperts, EmbeddingBottom, Tower
+from mtmoe.gates.base import Gate, GateDims, GateOutput, RoutingInput
+
+GateFactory = Callable[[GateDims], Gate]
+
+
+@dataclass
+class MMoEOutput:
+    predictions: list[Tensor]  # per task: [B] for one-output tasks, [B, C] for multiclass
+    gates: list[GateOutput]  # per task gate
+
+    @property
+    def aux_loss(self) -> Tensor:
+        """Sum over task gates of their auxiliary losses (zero in eval mode)."""
+        return torch.stack([g.aux_loss for g in self.gates]).sum()
+
+
+class MMoE(nn.Module):
+    """Shared bottom, shared experts, one gate and one tower per task.
+
+    The bottom maps a batch to the experts' input ``h``; the experts map it to ``[B, n, ...]``; each gate routes on
+    ``h`` flattened (the concatenated embeddings for recommenders, the raw image for vision: official
+    ``main_model.py``) and also sees the batch's stable sample ids and the experts' outputs.
+    """
+
+    def __init__(self, bottom: nn.Module, experts: nn.Module, gates: list[Gate], towers: list[nn.Module]) -> None:
+        super().__init__()
+        if len(gates) != len(towers):
+            raise ValueError(f"{len(gates)} gates for {len(towers)} towers")
+        self.bottom, self.experts = bottom, experts
+        self.gates, self.towers = nn.ModuleList(gates), nn.ModuleList(towers)
+
+    def forward(self, batch: dict[str, Tensor]) -> MMoEOutput:
+        h = self.bottom(batch)
+        expert_outputs = self.experts(h)  # [B, n, d]
+        routing = RoutingInput(x=h.flatten(1), sample_id=batch.get("sample_id"), expert_outputs=expert_outputs)
+        gate_outputs = [gate(routing) for gate in self.gates]
+        predictions = []
+        for tower, gate_output in zip(self.towers, gate_outputs):
+            z = torch.bmm(gate_output.weights.unsqueeze(1), expert_outputs.flatten(2)).squeeze(1)
+            out = tower(z.view(-1, *expert_outputs.shape[2:]))
+            predictions.append(out.squeeze(-1) if out.shape[-1] == 1 else out)
+        return MMoEOutput(predictions, gate_outputs)
+
+
+def build_mmoe(
+    info: DatasetInfo,
+    gate: GateFactory,
+    n_experts: int | None = None,
+    embedding_dim: int | None = None,
+    expert_units: int | None = None,
+    tower_units: int | None = None,
+    expert_dropout: float | None = None,
+    keras_init: bool = True,
+) -> MMoE:
+    """The paper's architecture for ``info``'s dataset (S1.2); any argument left ``None`` takes the paper's value.
+
+    ``keras_init`` (default, faithful to the official TensorFlow code) re-initialises bottom, experts and towers
+    with Keras' defaults; gates always use their own papers' initialisations.
+    """
+    n_experts = n_experts or info.n_experts
+    if info.image_shape is not None:
+        raise NotImplementedError(f"image datasets ({info.name}) are not wired into build_mmoe yet")
+    bottom = EmbeddingBottom(info.n_users, info.n_items, embedding_dim or info.embedding_dim)
+    experts = DenseExperts(
+        bottom.out_features,
+        expert_units or info.expert_units,
+        n_experts,
+        info.expert_dropout if expert_dropout is None else expert_dropout,
+    )
+    dims = GateDims(in_features=bottom.out_features, n_experts=n_experts, n_ids=info.n_ids, k=info.k)
+    gates = [gate(dims) for _ in info.tasks]
+    towers = [Tower(experts.units, tower_units or info.tower_units, task.n_classes) for task in info.tasks]
+    if keras_init:
+        for module in (bottom, experts, *towers):
+            module.keras_init_()
+    return MMoE(bottom, experts, gates, towers)
