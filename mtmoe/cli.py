@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import sys
+from argparse import ArgumentError
 from pathlib import Path
 from typing import Any
 
@@ -37,18 +38,18 @@ class MTMoECLI(LightningCLI):
         )
         parser.add_lightning_class_args(RestoreBestWeights, "restore_best")
 
-    def fit(self, model: MultiTaskMoE, datamodule: InMemoryDataModule, ckpt_path: str | None = None) -> None:
+    def fit(self, model: MultiTaskMoE, datamodule: InMemoryDataModule, **kwargs: Any) -> None:
         """Train to early stopping, restore the best-validation weights, then test them."""
-        self.trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
+        self.trainer.fit(model, datamodule=datamodule, **kwargs)
         self.trainer.test(model, datamodule=datamodule, verbose=False)
         self.report(model, datamodule)
 
-    def validate(self, model: MultiTaskMoE, datamodule: InMemoryDataModule, ckpt_path: str | None = None) -> None:
-        self.trainer.validate(model, datamodule=datamodule, ckpt_path=ckpt_path, verbose=False)
+    def validate(self, model: MultiTaskMoE, datamodule: InMemoryDataModule, **kwargs: Any) -> None:
+        self.trainer.validate(model, datamodule=datamodule, **{**kwargs, "verbose": False})
         self.report(model, datamodule)
 
-    def test(self, model: MultiTaskMoE, datamodule: InMemoryDataModule, ckpt_path: str | None = None) -> None:
-        self.trainer.test(model, datamodule=datamodule, ckpt_path=ckpt_path, verbose=False)
+    def test(self, model: MultiTaskMoE, datamodule: InMemoryDataModule, **kwargs: Any) -> None:
+        self.trainer.test(model, datamodule=datamodule, **{**kwargs, "verbose": False})
         self.report(model, datamodule)
 
     def report(self, model: MultiTaskMoE, datamodule: InMemoryDataModule) -> None:
@@ -118,19 +119,24 @@ def translate_shortcuts(argv: list[str]) -> list[str]:
 
 
 def run_lightning(argv: list[str]) -> None:
-    MTMoECLI(
-        MultiTaskMoE,
-        InMemoryDataModule,
-        subclass_mode_data=True,
-        args=translate_shortcuts(argv),
-        seed_everything_default=0,
-        trainer_defaults={
-            "max_epochs": 100,
-            "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": "runs"}},
-        },
-        save_config_kwargs={"overwrite": True},
-        auto_configure_optimizers=False,
-    )
+    saved_argv, sys.argv = sys.argv, sys.argv[:1]  # LightningCLI reads only the translated ``args``
+    try:
+        MTMoECLI(
+            MultiTaskMoE,
+            InMemoryDataModule,
+            subclass_mode_data=True,
+            args=translate_shortcuts(argv),
+            seed_everything_default=0,
+            trainer_defaults={
+                "max_epochs": 100,
+                "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": "runs"}},
+            },
+            save_config_kwargs={"overwrite": True},
+            parser_kwargs={"exit_on_error": False, **{c: {"exit_on_error": False} for c in LIGHTNING_COMMANDS}},
+            auto_configure_optimizers=False,
+        )
+    finally:
+        sys.argv = saved_argv
 
 
 def print_gates() -> None:
@@ -152,8 +158,9 @@ def main(argv: list[str] | None = None) -> None:
             run_lightning(argv)
         else:
             raise UsageError(f"unknown command {argv[0]!r}; commands: {', '.join(LIGHTNING_COMMANDS)}, gates, datasets")
-    except UsageError as error:
-        print(f"error: {error}", file=sys.stderr)
+    except (UsageError, ArgumentError) as error:
+        message = " ".join(str(error).split())  # one line, whatever the parser's formatting
+        print(f"error: {message}", file=sys.stderr)
         sys.exit(2)
 
 

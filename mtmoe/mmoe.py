@@ -51,10 +51,11 @@ class MMoE(nn.Module):
         expert_outputs = self.experts(h)  # [B, n, d]
         routing = RoutingInput(x=h.flatten(1), sample_id=batch.get("sample_id"), expert_outputs=expert_outputs)
         gate_outputs = [gate(routing) for gate in self.gates]
+        weights = torch.stack([g.weights for g in gate_outputs], dim=1)  # [B, T, n]
+        mixed = torch.bmm(weights, expert_outputs.flatten(2))  # [B, T, d]: all tasks in one batched matmul
         predictions = []
-        for tower, gate_output in zip(self.towers, gate_outputs):
-            z = torch.bmm(gate_output.weights.unsqueeze(1), expert_outputs.flatten(2)).squeeze(1)
-            out = tower(z.view(-1, *expert_outputs.shape[2:]))
+        for t, tower in enumerate(self.towers):
+            out = tower(mixed[:, t].view(-1, *expert_outputs.shape[2:]))
             predictions.append(out.squeeze(-1) if out.shape[-1] == 1 else out)
         return MMoEOutput(predictions, gate_outputs)
 

@@ -15,5 +15,8 @@ from torch import Tensor
 
 def smooth_step(t: Tensor, gamma: float) -> Tensor:
     half = gamma / 2.0
-    cubic = -2.0 / gamma**3 * t**3 + 1.5 / gamma * t + 0.5
+    # The cubic is evaluated on t clamped to [-half, half]: torch.where back-propagates 0 * d(cubic)/dt into the
+    # unused branch, and for huge |t| (> ~1.8e19 in float32, > ~256 in float16) t**3 overflows so 0 * inf = NaN.
+    inner = t.clamp(-half, half)
+    cubic = -2.0 / gamma**3 * inner**3 + 1.5 / gamma * inner + 0.5
     return torch.where(t <= -half, torch.zeros_like(t), torch.where(t >= half, torch.ones_like(t), cubic))

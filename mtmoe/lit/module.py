@@ -103,7 +103,9 @@ class MultiTaskMoE(pl.LightningModule):
             raise UsageError(f"lr must be > 0, got {lr}")
         if n_experts is not None and n_experts < 2:
             raise UsageError(f"n_experts must be >= 2, got {n_experts}")
-        self.save_hyperparameters(logger=False)
+        # ``info`` is derived from the data (linked by the CLI), so checkpoints stay loadable with weights_only=True;
+        # ``MultiTaskMoE.load_from_checkpoint(path, info=datamodule.info)`` rebuilds the model.
+        self.save_hyperparameters(ignore=["info"], logger=False)
         self.info, self.lr, self.adam_eps = info, lr, adam_eps
         self.weights = task_weights(info, alpha)
         self.net: MMoE = build_mmoe(

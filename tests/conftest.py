@@ -1,0 +1,33 @@
+"""Shared fixtures: a tiny MovieLens-100K data root in the official ``u.data`` format, CPU-only, no network."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REAL_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def write_u_data(root: Path, n_users: int = 60, per_user: int = 12, seed: int = 0) -> Path:
+    """ML-100K ``u.data`` (tab-separated ``user item rating timestamp``) with a learnable rating pattern."""
+    rng = np.random.default_rng(seed)
+    lines = []
+    for user in range(1, n_users + 1):
+        for item in rng.choice(np.arange(1, 101), size=per_user, replace=False):
+            rating = 1 + (user + item) % 5
+            lines.append(f"{user}\t{item}\t{rating}\t{881250949 + user}\n")
+    path = root / "ml-100k" / "u.data"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(lines))
+    return path
+
+
+@pytest.fixture
+def tiny_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A data root holding a tiny ML-100K; caches and run logs go to tmp_path, never the repository."""
+    root = tmp_path / "data"
+    write_u_data(root)
+    monkeypatch.setenv("MTMOE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    return root

@@ -1,0 +1,301 @@
+"""Contract tests for every registered gate, parameterised over ``list_gates()`` (timm's ``test_models.py`` style).
+
+A gate registered later is covered automatically: nothing below names a gate. Expectations come from the gate's
+capability flags and hyperparameters (comet-protocol.md §9.4):
+
+* ``sparse is False`` (dense gates): every expert is active, ``max_active()`` is ``None``;
+* ``"gamma" in hyperparameters`` (smooth-step, dense-to-sparse gates: COMET, DSelect-k): every expert is active at
+  initialisation and at most ``max_active()`` are active once the smooth-step inputs are saturated;
+* any other sparse gate with a ``max_active()`` (Top-k, Hash-r): exactly ``max_active()`` experts per sample.
+
+Simplex rule: rows sum to 1 within 1e-5, except for gates that document unreachable codes (DSelect-k with n not a
+power of 2, exposed as ``power_of_two = False``), whose rows only satisfy ``sum <= 1``; their saturated simplex
+check on valid codes lives in ``test_gates_paper.py``.
+"""
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from torch import nn
+
+from mtmoe.errors import UsageError
+from mtmoe.gates import Gate, GateDims, RoutingInput, create_gate, gate_class, list_gates
+
+GATES = list_gates()
+N_EXPERTS = [2, 3, 5, 8, 9, 16]
+P = 4  # routing features
+B = 8  # batch
+N_IDS = 40  # stable sample ids, for pre-assigned routers
+K = 2
+SATURATION_FACTOR = 1e7
+
+
+def dims(n: int, k: int = K, n_ids: int = N_IDS) -> GateDims:
+    return GateDims(in_features=P, n_experts=n, n_ids=n_ids, k=min(k, n))
+
+
+def build(name: str, n: int, seed: int = 0, **hparams) -> Gate:
+    torch.manual_seed(seed)
+    return create_gate(name, dims(n), **hparams)
+
+
+def routing(gate: Gate, b: int = B, scale: float = 1.0, seed: int = 1, zero: bool = False) -> RoutingInput:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.zeros(b, P) if zero else torch.randn(b, P, generator=generator) * scale
+    sample_id = torch.randint(0, N_IDS, (b,), generator=generator) if gate.needs_sample_id else None
+    expert_outputs = (
+        torch.randn(b, gate.n_experts, 3, generator=generator) if gate.needs_expert_outputs else None
+    )
+    return RoutingInput(x=x, sample_id=sample_id, expert_outputs=expert_outputs)
+
+
+def takes(name: str, argument: str) -> bool:
+    return argument in inspect.signature(gate_class(name).__init__).parameters
+
+
+def is_smooth_step_gate(gate: Gate) -> bool:
+    return "gamma" in gate.hyperparameters
+
+
+def simplex_exempt(gate: Gate) -> bool:
+    """Gates whose rows may sum to < 1 before saturation (documented in dselect_k.py: n not a power of 2)."""
+    return getattr(gate, "power_of_two", True) is False
+
+
+def saturate_(gate: Gate, factor: float = SATURATION_FACTOR) -> list[nn.Module]:
+    """Push a gate's smooth-step inputs far outside [-gamma/2, gamma/2]; returns the layers it scaled.
+
+    For smooth-step gates the layers feeding the smooth-step are recognised by their initialisation,
+    U(-gamma/100, gamma/100) (split nodes of COMET, selectors of DSelect-k); only those are scaled, so the leaf /
+    mixing logits stay moderate and the count of active experts stays informative. Other gates get every
+    parameter scaled (an extreme-logit stress test).
+    """
+    scaled: list[nn.Module] = []
+    with torch.no_grad():
+        if is_smooth_step_gate(gate):
+            bound = gate.gamma / 100 + 1e-12
+            for module in gate.modules():
+                params = list(module.parameters(recurse=False))
+                if isinstance(module, nn.Linear) and params and all(p.abs().max() <= bound for p in params):
+                    for p in params:
+                        p.mul_(factor)
+                    scaled.append(module)
+        else:
+            for p in gate.parameters():
+                p.mul_(factor)
+            scaled.append(gate)
+    return scaled
+
+
+def backward(gate: Gate, loss: torch.Tensor) -> None:
+    """``loss.backward()``; a gate without trainable parameters (Hash-r) must give a constant loss instead."""
+    if any(p.requires_grad for p in gate.parameters()):
+        loss.backward()
+    else:
+        assert not loss.requires_grad
+
+
+def n_active(weights: torch.Tensor) -> torch.Tensor:
+    return (weights != 0).sum(dim=-1)
+
+
+def check_weights(gate: Gate, weights: torch.Tensor, b: int, exact_simplex: bool | None = None) -> None:
+    n = gate.n_experts
+    assert weights.shape == (b, n)
+    assert torch.isfinite(weights).all()
+    assert (weights >= 0).all()
+    sums = weights.sum(dim=-1)
+    assert (sums <= 1 + 1e-5).all(), sums
+    if exact_simplex is None:
+        exact_simplex = not simplex_exempt(gate)
+    if exact_simplex:
+        torch.testing.assert_close(sums, torch.ones_like(sums), atol=1e-5, rtol=0)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# registry and class-level contract
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_registry_is_not_empty_and_sorted():
+    assert len(GATES) >= 1
+    assert GATES == sorted(GATES)
+
+
+def test_unknown_gate_is_a_usage_error():
+    with pytest.raises(UsageError, match="unknown gate"):
+        create_gate("no-such-gate", dims(4))
+    with pytest.raises(UsageError):
+        gate_class("no-such-gate")
+
+
+@pytest.mark.parametrize("name", GATES)
+def test_class_contract(name):
+    cls = gate_class(name)
+    assert issubclass(cls, Gate)
+    assert cls.registry_name == name
+    init_params = inspect.signature(cls.__init__).parameters
+    for hp in cls.hyperparameters:  # every tunable hyperparameter is an __init__ keyword argument
+        assert hp in init_params, f"{name}.hyperparameters names {hp!r}, not an __init__ argument"
+    for n in N_EXPERTS:
+        gate = build(name, n)
+        active = gate.max_active()
+        if not gate.sparse:
+            assert active is None
+        if active is not None:
+            assert 1 <= active <= n
+
+
+@pytest.mark.parametrize("name", GATES)
+@pytest.mark.parametrize("n", [1, 0])
+def test_fewer_than_two_experts_is_a_usage_error(name, n):
+    with pytest.raises(UsageError):
+        create_gate(name, GateDims(in_features=P, n_experts=n, n_ids=N_IDS, k=1))
+
+
+@pytest.mark.parametrize("name", [g for g in GATES if takes(g, "k")])
+@pytest.mark.parametrize("n", [2, 5])
+def test_bad_k_is_a_usage_error(name, n):
+    for bad in (0, -1, n + 1):
+        with pytest.raises(UsageError):
+            create_gate(name, dims(n), k=bad)
+    with pytest.raises(UsageError):  # k left unset: the dataset default dims.k is checked too
+        create_gate(name, GateDims(in_features=P, n_experts=n, n_ids=N_IDS, k=n + 1))
+    for good in (1, n):  # the boundaries are valid
+        active = create_gate(name, dims(n), k=good).max_active()
+        assert active is None or active == good
+
+
+@pytest.mark.parametrize("name", [g for g in GATES if takes(g, "gamma")])
+def test_bad_gamma_is_a_usage_error(name):
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(UsageError):
+            create_gate(name, dims(5), gamma=bad)
+    create_gate(name, dims(5), gamma=0.5)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# forward contract, for every gate and n
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", N_EXPERTS)
+@pytest.mark.parametrize("name", GATES)
+def test_weights_on_simplex(name, n):
+    gate = build(name, n)
+    for mode in (True, False):
+        gate.train(mode)
+        out = gate(routing(gate))
+        check_weights(gate, out.weights, B)
+        assert out.aux_loss.shape == ()
+        assert torch.isfinite(out.aux_loss)
+
+
+@pytest.mark.parametrize("n", N_EXPERTS)
+@pytest.mark.parametrize("name", GATES)
+def test_active_experts(name, n):
+    gate = build(name, n).eval()
+    weights = gate(routing(gate)).weights
+    active = gate.max_active()
+    if not gate.sparse:
+        assert (n_active(weights) == n).all()
+    elif is_smooth_step_gate(gate):
+        assert (n_active(weights) == n).all(), "smooth-step gates start dense"
+        scaled = saturate_(gate)
+        assert scaled, "saturate_ found no smooth-step input layer"
+        weights = gate(routing(gate, scale=10.0)).weights
+        check_weights(gate, weights, B, exact_simplex=not simplex_exempt(gate))
+        counts = n_active(weights)
+        if not simplex_exempt(gate):  # an exempt gate's selectors may all saturate on unreachable codes
+            assert (counts >= 1).all()
+        if active is not None:
+            assert (counts <= active).all(), counts
+        # the saturation is real: every smooth-step input sits in a flat region, so those layers get zero gradient
+        weights.sum().backward()
+        for module in scaled:
+            for p in module.parameters():
+                assert p.grad is not None and (p.grad == 0).all()
+    elif active is not None:
+        assert (n_active(weights) == active).all(), n_active(weights)
+    else:
+        assert (n_active(weights) >= 1).all()
+
+
+@pytest.mark.parametrize("n", N_EXPERTS)
+@pytest.mark.parametrize("name", GATES)
+def test_gradients_reach_every_parameter(name, n):
+    gate = build(name, n).train()
+    out = gate(routing(gate))
+    target = torch.randn(out.weights.shape, generator=torch.Generator().manual_seed(2))
+    backward(gate, (out.weights * target).sum() + out.aux_loss)
+    for pname, p in gate.named_parameters():
+        if p.requires_grad:
+            assert p.grad is not None, f"{pname} got no gradient"
+            assert torch.isfinite(p.grad).all(), pname
+            assert (p.grad != 0).any(), f"{pname} got an all-zero gradient"
+
+
+@pytest.mark.parametrize("case", ["x*1e6", "x=0", "partly saturated", "saturated", "saturated,x*1e15"])
+@pytest.mark.parametrize("n", N_EXPERTS)
+@pytest.mark.parametrize("name", GATES)
+def test_finite_at_extreme_inputs(name, n, case):
+    """Includes exact-zero reach probabilities next to soft splits ("partly saturated"), where a plain log(v)
+    turns 0 * inf into NaN gradients for the soft splits."""
+    gate = build(name, n).train()
+    if case == "partly saturated":
+        saturate_(gate, factor=60.0)
+    elif case.startswith("saturated"):
+        saturate_(gate)
+    scale = {"x*1e6": 1e6, "x=0": 0.0, "partly saturated": 1.0, "saturated": 10.0, "saturated,x*1e15": 1e15}[case]
+    out = gate(routing(gate, scale=scale, zero=case == "x=0"))
+    check_weights(gate, out.weights, B, exact_simplex=False)
+    assert torch.isfinite(out.aux_loss)
+    for value in out.stats.values():
+        assert torch.isfinite(value).all()
+    target = torch.randn(out.weights.shape, generator=torch.Generator().manual_seed(2))
+    backward(gate, (out.weights * target).sum() + out.aux_loss)
+    for pname, p in gate.named_parameters():
+        if p.grad is not None:
+            assert torch.isfinite(p.grad).all(), f"non-finite gradient in {pname}"
+
+
+@pytest.mark.parametrize("n", N_EXPERTS)
+@pytest.mark.parametrize("name", GATES)
+def test_batch_size_one(name, n):
+    gate = build(name, n)
+    for mode in (True, False):
+        gate.train(mode)
+        out = gate(routing(gate, b=1))
+        check_weights(gate, out.weights, 1)
+        assert out.aux_loss.shape == ()
+        assert torch.isfinite(out.aux_loss)
+
+
+@pytest.mark.parametrize("n", N_EXPERTS)
+@pytest.mark.parametrize("name", GATES)
+def test_eval_is_deterministic_and_has_no_aux_loss(name, n):
+    gate = build(name, n).eval()
+    x = routing(gate)
+    first, second = gate(x), gate(x)
+    assert torch.equal(first.weights, second.weights)
+    assert first.aux_loss.shape == ()
+    assert first.aux_loss.item() == 0.0
+    assert not first.stats or all(torch.isfinite(v).all() for v in first.stats.values())
+
+
+@pytest.mark.parametrize("n", N_EXPERTS)
+@pytest.mark.parametrize("name", GATES)
+def test_state_dict_round_trip(name, n):
+    source = build(name, n, seed=0).eval()
+    target = build(name, n, seed=123).eval()
+    x = routing(source, b=2 * N_IDS)
+    if gate_class(name).needs_sample_id:  # cover every stable id
+        x.sample_id = torch.arange(2 * N_IDS) % N_IDS
+    state = source.state_dict()
+    if state:  # a gate with state drawn at random must differ before loading
+        assert not torch.equal(source(x).weights, target(x).weights)
+    target.load_state_dict(state)
+    assert torch.equal(source(x).weights, target(x).weights)
+    assert set(target.state_dict()) == set(state)

@@ -1,0 +1,183 @@
+"""Training, evaluation and the command line end to end (tiny fixture; real MovieLens-100K smoke marked slow)."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from functools import partial
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from mtmoe.cli import main
+from mtmoe.data import MovieLens100KDataModule
+from mtmoe.data.base import TaskSpec
+from mtmoe.gates import gate_class, list_gates
+from mtmoe.lit.callbacks import RestoreBestWeights
+from mtmoe.lit.module import MultiTaskMoE, task_loss
+
+from conftest import REAL_DATA
+
+FAST = ["--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false", "--data.batch_size=64"]
+
+
+def run_cli(argv: list[str]) -> int:
+    try:
+        main(argv)
+    except SystemExit as exit_:
+        return int(exit_.code or 0)
+    return 0
+
+
+@pytest.mark.parametrize("gate", list_gates())
+def test_fit_end_to_end_every_gate(tiny_root: Path, gate: str, capsys: pytest.CaptureFixture) -> None:
+    code = run_cli(["fit", "--gate", gate, "--data", "movielens-100k", f"--data.root={tiny_root}",
+                    "--trainer.max_epochs=2", "--model.lr=1e-3", *FAST])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert f"{gate} on movielens-100k" in out and "watch/auroc" in out and "rating/mse" in out
+    results_path = next(Path("runs").rglob("results.json"))
+    results = json.loads(results_path.read_text())
+    test = results["test"]
+    for key in ("loss", "watch/auroc", "rating/mse", "watch/experts_per_sample", "rating/experts_per_sample"):
+        assert math.isfinite(test[key]), key
+    assert 0.0 <= test["watch/auroc"] <= 1.0
+    n_experts = 16
+    assert len(test["watch/utilisation"]) == n_experts
+    expected = {"softmax": n_experts, "hash": 1, "topk": 2}
+    if gate in expected:
+        assert test["watch/experts_per_sample"] == pytest.approx(expected[gate])
+    assert results["best_epoch"] in (0, 1) and results["epochs_run"] == 2
+    assert (results_path.parent / "config.yaml").exists()
+
+
+def test_fit_is_reproducible_with_a_seed(tiny_root: Path) -> None:
+    losses = []
+    for run in range(2):
+        assert run_cli(["fit", "--gate", "comet", "--data", "movielens-100k", f"--data.root={tiny_root}",
+                        "--trainer.max_epochs=1", "--seed_everything=7", *FAST,
+                        f"--trainer.logger.init_args.name=run{run}"]) == 0
+        losses.append(json.loads(next(Path("runs/run%d" % run).rglob("results.json")).read_text())["test"]["loss"])
+    assert losses[0] == losses[1]
+
+
+def test_validate_and_test_from_checkpoint(tiny_root: Path) -> None:
+    common = ["--gate", "topk", "--data", "movielens-100k", f"--data.root={tiny_root}", *FAST]
+    assert run_cli(["fit", *common, "--trainer.max_epochs=1"]) == 0
+    checkpoint = next(Path("runs").rglob("*.ckpt"))
+    for command in ("validate", "test"):
+        assert run_cli([command, *common, f"--ckpt_path={checkpoint}"]) == 0
+    assert len(list(Path("runs").rglob("results.json"))) == 3
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--gate", "nope"], "unknown gate 'nope'; valid gates: comet"),
+        (["--gate", "topk", "--data", "nope"], "unknown dataset 'nope'; valid datasets: movielens"),
+        (["--gate", "topk", "--model.gate.k=17"], "k must satisfy 1 <= k <= n_experts"),
+        (["--gate", "comet", "--model.gate.k=0"], "k must satisfy 1 <= k <= n_experts"),
+        (["--gate", "softmax", "--model.n_experts=1"], "n_experts must be >= 2"),
+        (["--gate", "dselect", "--model.gate.gamma=0"], "gamma must be > 0"),
+        (["--gate", "comet", "--model.gate.gamma=-1"], "gamma must be > 0"),
+        (["--gate", "topk", "--model.alpha=1.5"], "alpha must be in [0, 1]"),
+        (["--gate", "topk", "--model.lr=abc"], "model.lr"),
+    ],
+)
+def test_bad_input_one_line_exit_2(tiny_root: Path, extra: list[str], message: str, capsys) -> None:
+    argv = ["fit", "--data", "movielens-100k", f"--data.root={tiny_root}", "--trainer.max_epochs=1", *FAST]
+    if extra[0] == "--gate" and "--data" in extra:
+        argv = ["fit", *extra, f"--data.root={tiny_root}", *FAST]
+    else:
+        argv += extra
+    assert run_cli(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0]
+    assert not Path("runs").exists()
+
+
+def test_missing_data_file_names_it_and_writes_nothing(tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MTMOE_CACHE", str(tmp_path / "cache"))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    code = run_cli(["fit", "--gate", "topk", "--data", "movielens-100k", f"--data.root={empty}",
+                    "--data.download=false", *FAST])
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(empty / "ml-100k" / "u.data") in err[0]
+    assert list(empty.iterdir()) == [] and not (tmp_path / "cache").exists()
+    assert not list(tmp_path.rglob("*.ckpt")) and not list(tmp_path.rglob("results.json"))
+
+
+def test_process_exit_code_and_no_traceback(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "mtmoe", "fit", "--gate", "comet+x", "--data", "movielens"],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and "Traceback" not in proc.stderr
+
+
+def test_eval_loss_is_the_pure_task_loss(tiny_root: Path) -> None:
+    """Gate regularisers are training-only: in eval the loss is alpha*BCE + (1-alpha)*masked MSE exactly."""
+    data = MovieLens100KDataModule(root=str(tiny_root), batch_size=64)
+    data.setup()
+    model = MultiTaskMoE(gate=partial(gate_class("dselect"), gamma=5.0, entropy_reg=10.0), info=data.info, alpha=0.3)
+    batch = next(iter(data.val_dataloader()))
+    model.eval()
+    with torch.no_grad():
+        output = model(batch)
+        bce = torch.nn.functional.binary_cross_entropy_with_logits(output.predictions[0], batch["watch"])
+        mask = batch["rating_mask"]
+        mse = ((output.predictions[1][mask] - batch["rating"][mask]) ** 2).mean()
+    assert float(output.aux_loss) == 0.0
+    expected = 0.3 * bce + 0.7 * mse
+    got = sum(w * task_loss(t, p, batch)[0] for w, t, p in zip(model.weights, model.info.tasks, output.predictions))
+    assert torch.allclose(got, expected)
+    model.train()
+    assert float(model(batch).aux_loss) > 0.0
+
+
+def test_masked_loss_uses_the_explicit_mask() -> None:
+    """A genuine 0.0 target stays in the MSE when its mask is set (official defect #13 infers the mask from y != 0)."""
+    task = TaskSpec("rating", "regression", masked=True)
+    prediction = torch.tensor([1.0, 2.0, 3.0])
+    batch = {"rating": torch.tensor([0.0, 2.0, 0.0]), "rating_mask": torch.tensor([True, True, False])}
+    loss, count = task_loss(task, prediction, batch)
+    assert count == 2 and loss == pytest.approx((1.0**2 + 0.0) / 2)
+    empty = {"rating": torch.zeros(3), "rating_mask": torch.zeros(3, dtype=torch.bool)}
+    loss, count = task_loss(task, prediction.requires_grad_(), empty)
+    assert count == 0 and float(loss) == 0.0 and not torch.isnan(loss)
+
+
+def test_restore_best_weights(tiny_root: Path) -> None:
+    """After fit, the model holds the best-validation epoch's weights (Keras' restore_best_weights)."""
+    data = MovieLens100KDataModule(root=str(tiny_root), batch_size=64)
+    model = MultiTaskMoE(gate=partial(gate_class("topk")), info=data.info, lr=3e-2)
+    restore = RestoreBestWeights()
+    trainer = pl.Trainer(max_epochs=6, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[restore])
+    trainer.fit(model, datamodule=data)
+    assert 0 <= restore.best_epoch < 6
+    trainer.validate(model, datamodule=data, verbose=False)
+    assert model.last_results["val"]["loss"] == pytest.approx(restore.best_score, rel=1e-6)
+    assert restore.state_dict()["best_state"] is not None
+
+
+@pytest.mark.slow
+def test_real_movielens_100k_one_epoch(tmp_path: Path, monkeypatch, capsys) -> None:
+    if not (REAL_DATA / "ml-100k" / "u.data").exists():
+        pytest.skip("../shared/data/ml-100k is not beside the project")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MTMOE_CACHE", str(tmp_path / "cache"))
+    code = run_cli(["fit", "--gate", "comet", "--data", "movielens-100k", f"--data.root={REAL_DATA}",
+                    "--trainer.max_epochs=1", "--trainer.enable_progress_bar=false", "--model.lr=5e-4"])
+    assert code == 0
+    results = json.loads(next(Path("runs").rglob("results.json")).read_text())
+    test = results["test"]
+    assert test["watch/auroc"] > 0.75  # one epoch already separates watched from sampled movies
+    assert test["rating/mse"] < 1.5  # a constant predictor's MSE on ML-100K ratings is about 1.27; it must be learning
+    assert 1.0 <= test["watch/experts_per_sample"] <= 16.0
