@@ -197,4 +197,4 @@ class MultiTaskMoE(pl.LightningModule):
         self._log_epoch("test")
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.Adam(self.parameters(), lr=self.lr, eps=self.adam_eps)
+        return torch.optim.Adam(self.parameters(), lr=self.lr, eps=self.adam_eps, fused=True)
