@@ -85,7 +85,7 @@ class COMETGate(Gate):
         n = self.n_experts
         h = smooth_step(self.split(x).view(-1, n - 1, self.k), self.gamma)  # [B, n-1, k]
         edges = torch.cat([h, 1 - h, h.new_ones(h.shape[0], 1, self.k)], dim=1)  # [B, 2(n-1)+1, k]
-        v = edges[:, self.paths].prod(dim=2)  # [B, n, depth, k] -> [B, n, k]
+        v = edges.index_select(1, self.paths.flatten()).view(-1, n, self.paths.shape[1], self.k).prod(dim=2)
         return v.transpose(1, 2)
 
     def forward(self, routing: RoutingInput) -> GateOutput:

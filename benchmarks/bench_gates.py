@@ -1,0 +1,153 @@
+"""Per-gate throughput on MovieLens-100K: training samples/s, epoch time, inference samples/s, peak memory, and
+the ratio of a training step to its floor (the bare expert matmuls of the same batch, forward and backward).
+
+    MTMOE_DATA=../shared/data python benchmarks/bench_gates.py [--gates comet,topk] [--epochs 2] [--device cpu]
+
+Each gate runs in its own subprocess (so peak RSS is per gate). The epoch time is a full Lightning training epoch
+(data batching, forward, backward, Adam, metrics, logging), measured on the last of ``--epochs`` epochs (the first
+warms up); validation is switched off while timing. Prints a Markdown table and writes it with a JSON copy to
+``benchmarks/out/``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import subprocess
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+
+OUT = Path(__file__).resolve().parent / "out"
+
+
+def floor_step_seconds(batch_size: int, in_features: int, units: int, n_experts: int, device: str) -> float:
+    """Median time of the expert layer's matmuls alone: forward and backward of Linear(p, n*units) on one batch."""
+    x = torch.randn(batch_size, in_features, device=device, requires_grad=True)
+    layer = torch.nn.Linear(in_features, n_experts * units).to(device)
+    grad = torch.randn(batch_size, n_experts * units, device=device)
+    times = []
+    for i in range(40):
+        start = time.perf_counter()
+        layer(x).backward(grad)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        if i >= 10:
+            times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def run_one(gate: str, epochs: int, device: str) -> dict:
+    import lightning.pytorch as pl
+
+    from mtmoe.data import MovieLens100KDataModule
+    from mtmoe.gates import gate_class
+    from mtmoe.lit.module import MultiTaskMoE
+
+    class EpochTimer(pl.Callback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def on_train_epoch_start(self, trainer, pl_module) -> None:
+            self.start = time.perf_counter()
+
+        def on_train_epoch_end(self, trainer, pl_module) -> None:
+            if device == "cuda":
+                torch.cuda.synchronize()
+            self.times.append(time.perf_counter() - self.start)
+
+    pl.seed_everything(0, verbose=False)
+    data = MovieLens100KDataModule(batch_size=512)
+    data.setup()
+    model = MultiTaskMoE(gate=partial(gate_class(gate)), info=data.info, lr=1e-4)
+    timer = EpochTimer()
+    trainer = pl.Trainer(
+        max_epochs=epochs, accelerator=device, devices=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[timer],
+    )
+    trainer.fit(model, datamodule=data)
+    train_rows = len(data.splits["train"]["user"])
+    steps = len(data.train_dataloader())
+    epoch_s = timer.times[-1]
+
+    model.eval().to(device)
+    test = data.splits["test"]
+    batches = [{k: v[i : i + 4096].to(device) for k, v in test.items()} for i in range(0, len(test["user"]), 4096)]
+    with torch.no_grad():
+        model.net(batches[0])
+        start = time.perf_counter()
+        for _ in range(3):
+            for batch in batches:
+                model.net(batch)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        inference_s = (time.perf_counter() - start) / 3
+    experts = model.net.experts
+    floor = floor_step_seconds(512, experts.in_features, experts.units, experts.n_experts, device)
+    peak = (
+        torch.cuda.max_memory_allocated() / 2**20
+        if device == "cuda"
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    )
+    return {
+        "gate": gate,
+        "train_rows": train_rows,
+        "epoch_s": epoch_s,
+        "train_samples_per_s": train_rows / epoch_s,
+        "inference_samples_per_s": len(test["user"]) / inference_s,
+        "peak_memory_mib": peak,
+        "step_ms": 1e3 * epoch_s / steps,
+        "floor_ms": 1e3 * floor,
+        "step_over_floor": epoch_s / steps / floor,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gates", default=None, help="comma-separated gate names (default: every registered gate)")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one gate in this process
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(run_one(args.one, args.epochs, args.device)))
+        return
+    from mtmoe.gates import list_gates
+
+    gates = args.gates.split(",") if args.gates else list_gates()
+    rows = []
+    for gate in gates:
+        proc = subprocess.run(
+            [sys.executable, __file__, "--one", gate, "--epochs", str(args.epochs), "--device", args.device],
+            capture_output=True, text=True, check=True,
+        )
+        rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        print(f"{gate}: {rows[-1]['epoch_s']:.2f} s/epoch", file=sys.stderr)
+    machine = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    if args.device == "cuda":
+        machine = torch.cuda.get_device_name()
+    lines = [
+        f"MovieLens-100K, batch 512, {rows[0]['train_rows']:,} training rows; {args.device} ({machine})",
+        "",
+        "| gate | epoch (s) | train samples/s | inference samples/s | peak memory (MiB) | step (ms) "
+        "| floor (ms) | step / floor |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['gate']} | {r['epoch_s']:.2f} | {r['train_samples_per_s']:,.0f} | {r['inference_samples_per_s']:,.0f}"
+            f" | {r['peak_memory_mib']:.0f} | {r['step_ms']:.1f} | {r['floor_ms']:.1f} | {r['step_over_floor']:.2f} |"
+        )
+    table = "\n".join(lines)
+    print(table)
+    OUT.mkdir(exist_ok=True)
+    (OUT / f"gates-{args.device}.md").write_text(table + "\n")
+    (OUT / f"gates-{args.device}.json").write_text(json.dumps(rows, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
