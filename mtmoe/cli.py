@@ -40,6 +40,13 @@ class MTMoECLI(LightningCLI):
 
     def fit(self, model: MultiTaskMoE, datamodule: InMemoryDataModule, **kwargs: Any) -> None:
         """Train to early stopping, restore the best-validation weights, then test them."""
+        search = model.net.local_search
+        max_epochs = self.trainer.max_epochs
+        if search is not None and max_epochs not in (None, -1) and search.epochs > max_epochs:
+            raise UsageError(
+                f"perm_epochs={search.epochs} is longer than the run (--trainer.max_epochs={max_epochs}); "
+                "the permutation would never be rounded and frozen"
+            )
         self.trainer.fit(model, datamodule=datamodule, **kwargs)
         self.trainer.test(model, datamodule=datamodule, verbose=False)
         self.report(model, datamodule)
@@ -56,7 +63,8 @@ class MTMoECLI(LightningCLI):
         restore = next((c for c in self.trainer.callbacks if isinstance(c, RestoreBestWeights)), None)
         results: dict[str, Any] = {
             "dataset": datamodule.info.name,
-            "gate": getattr(model.net.gates[0], "registry_name", type(model.net.gates[0]).__name__),
+            "gate": getattr(model.net.gates[0], "registry_name", type(model.net.gates[0]).__name__)
+            + ("+" if model.net.local_search is not None else ""),
             "seed": self.config[self.config.subcommand].get("seed_everything"),
             "epochs_run": self.trainer.current_epoch,
             **(
@@ -66,6 +74,9 @@ class MTMoECLI(LightningCLI):
             ),
             **model.last_results,
         }
+        if model.net.local_search is not None:
+            results["permutation"] = {"assignment": model.net.local_search.assignment(),
+                                      **model.net.local_search.statistics()}
         print(format_results(results))
         log_dir = Path(self.trainer.log_dir or ".")
         write_json_atomic(results, log_dir / "results.json")
@@ -103,9 +114,17 @@ def translate_shortcuts(argv: list[str]) -> list[str]:
             if i + 1 >= len(argv):
                 raise UsageError(f"{flag} needs a value")
             value, i = argv[i + 1], i + 1
-        if flag == "--gate":
-            cls = gate_class(value)
+        if flag == "--gate":  # "NAME+" is the gate with permutation local search (E_perm = 5 unless given)
+            base = value.removesuffix("+")
+            if base not in list_gates():
+                raise UsageError(
+                    f"unknown gate {value!r}; valid gates: {', '.join(list_gates())} "
+                    "(append '+' for permutation local search, e.g. comet+)"
+                )
+            cls = gate_class(base)
             out.append(f"--model.gate={cls.__module__}.{cls.__qualname__}")
+            if value.endswith("+"):
+                out.append("--model.perm_epochs=5")
         elif flag == "--data" and "." not in value:
             if value not in DATASETS:
                 raise UsageError(f"unknown dataset {value!r}; valid datasets: {', '.join(sorted(DATASETS))}")

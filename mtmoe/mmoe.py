@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from mtmoe.data.base import DatasetInfo
 from mtmoe.experts import DenseExperts, EmbeddingBottom, Tower
 from mtmoe.gates.base import Gate, GateDims, GateOutput, RoutingInput
+from mtmoe.permutation import LocalSearch
 
 GateFactory = Callable[[GateDims], Gate]
 
@@ -23,12 +24,14 @@ GateFactory = Callable[[GateDims], Gate]
 @dataclass
 class MMoEOutput:
     predictions: list[Tensor]  # per task: [B] for one-output tasks, [B, C] for multiclass
-    gates: list[GateOutput]  # per task gate
+    gates: list[GateOutput]  # per task gate; weights as the experts receive them (after local search)
+    local_search_aux: Tensor | None = None  # the permutation's entropy penalty (training only)
 
     @property
     def aux_loss(self) -> Tensor:
-        """Sum over task gates of their auxiliary losses (zero in eval mode)."""
-        return torch.stack([g.aux_loss for g in self.gates]).sum()
+        """Sum over task gates of their auxiliary losses, plus local search's penalty (zero in eval mode)."""
+        total = torch.stack([g.aux_loss for g in self.gates]).sum()
+        return total if self.local_search_aux is None else total + self.local_search_aux
 
 
 class MMoE(nn.Module):
@@ -36,28 +39,42 @@ class MMoE(nn.Module):
 
     The bottom maps a batch to the experts' input ``h``; the experts map it to ``[B, n, ...]``; each gate routes on
     ``h`` flattened (the concatenated embeddings for recommenders, the raw image for vision: official
-    ``main_model.py``) and also sees the batch's stable sample ids and the experts' outputs.
+    ``main_model.py``) and also sees the batch's stable sample ids and the experts' outputs. With
+    ``local_search``, the gates' weights are permuted before they reach the experts (the "+" variants).
     """
 
-    def __init__(self, bottom: nn.Module, experts: nn.Module, gates: list[Gate], towers: list[nn.Module]) -> None:
+    def __init__(
+        self,
+        bottom: nn.Module,
+        experts: nn.Module,
+        gates: list[Gate],
+        towers: list[nn.Module],
+        local_search: LocalSearch | None = None,
+    ) -> None:
         super().__init__()
         if len(gates) != len(towers):
             raise ValueError(f"{len(gates)} gates for {len(towers)} towers")
         self.bottom, self.experts = bottom, experts
         self.gates, self.towers = nn.ModuleList(gates), nn.ModuleList(towers)
+        self.local_search = local_search
 
     def forward(self, batch: dict[str, Tensor]) -> MMoEOutput:
         h = self.bottom(batch)
         expert_outputs = self.experts(h)  # [B, n, d]
         routing = RoutingInput(x=h.flatten(1), sample_id=batch.get("sample_id"), expert_outputs=expert_outputs)
         gate_outputs = [gate(routing) for gate in self.gates]
+        local_search_aux = None
+        if self.local_search is not None:
+            permuted, local_search_aux = self.local_search([g.weights for g in gate_outputs])
+            for gate_output, w in zip(gate_outputs, permuted):
+                gate_output.weights = w
         weights = torch.stack([g.weights for g in gate_outputs], dim=1)  # [B, T, n]
         mixed = torch.bmm(weights, expert_outputs.flatten(2))  # [B, T, d]: all tasks in one batched matmul
         predictions = []
         for t, tower in enumerate(self.towers):
             out = tower(mixed[:, t].view(-1, *expert_outputs.shape[2:]))
             predictions.append(out.squeeze(-1) if out.shape[-1] == 1 else out)
-        return MMoEOutput(predictions, gate_outputs)
+        return MMoEOutput(predictions, gate_outputs, local_search_aux)
 
 
 def build_mmoe(
@@ -69,11 +86,13 @@ def build_mmoe(
     tower_units: int | None = None,
     expert_dropout: float | None = None,
     keras_init: bool = True,
+    local_search: dict | None = None,
 ) -> MMoE:
     """The paper's architecture for ``info``'s dataset (S1.2); any argument left ``None`` takes the paper's value.
 
     ``keras_init`` (default, faithful to the official TensorFlow code) re-initialises bottom, experts and towers
-    with Keras' defaults; gates always use their own papers' initialisations.
+    with Keras' defaults; gates always use their own papers' initialisations. ``local_search`` holds the keyword
+    arguments of :class:`mtmoe.permutation.LocalSearch` for a "+" model (``None``: the base gate alone).
     """
     n_experts = n_experts or info.n_experts
     if info.image_shape is not None:
@@ -91,4 +110,5 @@ def build_mmoe(
     if keras_init:
         for module in (bottom, experts, *towers):
             module.keras_init_()
-    return MMoE(bottom, experts, gates, towers)
+    search = None if local_search is None else LocalSearch(n_experts, len(info.tasks), **local_search)
+    return MMoE(bottom, experts, gates, towers, search)

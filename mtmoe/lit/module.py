@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import lightning.pytorch as pl
+from lightning.pytorch.utilities import rank_zero_info
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
@@ -78,6 +79,11 @@ class MultiTaskMoE(pl.LightningModule):
             (``None``: the paper's value for the dataset, Supplement S1.2).
         keras_init: initialise bottom, experts and towers as Keras does (the official code); False: PyTorch's.
         adam_eps: Adam's epsilon; 1e-7 is Keras' default (the official code), 1e-8 PyTorch's.
+        perm_epochs: E_perm, the permutation-learning window in epochs; set, it makes the "+" variant of the gate
+            (``--gate comet+`` sets it to 5, Table 1's value; the paper searches 1..10). ``None``: no local search.
+        zeta: the permutation's row/column entropy coefficient (paper: 1e-4; Table 1: 1e-5).
+        perm_per_task: one permutation per task gate instead of one shared by all (the official code shares one).
+        perm_eval_rounded: evaluate with the rounded permutation inside the window (official); False: soft.
     """
 
     def __init__(
@@ -93,6 +99,10 @@ class MultiTaskMoE(pl.LightningModule):
         expert_dropout: float | None = None,
         keras_init: bool = True,
         adam_eps: float = 1e-7,
+        perm_epochs: int | None = None,
+        zeta: float = 1e-4,
+        perm_per_task: bool = False,
+        perm_eval_rounded: bool = True,
     ) -> None:
         super().__init__()
         if gate is None:
@@ -108,8 +118,13 @@ class MultiTaskMoE(pl.LightningModule):
         self.save_hyperparameters(ignore=["info"], logger=False)
         self.info, self.lr, self.adam_eps = info, lr, adam_eps
         self.weights = task_weights(info, alpha)
+        local_search = (
+            None
+            if perm_epochs is None
+            else {"epochs": perm_epochs, "zeta": zeta, "per_task": perm_per_task, "eval_rounded": perm_eval_rounded}
+        )
         self.net: MMoE = build_mmoe(
-            info, gate, n_experts, embedding_dim, expert_units, tower_units, expert_dropout, keras_init
+            info, gate, n_experts, embedding_dim, expert_units, tower_units, expert_dropout, keras_init, local_search
         )
         n = self.net.experts.n_experts
         for stage in STAGES:  # separate metric objects per split and task (torchmetrics' rule)
@@ -122,6 +137,7 @@ class MultiTaskMoE(pl.LightningModule):
             setattr(self, f"{stage}_metrics", nn.ModuleDict(collections))
             setattr(self, f"{stage}_batch_loss", MeanMetric())  # batch-size-weighted mean of batch losses
         self.last_results: dict[str, dict[str, float | list[float]]] = {}
+        self._transition_reported = False
 
     def forward(self, batch: dict[str, Tensor]) -> MMoEOutput:
         return self.net(batch)
@@ -187,8 +203,37 @@ class MultiTaskMoE(pl.LightningModule):
         if stage != "train":
             self.last_results[stage] = results
 
+    def on_train_start(self) -> None:
+        """Local search's window is E_perm epochs of the actual training loader (not a hard-coded step count)."""
+        if self.net.local_search is not None:
+            self.net.local_search.set_window(int(self.trainer.num_training_batches))
+
+    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
+        search = self.net.local_search
+        if search is not None and search.frozen and not self._transition_reported:
+            self._transition_reported = True
+            stats = search.statistics()
+            rank_zero_info(
+                f"local search: permutation frozen at step {int(search.step)}, "
+                f"{stats['moved_experts']:.0f} experts moved from the identity; gate slot -> expert: "
+                f"{search.assignment()}"
+            )
+
     def on_train_epoch_end(self) -> None:
         self._log_epoch("train")
+        if self.net.local_search is not None:
+            self.log_dict({f"perm/{k}": v for k, v in self.net.local_search.statistics().items()})
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        """A checkpoint's permutation must match this model's experts: say so in one line, not a size mismatch."""
+        saved = checkpoint["state_dict"].get("net.local_search.log_weights")
+        search = self.net.local_search
+        if saved is not None and (search is None or saved.shape != search.log_weights.shape):
+            expected = "no local search" if search is None else f"permutations of shape {tuple(search.log_weights.shape)}"
+            raise UsageError(
+                f"the checkpoint holds permutations of shape {tuple(saved.shape)} but this model has {expected} "
+                "(check --gate, --model.n_experts and --model.perm_per_task)"
+            )
 
     def on_validation_epoch_end(self) -> None:
         self._log_epoch("val")

@@ -1,0 +1,194 @@
+"""Permutation-based local search: the "+" variant of any gate (COMET paper, Section 4; comet-protocol.md §3).
+
+A learnable n x n matrix ``U`` (one shared by all task gates, or one per task) sits between the gates and the
+experts. During a learning window of the first ``E_perm`` epochs it is turned into a soft permutation by Sinkhorn
+in log space (eq. 8) with a temperature going log-linearly from 1e-3 to 1e-7 and iterations linearly from 20 to
+150 (§4.3); a row and column entropy penalty (coefficient zeta) discourages fractional blocks. At the end of the
+window the last soft matrix is rounded to a hard permutation by linear assignment (eq. 5) and frozen: from then
+on training is exactly the base gate with re-indexed experts (a cached matrix, no Sinkhorn, no assignment solve).
+Evaluation always uses the rounded matrix, also inside the window (the official code's behaviour; ``eval_rounded``
+False evaluates with the current soft matrix instead).
+
+Convention (the official code's): weights are row vectors and ``w' = w P``, so gate slot ``i`` feeds expert
+``col_ind[i]`` of the assignment. Permuting the weights by P is the same as permuting the experts (Section 4.1).
+The permuted weights are rescaled to the gate's own row sum: that is the official ``normalise`` for the simplex
+gates (Softmax, Top-k, Hash-r, COMET) and keeps DSelect-k's un-normalised sum, so no gate needs code of its own.
+
+State (step counter, window length, last soft matrix, rounded matrix) lives in buffers, so it is checkpointed:
+resuming inside the window continues the schedules; resuming after it keeps the same permutation. The step counts
+training forward passes (micro-batches under gradient accumulation), as the official code does.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from scipy.optimize import linear_sum_assignment
+from torch import Tensor, nn
+
+from mtmoe.errors import UsageError
+
+TAU_START, TAU_END = 1e-3, 1e-7
+ITERATIONS_START, ITERATIONS_END = 20, 150
+
+
+class LogSinkhorn(torch.autograd.Function):
+    """``exp`` of ``R`` log-space Sinkhorn iterations on ``U / tau`` (rows then columns; ends column-stochastic).
+
+    Forward and backward run in float64 NumPy on the small [m, n, n] matrices: the same arithmetic as unrolled
+    autograd (checked against it in the tests), without building a graph of ~14 kernels per iteration, which
+    costs about as much as a MovieLens training step at R = 150.
+    """
+
+    @staticmethod
+    def forward(ctx, u: Tensor, tau: float, iterations: int) -> Tensor:
+        log_p = u.detach().double().cpu().numpy() / tau
+        row_softmaxes, col_softmaxes = [], []
+        for _ in range(iterations):
+            for axis, saved in ((-1, row_softmaxes), (-2, col_softmaxes)):
+                top = log_p.max(axis, keepdims=True)
+                e = np.exp(log_p - top)
+                total = e.sum(axis, keepdims=True)
+                log_p = log_p - (top + np.log(total))
+                saved.append(e / total)
+        ctx.row_softmaxes, ctx.col_softmaxes, ctx.tau = row_softmaxes, col_softmaxes, tau
+        return torch.from_numpy(col_softmaxes[-1] if iterations else np.exp(log_p)).to(u.dtype).to(u.device)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
+        g = grad.detach().double().cpu().numpy() * ctx.col_softmaxes[-1]  # d exp(L) / dL = exp(L)
+        for rows, cols in zip(reversed(ctx.row_softmaxes), reversed(ctx.col_softmaxes)):
+            g = g - cols * g.sum(-2, keepdims=True)  # through L <- L - logsumexp over each column
+            g = g - rows * g.sum(-1, keepdims=True)  # through L <- L - logsumexp over each row
+        return torch.from_numpy(g / ctx.tau).to(grad.dtype).to(grad.device), None, None
+
+
+def sinkhorn(u: Tensor, tau: float, iterations: int) -> Tensor:
+    return LogSinkhorn.apply(u, tau, iterations)
+
+
+def round_to_permutation(p: Tensor) -> Tensor:
+    """Nearest permutation matrix by linear assignment (eq. 5): ``linear_sum_assignment(-P)``, ``I[col_ind]``."""
+    out = torch.zeros_like(p)
+    for m, matrix in enumerate(p.detach().double().cpu().numpy()):
+        rows, cols = linear_sum_assignment(-matrix)
+        out[m, torch.as_tensor(rows), torch.as_tensor(cols)] = 1.0
+    return out
+
+
+def schedule(step: int, window: int) -> tuple[float, int]:
+    """(tau, R) at a step of the window: tau log-linear 1e-3 -> 1e-7, R = int(20 + 130 t / T) (§3.3)."""
+    fraction = min(step / max(window, 1), 1.0)
+    tau = 10 ** (math.log10(TAU_START) + (math.log10(TAU_END) - math.log10(TAU_START)) * fraction)
+    return tau, int(ITERATIONS_START + (ITERATIONS_END - ITERATIONS_START) * fraction)
+
+
+def permutation_entropy(p: Tensor) -> Tensor:
+    """Column entropy of P plus row entropy of P normalised by its row sums (§4.3), averaged over the matrices."""
+    rows = p / p.sum(-1, keepdim=True)
+    column_entropy = -(p * torch.log(p + 1e-6)).sum((-2, -1))
+    row_entropy = -(rows * torch.log(rows + 1e-6)).sum((-2, -1))
+    return (column_entropy + row_entropy).mean()
+
+
+class LocalSearch(nn.Module):
+    """Learned expert permutation for ``n_tasks`` task gates (shared by default; ``per_task`` gives one each).
+
+    Args:
+        n_experts: n.
+        n_tasks: number of task gates.
+        epochs: E_perm, the learning window in epochs (paper: 1..10; Table 1: 5).
+        zeta: coefficient of the row/column entropy penalty (paper: 1e-4; Table 1: 1e-5).
+        per_task: one permutation per task gate instead of one shared by all (the official code shares one).
+        eval_rounded: evaluate with the rounded permutation inside the window (official); False: the soft one.
+    """
+
+    def __init__(
+        self,
+        n_experts: int,
+        n_tasks: int,
+        epochs: int = 5,
+        zeta: float = 1e-4,
+        per_task: bool = False,
+        eval_rounded: bool = True,
+    ) -> None:
+        super().__init__()
+        if epochs < 1:
+            raise UsageError(f"perm_epochs must be >= 1, got {epochs}")
+        if zeta < 0:
+            raise UsageError(f"zeta must be >= 0, got {zeta}")
+        self.n_experts, self.epochs, self.zeta = n_experts, epochs, float(zeta)
+        self.per_task, self.eval_rounded = per_task, eval_rounded
+        m = n_tasks if per_task else 1
+        self.log_weights = nn.Parameter(torch.empty(m, n_experts, n_experts).uniform_(-0.05, 0.05))
+        self.register_buffer("step", torch.zeros((), dtype=torch.long))
+        self.register_buffer("window", torch.zeros((), dtype=torch.long))  # E_perm * steps per epoch, set at fit
+        self.register_buffer("soft", torch.zeros(m, n_experts, n_experts))  # latest soft matrix (zeros: none yet)
+        self.register_buffer("rounded", torch.eye(n_experts).repeat(m, 1, 1))
+        self.register_buffer("rounded_at", torch.full((), -1, dtype=torch.long))  # step ``rounded`` belongs to
+        self.last_stats: dict[str, Tensor] = {}
+
+    def set_window(self, steps_per_epoch: int) -> None:
+        self.window.fill_(self.epochs * steps_per_epoch)
+
+    @property
+    def frozen(self) -> bool:
+        """True once the window is over: the permutation is the cached rounded matrix for good."""
+        return int(self.window) > 0 and int(self.step) >= int(self.window)
+
+    def hard(self) -> Tensor:
+        """The rounded permutation of the latest soft matrix, solved once per training step (cached)."""
+        if int(self.rounded_at) != int(self.step):
+            self.rounded.copy_(round_to_permutation(self.soft) if self.soft.any() else self.rounded)
+            self.rounded_at.fill_(int(self.step))
+        return self.rounded
+
+    def matrices(self) -> tuple[Tensor, Tensor]:
+        """The permutation matrices ``[m, n, n]`` for this forward pass and the entropy penalty."""
+        zero = self.log_weights.new_zeros(())
+        if not self.training:
+            if self.eval_rounded or self.frozen or not self.soft.any():
+                return self.hard(), zero
+            with torch.no_grad():
+                return sinkhorn(self.log_weights, *schedule(int(self.step), int(self.window))), zero
+        if int(self.window) == 0:
+            raise RuntimeError("LocalSearch.set_window(steps_per_epoch) must be called before training")
+        if self.frozen:
+            return self.hard(), zero
+        self.step += 1
+        if int(self.step) >= int(self.window):  # transition: round the last soft matrix once and freeze it
+            return self.hard(), zero
+        tau, iterations = schedule(int(self.step), int(self.window))
+        p = sinkhorn(self.log_weights, tau, iterations)
+        self.soft.copy_(p.detach())
+        self.last_stats = {"tau": torch.tensor(tau), "iterations": torch.tensor(float(iterations))}
+        return p, self.zeta * permutation_entropy(p) if self.zeta > 0 else zero
+
+    def forward(self, weights: list[Tensor]) -> tuple[list[Tensor], Tensor]:
+        """Permute each task gate's weights ``[B, n]``: ``w P``, rescaled to the gate's own row sums."""
+        p, aux = self.matrices()
+        out = []
+        for t, w in enumerate(weights):
+            permuted = w @ p[t if self.per_task else 0]
+            total = permuted.sum(-1, keepdim=True)
+            scale = torch.where(total > 0, w.sum(-1, keepdim=True) / total.clamp_min(1e-30), torch.ones_like(total))
+            out.append(permuted * scale)
+        return out, aux
+
+    def assignment(self) -> list[list[int]]:
+        """Per permutation matrix: the expert each gate slot feeds (``col_ind``) under the rounded matrix."""
+        return self.hard().argmax(-1).tolist()
+
+    def statistics(self) -> dict[str, float]:
+        """Distance of the soft matrix from its rounding, experts moved from the identity, and schedule position."""
+        hard = self.hard()
+        moved = (hard.argmax(-1) != torch.arange(self.n_experts, device=hard.device)).sum(-1).float().mean()
+        stats = {
+            "step": float(self.step),
+            "frozen": float(self.frozen),
+            "moved_experts": float(moved),
+            "soft_to_rounded_max_abs": float((self.soft - hard).abs().max()) if self.soft.any() else 0.0,
+        }
+        stats.update({k: float(v) for k, v in self.last_stats.items()})
+        return stats
