@@ -156,18 +156,8 @@ class MovieLensDataModule(InMemoryDataModule):
         root, cache_dir, batch_size, eval_batch_size, seed, download: see :class:`InMemoryDataModule`.
     """
 
-    def __init__(
-        self,
-        variant: Literal["1m", "100k"] = "1m",
-        root: str | None = None,
-        cache_dir: str | None = None,
-        batch_size: int = 512,
-        eval_batch_size: int | None = None,
-        seed: int = 0,
-        download: bool = True,
-        negative_seed: int = 0,
-    ) -> None:
-        super().__init__(root, cache_dir, batch_size, eval_batch_size, seed, download)
+    def __init__(self, variant: Literal["1m", "100k"] = "1m", negative_seed: int = 0, **kwargs) -> None:
+        super().__init__(**kwargs)
         if variant not in _VARIANTS:
             raise UsageError(f"variant must be one of {', '.join(_VARIANTS)}, got {variant!r}")
         self.variant, self.negative_seed = variant, negative_seed
@@ -201,32 +191,14 @@ class MovieLensDataModule(InMemoryDataModule):
 
 
 class MovieLens1MDataModule(MovieLensDataModule):
-    """MovieLens-1M, the paper's MovieLens (CLI name ``movielens``); see :class:`MovieLensDataModule`."""
+    """MovieLens-1M, the paper's MovieLens (CLI name ``movielens``); arguments as :class:`MovieLensDataModule`."""
 
-    def __init__(
-        self,
-        root: str | None = None,
-        cache_dir: str | None = None,
-        batch_size: int = 512,
-        eval_batch_size: int | None = None,
-        seed: int = 0,
-        download: bool = True,
-        negative_seed: int = 0,
-    ) -> None:
-        super().__init__("1m", root, cache_dir, batch_size, eval_batch_size, seed, download, negative_seed)
+    def __init__(self, **kwargs) -> None:
+        super().__init__(variant="1m", **kwargs)
 
 
 class MovieLens100KDataModule(MovieLensDataModule):
     """MovieLens-100K, a small stand-in with the same protocol (CLI name ``movielens-100k``)."""
 
-    def __init__(
-        self,
-        root: str | None = None,
-        cache_dir: str | None = None,
-        batch_size: int = 512,
-        eval_batch_size: int | None = None,
-        seed: int = 0,
-        download: bool = True,
-        negative_seed: int = 0,
-    ) -> None:
-        super().__init__("100k", root, cache_dir, batch_size, eval_batch_size, seed, download, negative_seed)
+    def __init__(self, **kwargs) -> None:
+        super().__init__(variant="100k", **kwargs)
