@@ -114,7 +114,7 @@ def translate_shortcuts(argv: list[str]) -> list[str]:
             if i + 1 >= len(argv):
                 raise UsageError(f"{flag} needs a value")
             value, i = argv[i + 1], i + 1
-        if flag == "--gate":  # "NAME+" is the gate with permutation local search (E_perm = 5 unless given)
+        if flag == "--gate":  # "NAME+": the gate with local search (E_perm = 5 unless --model.perm_epochs is given)
             base = value.removesuffix("+")
             if base not in list_gates():
                 raise UsageError(
@@ -123,7 +123,7 @@ def translate_shortcuts(argv: list[str]) -> list[str]:
                 )
             cls = gate_class(base)
             out.append(f"--model.gate={cls.__module__}.{cls.__qualname__}")
-            if value.endswith("+"):
+            if value.endswith("+") and not any(a.startswith("--model.perm_epochs") for a in argv):
                 out.append("--model.perm_epochs=5")
         elif flag == "--data" and "." not in value:
             if value not in DATASETS:
