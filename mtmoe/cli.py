@@ -30,6 +30,11 @@ LIGHTNING_COMMANDS = ("fit", "validate", "test")
 
 
 class MTMoECLI(LightningCLI):
+    """The CLI; ``results`` holds the last run's results, ``quiet`` suppresses the table (tuning trials)."""
+
+    quiet = False
+    results: dict[str, Any] | None = None
+
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("data.info", "model.info", apply_on="instantiate")
         parser.add_lightning_class_args(EarlyStopping, "early_stopping")
@@ -65,7 +70,7 @@ class MTMoECLI(LightningCLI):
             "dataset": datamodule.info.name,
             "gate": getattr(model.net.gates[0], "registry_name", type(model.net.gates[0]).__name__)
             + ("+" if model.net.local_search is not None else ""),
-            "seed": self.config[self.config.subcommand].get("seed_everything"),
+            "seed": (self.config[self.subcommand] if self.subcommand else self.config).get("seed_everything"),
             "epochs_run": self.trainer.current_epoch,
             **(
                 {"best_epoch": restore.best_epoch, "best_val_loss": restore.best_score}
@@ -77,10 +82,12 @@ class MTMoECLI(LightningCLI):
         if model.net.local_search is not None:
             results["permutation"] = {"assignment": model.net.local_search.assignment(),
                                       **model.net.local_search.statistics()}
-        print(format_results(results))
+        self.results = results
         log_dir = Path(self.trainer.log_dir or ".")
         write_json_atomic(results, log_dir / "results.json")
-        print(f"results written to {log_dir / 'results.json'}")
+        if not self.quiet:
+            print(format_results(results))
+            print(f"results written to {log_dir / 'results.json'}")
 
 
 def format_results(results: dict[str, Any]) -> str:
@@ -137,23 +144,28 @@ def translate_shortcuts(argv: list[str]) -> list[str]:
     return out
 
 
+def lightning_cli_kwargs(args: list[str]) -> dict[str, Any]:
+    """``MTMoECLI`` arguments shared by the commands and the tuning driver (which instantiates with ``run=False``)."""
+    return {
+        "model_class": MultiTaskMoE,
+        "datamodule_class": InMemoryDataModule,
+        "subclass_mode_data": True,
+        "args": args,
+        "seed_everything_default": 0,
+        "trainer_defaults": {
+            "max_epochs": 100,
+            "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": "runs"}},
+        },
+        "save_config_kwargs": {"overwrite": True},
+        "parser_kwargs": {"exit_on_error": False, **{c: {"exit_on_error": False} for c in LIGHTNING_COMMANDS}},
+        "auto_configure_optimizers": False,
+    }
+
+
 def run_lightning(argv: list[str]) -> None:
     saved_argv, sys.argv = sys.argv, sys.argv[:1]  # LightningCLI reads only the translated ``args``
     try:
-        MTMoECLI(
-            MultiTaskMoE,
-            InMemoryDataModule,
-            subclass_mode_data=True,
-            args=translate_shortcuts(argv),
-            seed_everything_default=0,
-            trainer_defaults={
-                "max_epochs": 100,
-                "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": "runs"}},
-            },
-            save_config_kwargs={"overwrite": True},
-            parser_kwargs={"exit_on_error": False, **{c: {"exit_on_error": False} for c in LIGHTNING_COMMANDS}},
-            auto_configure_optimizers=False,
-        )
+        MTMoECLI(**lightning_cli_kwargs(translate_shortcuts(argv)))
     finally:
         sys.argv = saved_argv
 
@@ -169,14 +181,20 @@ def print_gates() -> None:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     try:
-        if argv and argv[0] == "gates":
+        if argv and argv[0] == "tune":
+            from mtmoe.tuning.study import tune
+
+            tune(argv[1:])
+        elif argv and argv[0] == "gates":
             print_gates()
         elif argv and argv[0] == "datasets":
             print("\n".join(f"{name:<16} {path}" for name, path in sorted(DATASETS.items())))
         elif not argv or argv[0] in LIGHTNING_COMMANDS or argv[0].startswith("-"):
             run_lightning(argv)
         else:
-            raise UsageError(f"unknown command {argv[0]!r}; commands: {', '.join(LIGHTNING_COMMANDS)}, gates, datasets")
+            raise UsageError(
+                f"unknown command {argv[0]!r}; commands: {', '.join(LIGHTNING_COMMANDS)}, tune, gates, datasets"
+            )
     except (UsageError, ArgumentError) as error:
         message = " ".join(str(error).split())  # one line, whatever the parser's formatting
         print(f"error: {message}", file=sys.stderr)

@@ -11,6 +11,7 @@ AUROC is exact (torchmetrics ``BinaryAUROC(thresholds=None)``); the official Ker
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import lightning.pytorch as pl
@@ -137,6 +138,7 @@ class MultiTaskMoE(pl.LightningModule):
             setattr(self, f"{stage}_metrics", nn.ModuleDict(collections))
             setattr(self, f"{stage}_batch_loss", MeanMetric())  # batch-size-weighted mean of batch losses
         self.last_results: dict[str, dict[str, float | list[float]]] = {}
+        self.diverged: str | None = None  # why, once a training or validation loss is NaN or infinite
         self._transition_reported = False
 
     def forward(self, batch: dict[str, Tensor]) -> MMoEOutput:
@@ -184,6 +186,8 @@ class MultiTaskMoE(pl.LightningModule):
         batch_loss = getattr(self, f"{stage}_batch_loss")
         results: dict[str, float | list[float]] = {"loss": float(batch_loss.compute())}
         batch_loss.reset()
+        if not math.isfinite(results["loss"]) and self.diverged is None and not self.trainer.sanity_checking:
+            self.diverged = f"{stage} loss {results['loss']} at epoch {self.current_epoch}"
         for task in self.info.tasks:
             collection = getattr(self, f"{stage}_metrics")[task.name]
             for name, metric in collection.items():
