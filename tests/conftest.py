@@ -9,6 +9,17 @@ import pytest
 REAL_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
+def run_cli(argv: list[str]) -> int:
+    """``python -m mtmoe ARGV`` in-process; the exit code (0 unless it exits)."""
+    from mtmoe.cli import main
+
+    try:
+        main(argv)
+    except SystemExit as exit_:
+        return int(exit_.code or 0)
+    return 0
+
+
 def write_u_data(root: Path, n_users: int = 60, per_user: int = 12, seed: int = 0) -> Path:
     """ML-100K ``u.data`` (tab-separated ``user item rating timestamp``) with a learnable rating pattern."""
     rng = np.random.default_rng(seed)
@@ -31,3 +42,23 @@ def tiny_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("MTMOE_CACHE", str(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)
     return root
+
+
+@pytest.fixture(scope="session")
+def postgres_url():
+    """A throwaway PostgreSQL server on loopback (``tests/pg.py``): its ``postgresql+psycopg2://`` URL.
+
+    No server binaries: fails when ``CI`` is set (``.ci/run`` installs them), skips otherwise.
+    """
+    import os
+
+    from pg import find_bin_dir, postgres_server
+
+    bin_dir = find_bin_dir()
+    if bin_dir is None:
+        message = "no PostgreSQL server binaries (initdb, pg_ctl, postgres): apt-get install postgresql"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    with postgres_server(bin_dir) as url:
+        yield url

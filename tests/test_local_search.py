@@ -19,7 +19,7 @@ from scipy.optimize import linear_sum_assignment
 from torch import nn
 
 import mtmoe.permutation as permutation_module
-from mtmoe.cli import main
+from conftest import run_cli
 from mtmoe.data.base import DatasetInfo, TaskSpec
 from mtmoe.errors import UsageError
 from mtmoe.gates import GateDims, HashGate, gate_class, list_gates
@@ -159,14 +159,6 @@ def set_hard_permutation(search: LocalSearch, p: torch.Tensor) -> None:
     search.window.fill_(1)
     search.step.fill_(1)
     assert search.frozen
-
-
-def run_cli(argv: list[str]) -> int:
-    try:
-        main(argv)
-    except SystemExit as exit_:
-        return int(exit_.code or 0)
-    return 0
 
 
 # ------------------------------------------------------------------------------------------------ 1. Sinkhorn, rounding

@@ -13,24 +13,15 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from mtmoe.cli import main
 from mtmoe.data import MovieLens100KDataModule
 from mtmoe.data.base import TaskSpec
 from mtmoe.gates import gate_class, list_gates
 from mtmoe.lit.callbacks import RestoreBestWeights
 from mtmoe.lit.module import MultiTaskMoE, task_loss
 
-from conftest import REAL_DATA
+from conftest import REAL_DATA, run_cli
 
 FAST = ["--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false", "--data.batch_size=64"]
-
-
-def run_cli(argv: list[str]) -> int:
-    try:
-        main(argv)
-    except SystemExit as exit_:
-        return int(exit_.code or 0)
-    return 0
 
 
 @pytest.mark.parametrize("gate", list_gates())

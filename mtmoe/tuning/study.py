@@ -21,6 +21,9 @@ import json
 import logging
 import math
 import multiprocessing
+import os
+import signal
+import socket
 import sys
 import tempfile
 import time
@@ -34,7 +37,32 @@ from optuna.trial import TrialState
 from mtmoe.errors import UsageError
 from mtmoe.tuning.space import STUDIES_DIR, SearchSpace, load_space
 
-HEARTBEAT_INTERVAL, GRACE_PERIOD = 10, 30  # seconds
+HEARTBEAT_INTERVAL, GRACE_PERIOD = 10, 30  # seconds; MTMOE_HEARTBEAT_INTERVAL / MTMOE_HEARTBEAT_GRACE override
+
+
+class TrialInterrupted(KeyboardInterrupt):
+    """Ctrl-C inside a trial (Lightning turns it into ``SystemExit(1)``): the trial is failed, re-run on resume."""
+
+
+class _OneLineInterrupts(logging.Filter):
+    """Optuna logs a failed trial with its traceback; for an interrupt one line is enough."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], KeyboardInterrupt):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def heartbeat_settings() -> tuple[int, int]:
+    """(interval, grace period) in seconds of RDB heartbeats; the environment may shorten them (tests)."""
+    try:
+        interval = int(os.environ.get("MTMOE_HEARTBEAT_INTERVAL", HEARTBEAT_INTERVAL))
+        grace = int(os.environ.get("MTMOE_HEARTBEAT_GRACE", GRACE_PERIOD))
+    except ValueError as error:
+        raise UsageError(f"MTMOE_HEARTBEAT_INTERVAL/MTMOE_HEARTBEAT_GRACE must be integers: {error}") from None
+    if not 1 <= interval < grace:
+        raise UsageError(f"heartbeat: need 1 <= MTMOE_HEARTBEAT_INTERVAL ({interval}) < MTMOE_HEARTBEAT_GRACE ({grace})")
+    return interval, grace
 
 
 def plan_configurations(space: SearchSpace, n: int, seed: int) -> list[dict[str, Any]]:
@@ -94,13 +122,16 @@ def storage_for(url: str):
             from optuna.storages.journal import JournalFileBackend
 
             return optuna.storages.JournalStorage(JournalFileBackend(url.removeprefix("journal:")))
+        interval, grace = heartbeat_settings()
         return optuna.storages.RDBStorage(
             url,
             engine_kwargs={"pool_pre_ping": True} if not url.startswith("sqlite") else None,
-            heartbeat_interval=HEARTBEAT_INTERVAL,
-            grace_period=GRACE_PERIOD,
+            heartbeat_interval=interval,
+            grace_period=grace,
             heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=3),
         )
+    except UsageError:
+        raise
     except Exception as error:  # sqlalchemy/driver errors: say what could not be reached
         reason = " ".join(str(error).split())[:300]
         raise UsageError(f"cannot open the study storage {url!r}: {reason}") from None
@@ -118,10 +149,18 @@ class Objective:
             trial.set_user_attr("fail_reason", "no planned configuration left (stray trial, ignored)")
             raise optuna.TrialPruned()
         params = {key: suggest(trial, key, distribution) for key, distribution in self.space.distributions.items()}
+        duplicate = duplicate_of(trial.study, trial.number, config_id)
+        if duplicate is not None:  # enqueued twice (concurrent tune starts, a retry racing a resume): run it once
+            trial.set_user_attr("skipped", f"config_id {config_id} is evaluated by trial {duplicate}")
+            raise optuna.TrialPruned()
+        trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
         seed = self.seed + int(config_id)
         start = time.perf_counter()
-        cli = make_cli(cli_args(self.space, params, self.overrides, seed, self.log_dir / f"config-{config_id:04d}"))
-        cli.fit(cli.model, cli.datamodule)
+        try:
+            cli = make_cli(cli_args(self.space, params, self.overrides, seed, self.log_dir / f"config-{config_id:04d}"))
+            cli.fit(cli.model, cli.datamodule)
+        except (KeyboardInterrupt, SystemExit) as interrupt:  # Lightning answers Ctrl-C with sys.exit(1)
+            raise TrialInterrupted(f"trial {trial.number} (config_id {config_id}) interrupted") from interrupt
         results = cli.results or {}
         trial.set_user_attr("seed", seed)
         trial.set_user_attr("wall_time_s", round(time.perf_counter() - start, 2))
@@ -135,6 +174,50 @@ class Objective:
             trial.set_user_attr("fail_reason", f"diverged: {cli.model.diverged or 'no finite validation loss'}")
             return math.nan  # Optuna records the trial as FAILED; it counts among the N, with objective +inf
         return objective
+
+
+def duplicate_of(study: optuna.Study, number: int, config_id: int) -> int | None:
+    """The trial that evaluates ``config_id`` instead of trial ``number``, if any.
+
+    That is one already complete or diverged, or an earlier-numbered one waiting or running: of several
+    enqueued copies exactly the lowest-numbered live one runs, whatever the order in which workers pop them.
+    """
+    for other in study.get_trials(deepcopy=False):
+        if other.number == number or other.user_attrs.get("config_id") != config_id:
+            continue
+        done = other.state == TrialState.COMPLETE or (other.state == TrialState.FAIL and "fail_reason" in other.user_attrs)
+        if done or (other.state in (TrialState.WAITING, TrialState.RUNNING) and other.number < number):
+            return other.number
+    return None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def fail_orphaned_trials(study: optuna.Study) -> int:
+    """Storages without heartbeats (SQLite, journal): fail RUNNING trials whose worker process on this host is gone.
+
+    A worker killed mid-trial (SIGKILL, a crash, a lost terminal) leaves its trial RUNNING; its configuration is then
+    missing and re-enqueued by :func:`enqueue_missing`. Trials of workers on other hosts cannot be checked here.
+    """
+    host, failed = socket.gethostname(), 0
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        worker_host, _, pid = str(trial.user_attrs.get("worker", "")).rpartition(":")
+        if worker_host == host and pid.isdigit() and not _pid_alive(int(pid)):
+            try:
+                study._storage.set_trial_user_attr(trial._trial_id, "lost", f"worker {host}:{pid} exited mid-trial")
+                study._storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
+                failed += 1
+            except optuna.exceptions.UpdateFinishedTrialError:
+                pass
+    return failed
 
 
 def study_counts(study: optuna.Study) -> dict[str, Any]:
@@ -173,30 +256,79 @@ class Progress:
 
 def quiet_libraries() -> None:
     """Per-trial chatter off (Lightning's info lines, experimental-feature warnings); the progress line stays."""
+    optimize_logger = logging.getLogger("optuna.study._optimize")
+    if not any(isinstance(f, _OneLineInterrupts) for f in optimize_logger.filters):
+        optimize_logger.addFilter(_OneLineInterrupts())
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     logging.getLogger("lightning.fabric").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     warnings.filterwarnings("ignore", message=".*smaller than the logging interval.*")
 
 
-def run_worker(url: str, study_name: str, space: SearchSpace, overrides: list[str], seed: int, workers: int) -> None:
+def run_worker(url: str, study_name: str, space: SearchSpace, overrides: list[str], seed: int, workers: int,
+               log_dir: Path | None = None) -> None:
     """One worker: pops enqueued configurations until none is left."""
     quiet_libraries()
     study = optuna.load_study(study_name=study_name, storage=storage_for(url))
     if study_counts(study)["waiting"] == 0:
         return
-    objective = Objective(space, overrides, seed, STUDIES_DIR / "runs" / study_name.replace("/", "_"))
+    log_dir = Path(log_dir) if log_dir is not None else STUDIES_DIR / "runs"
+    objective = Objective(space, overrides, seed, log_dir / study_name.replace("/", "_"))
     study.optimize(objective, callbacks=[Progress(space.trials, workers)], catch=())
 
 
 def _worker_process(*args: Any) -> None:
     try:
         run_worker(*args)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # the trial in flight is already failed (re-run on resume); the parent reports
         pass
+    except UsageError as error:
+        print(f"error: {' '.join(str(error).split())}", file=sys.stderr, flush=True)
+        sys.exit(2)
 
 
-def prepare_study(url: str, study_name: str, space: SearchSpace, seed: int, configurations: list[dict]) -> None:
+def run_workers(worker_args: tuple, workers: int) -> bool:
+    """``workers`` local worker processes (or this one) pop WAITING trials until none is left; all ended well?"""
+    if workers == 1:
+        run_worker(*worker_args)
+        return True
+    context = multiprocessing.get_context("spawn")
+    processes = [context.Process(target=_worker_process, args=worker_args) for _ in range(workers)]
+    for process in processes:
+        process.start()
+    try:
+        for process in processes:
+            process.join()
+    except KeyboardInterrupt:  # Ctrl-C reaches the whole process group; a signal to this process alone is passed on
+        for process in processes:
+            if process.is_alive() and process.pid is not None:
+                os.kill(process.pid, signal.SIGINT)
+        for process in processes:
+            process.join(timeout=60)
+            if process.is_alive():
+                process.terminate()
+        raise
+    codes = [process.exitcode for process in processes]
+    if 2 in codes:
+        sys.exit(2)
+    return all(code == 0 for code in codes)
+
+
+def enqueue_missing(study: optuna.Study, space: SearchSpace, configurations: list[dict]) -> int:
+    """Enqueue every configuration with no completed, diverged, waiting or running trial; how many were."""
+    counts = study_counts(study)
+    accounted = {t.user_attrs["config_id"] for t in counts["complete"] + counts["diverged"]}
+    accounted |= {t.user_attrs["config_id"] for t in counts["trials"]
+                  if t.state in (TrialState.WAITING, TrialState.RUNNING) and "config_id" in t.user_attrs}
+    missing = [config_id for config_id in range(len(configurations)) if config_id not in accounted]
+    for config_id in missing:
+        params = configurations[config_id]
+        study.enqueue_trial(params, user_attrs={"config_id": config_id, "config_hash": config_hash(space, params)})
+    return len(missing)
+
+
+def prepare_study(url: str, study_name: str, space: SearchSpace, seed: int, configurations: list[dict],
+                  alpha: str | None = None) -> None:
     """Create the study (or check that an existing one has the same space and seed) and enqueue what is missing.
 
     A configuration is missing when it has no completed, diverged, waiting or running trial: never enqueued, or
@@ -213,18 +345,23 @@ def prepare_study(url: str, study_name: str, space: SearchSpace, seed: int, conf
             )
     study = optuna.create_study(study_name=study_name, storage=storage, direction="minimize",
                                 sampler=optuna.samplers.RandomSampler(seed=seed), load_if_exists=True)
-    for key, value in {"space_fingerprint": space.fingerprint, "seed": seed, "data": space.data,
-                       "gate": space.gate, "trials": space.trials}.items():
+    attrs = {"space_fingerprint": space.fingerprint, "seed": seed, "data": space.data, "gate": space.gate,
+             "trials": space.trials}
+    if alpha is not None:
+        attrs["alpha"] = alpha
+    for key, value in attrs.items():
         study.set_user_attr(key, value)
-    if "RDBStorage" in type(storage).__name__:
+    if has_heartbeat(storage):
         optuna.storages.fail_stale_trials(study)
-    counts = study_counts(study)
-    accounted = {t.user_attrs["config_id"] for t in counts["complete"] + counts["diverged"]}
-    accounted |= {t.user_attrs["config_id"] for t in counts["trials"]
-                  if t.state in (TrialState.WAITING, TrialState.RUNNING) and "config_id" in t.user_attrs}
-    for config_id, params in enumerate(configurations):
-        if config_id not in accounted:
-            study.enqueue_trial(params, user_attrs={"config_id": config_id, "config_hash": config_hash(space, params)})
+    else:
+        fail_orphaned_trials(study)
+    enqueue_missing(study, space, configurations)
+
+
+def has_heartbeat(storage: Any) -> bool:
+    from optuna.storages._heartbeat import is_heartbeat_enabled
+
+    return is_heartbeat_enabled(storage)
 
 
 def default_storage() -> str:
@@ -242,13 +379,50 @@ def parse_tune_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--workers", type=int, default=1, help="local worker processes")
     parser.add_argument("--study-name", default=None, help="default: <data>/<gate>[/alpha=<alpha>]")
     parser.add_argument("--space", default=None, help="search-space file (default: studies/<data>.yaml)")
+    parser.add_argument("--log-dir", default=None, help="per-trial logs (default: studies/runs)")
     try:
         return parser.parse_known_args(argv)
     except argparse.ArgumentError as error:
         raise UsageError(str(error)) from None
 
 
+def _option_value(overrides: list[str], key: str) -> str | None:
+    """The last ``--key=value`` or ``--key value`` among the overrides."""
+    value = None
+    for i, arg in enumerate(overrides):
+        if arg.startswith(f"--{key}="):
+            value = arg.split("=", 1)[1]
+        elif arg == f"--{key}" and i + 1 < len(overrides):
+            value = overrides[i + 1]
+    return value
+
+
+def check_overrides(space: SearchSpace, configurations: list[dict], overrides: list[str], seed: int) -> None:
+    """Instantiate the CLI for one configuration (the one with the longest permutation window): bad overrides and a
+    window longer than the run fail here, before the storage is touched, not in the middle of the study."""
+    longest = max(range(len(configurations)), key=lambda i: configurations[i].get("model.perm_epochs") or 0)
+    with tempfile.TemporaryDirectory() as scratch:
+        cli = make_cli(cli_args(space, configurations[longest], overrides, seed, Path(scratch)))
+        search, max_epochs = cli.model.net.local_search, cli.trainer.max_epochs
+        if search is not None and max_epochs not in (None, -1) and search.epochs > max_epochs:
+            raise UsageError(
+                f"configuration {longest} has perm_epochs={search.epochs}, longer than the run "
+                f"(--trainer.max_epochs={max_epochs}): the permutation would never be frozen; raise max_epochs "
+                "or pass --model.perm_epochs"
+            )
+
+
 def tune(argv: list[str]) -> None:
+    """``python -m mtmoe tune``: plan, prepare the study, run the workers; Ctrl-C stops cleanly (exit 130)."""
+    try:
+        _tune(argv)
+    except KeyboardInterrupt:
+        print("error: interrupted; the trial in flight was failed and is re-run when the same tune command runs "
+              "again (it resumes the study)", file=sys.stderr, flush=True)
+        sys.exit(130)
+
+
+def _tune(argv: list[str]) -> None:
     quiet_libraries()
     args, overrides = parse_tune_args(argv)
     from mtmoe.cli import translate_shortcuts
@@ -264,25 +438,40 @@ def tune(argv: list[str]) -> None:
     url = args.storage or default_storage()
     if url.startswith("sqlite") and args.workers > 1:
         raise UsageError("SQLite serialises writers: use --storage postgresql://... or journal:PATH for --workers > 1")
-    alpha = next((a.split("=", 1)[1] for a in overrides if a.startswith("--model.alpha=")), None)
+    alpha = _option_value(overrides, "model.alpha")
     study_name = args.study_name or f"{args.data}/{args.gate}" + (f"/alpha={alpha}" if alpha else "")
     configurations = plan_configurations(space, trials, args.seed)
-    with tempfile.TemporaryDirectory() as scratch:  # check the overrides on the first configuration
-        make_cli(cli_args(space, configurations[0], overrides, args.seed, Path(scratch)))
-    prepare_study(url, study_name, space, args.seed, configurations)
+    check_overrides(space, configurations, overrides, args.seed)
+    prepare_study(url, study_name, space, args.seed, configurations, alpha=alpha)
     print(f"study {study_name!r}: {trials} configurations, storage {url}, {args.workers} worker(s)", flush=True)
-    worker_args = (url, study_name, space, overrides, args.seed, args.workers)
-    if args.workers == 1:
-        run_worker(*worker_args)
-    else:
-        context = multiprocessing.get_context("spawn")
-        processes = [context.Process(target=_worker_process, args=worker_args) for _ in range(args.workers)]
-        for process in processes:
-            process.start()
-        for process in processes:
-            process.join()
-    counts = study_counts(optuna.load_study(study_name=study_name, storage=storage_for(url)))
+    log_dir = Path(args.log_dir) if args.log_dir else STUDIES_DIR / "runs"
+    worker_args = (url, study_name, space, overrides, args.seed, args.workers, log_dir)
+    storage = storage_for(url)
+    heartbeat = has_heartbeat(storage)
+    announced, done = False, -1
+    while True:
+        clean = run_workers(worker_args, args.workers)
+        study = optuna.load_study(study_name=study_name, storage=storage)
+        counts = study_counts(study)
+        progress, done = done, len(counts["complete"]) + len(counts["diverged"])
+        if counts["waiting"] and clean and done > progress:  # a retry enqueued after a worker stopped
+            continue
+        if not counts["running"] or not heartbeat:
+            break
+        if not announced:  # other workers' trials, or lost ones: a heartbeat storage fails those after the grace
+            print(f"study {study_name!r}: waiting for {counts['running']} running trial(s) of other workers "
+                  f"(a lost one is failed after {heartbeat_settings()[1]} s without a heartbeat and re-run here)",
+                  flush=True)
+            announced = True
+        while counts["running"] and not counts["waiting"]:
+            time.sleep(heartbeat_settings()[0])
+            optuna.storages.fail_stale_trials(study)
+            enqueue_missing(study, space, configurations)
+            counts = study_counts(study)
+    counts = study_counts(optuna.load_study(study_name=study_name, storage=storage))
     print(f"study {study_name!r}: {len(counts['complete'])} complete, {len(counts['diverged'])} diverged, "
           f"{counts['waiting']} waiting", flush=True)
     if counts["waiting"] or counts["running"]:
+        print(f"study {study_name!r} is not finished: {counts['running']} trial(s) RUNNING in other workers, "
+              f"{counts['waiting']} waiting; run the same tune command again to resume", file=sys.stderr, flush=True)
         sys.exit(1)
