@@ -185,6 +185,10 @@ def main(argv: list[str] | None = None) -> None:
             from mtmoe.tuning.study import tune
 
             tune(argv[1:])
+        elif argv and argv[0] == "report":
+            from mtmoe.tuning.report import report
+
+            report(argv[1:])
         elif argv and argv[0] == "gates":
             print_gates()
         elif argv and argv[0] == "datasets":
@@ -193,7 +197,8 @@ def main(argv: list[str] | None = None) -> None:
             run_lightning(argv)
         else:
             raise UsageError(
-                f"unknown command {argv[0]!r}; commands: {', '.join(LIGHTNING_COMMANDS)}, tune, gates, datasets"
+                f"unknown command {argv[0]!r}; commands: {', '.join(LIGHTNING_COMMANDS)}, "
+                "tune, report, gates, datasets"
             )
     except (UsageError, ArgumentError) as error:
         message = " ".join(str(error).split())  # one line, whatever the parser's formatting

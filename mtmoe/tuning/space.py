@@ -107,8 +107,11 @@ def _distribution(key: str, spec: Any, where: str) -> BaseDistribution | None:
         if not isinstance(args, list) or not args:
             raise UsageError(f"{where}: {key}: choice needs a non-empty list, got {args!r}")
         return CategoricalDistribution(args)
-    if not (isinstance(args, list) and len(args) == 2 and all(isinstance(a, (int, float)) for a in args)):
-        raise UsageError(f"{where}: {key}: {kind} needs [low, high], got {args!r}")
+    number = (int,) if kind == "int" else (int, float)  # int: [1, 10.5] would silently become [1, 10]
+    if not (isinstance(args, list) and len(args) == 2
+            and all(isinstance(a, number) and not isinstance(a, bool) for a in args)):
+        raise UsageError(f"{where}: {key}: {kind} needs [low, high]" + (" (integers)" if kind == "int" else "")
+                         + f", got {args!r}")
     low, high = args
     if not low < high or (kind == "log_uniform" and low <= 0):
         raise UsageError(f"{where}: {key}: empty or invalid range [{low}, {high}] for {kind}")

@@ -115,6 +115,17 @@ def suggest(trial: optuna.Trial, key: str, distribution: optuna.distributions.Ba
     return trial.suggest_float(key, distribution.low, distribution.high, log=distribution.log)
 
 
+def rdb_url(url: str) -> str:
+    """``postgresql://`` with the installed driver: SQLAlchemy >= 2.1 defaults to psycopg 3, the project installs
+    psycopg2 (``psycopg2-binary``), so a plain URL would fail with "Failed to import DB access module"."""
+    if url.startswith("postgresql://"):
+        import importlib.util
+
+        if importlib.util.find_spec("psycopg") is None and importlib.util.find_spec("psycopg2") is not None:
+            return "postgresql+psycopg2://" + url.removeprefix("postgresql://")
+    return url
+
+
 def storage_for(url: str):
     """An Optuna storage: RDB URL (with heartbeats), ``journal:PATH``; unreachable -> one-line UsageError."""
     try:
@@ -123,13 +134,15 @@ def storage_for(url: str):
 
             return optuna.storages.JournalStorage(JournalFileBackend(url.removeprefix("journal:")))
         interval, grace = heartbeat_settings()
-        return optuna.storages.RDBStorage(
-            url,
-            engine_kwargs={"pool_pre_ping": True} if not url.startswith("sqlite") else None,
-            heartbeat_interval=interval,
-            grace_period=grace,
-            heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=3),
-        )
+        with warnings.catch_warnings():  # heartbeats are "experimental": not worth a warning on every command
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            return optuna.storages.RDBStorage(
+                rdb_url(url),
+                engine_kwargs={"pool_pre_ping": True} if not url.startswith("sqlite") else None,
+                heartbeat_interval=interval,
+                grace_period=grace,
+                heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=3),
+            )
     except UsageError:
         raise
     except Exception as error:  # sqlalchemy/driver errors: say what could not be reached
@@ -259,6 +272,8 @@ def quiet_libraries() -> None:
     optimize_logger = logging.getLogger("optuna.study._optimize")
     if not any(isinstance(f, _OneLineInterrupts) for f in optimize_logger.filters):
         optimize_logger.addFilter(_OneLineInterrupts())
+    import lightning.pytorch  # noqa: F401  (first: importing it resets its loggers to INFO, e.g. in a spawned worker)
+
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     logging.getLogger("lightning.fabric").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
@@ -278,6 +293,10 @@ def run_worker(url: str, study_name: str, space: SearchSpace, overrides: list[st
 
 
 def _worker_process(*args: Any) -> None:
+    if "OMP_NUM_THREADS" not in os.environ:  # N workers share the cores: no N-fold oversubscription of torch threads
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // args[5]))
     try:
         run_worker(*args)
     except KeyboardInterrupt:  # the trial in flight is already failed (re-run on resume); the parent reports
@@ -359,9 +378,8 @@ def prepare_study(url: str, study_name: str, space: SearchSpace, seed: int, conf
 
 
 def has_heartbeat(storage: Any) -> bool:
-    from optuna.storages._heartbeat import is_heartbeat_enabled
-
-    return is_heartbeat_enabled(storage)
+    """RDB storages (SQLite, PostgreSQL) record heartbeats here; JournalStorage cannot."""
+    return isinstance(storage, optuna.storages.RDBStorage) and storage.get_heartbeat_interval() is not None
 
 
 def default_storage() -> str:
@@ -417,7 +435,7 @@ def tune(argv: list[str]) -> None:
     try:
         _tune(argv)
     except KeyboardInterrupt:
-        print("error: interrupted; the trial in flight was failed and is re-run when the same tune command runs "
+        print("error: interrupted; trials in flight are marked failed and re-run when the same tune command runs "
               "again (it resumes the study)", file=sys.stderr, flush=True)
         sys.exit(130)
 
