@@ -140,7 +140,8 @@ class LocalSearch(nn.Module):
     def hard(self) -> Tensor:
         """The rounded permutation of the latest soft matrix, solved once per training step (cached)."""
         if int(self.rounded_at) != int(self.step):
-            self.rounded.copy_(round_to_permutation(self.soft) if self.soft.any() else self.rounded)
+            if self.soft.any():  # before any training step there is no soft matrix: keep the identity
+                self.rounded.copy_(round_to_permutation(self.soft))
             self.rounded_at.fill_(int(self.step))
         return self.rounded
 

@@ -181,14 +181,15 @@ def test_bad_gamma_is_a_usage_error(name):
 # --------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("b", [B, 1], ids=["batch", "batch_size_one"])
 @pytest.mark.parametrize("n", N_EXPERTS)
 @pytest.mark.parametrize("name", GATES)
-def test_weights_on_simplex(name, n):
+def test_weights_on_simplex(name, n, b):
     gate = build(name, n)
     for mode in (True, False):
         gate.train(mode)
-        out = gate(routing(gate))
-        check_weights(gate, out.weights, B)
+        out = gate(routing(gate, b=b))
+        check_weights(gate, out.weights, b)
         assert out.aux_loss.shape == ()
         assert torch.isfinite(out.aux_loss)
 
@@ -259,18 +260,6 @@ def test_finite_at_extreme_inputs(name, n, case):
     for pname, p in gate.named_parameters():
         if p.grad is not None:
             assert torch.isfinite(p.grad).all(), f"non-finite gradient in {pname}"
-
-
-@pytest.mark.parametrize("n", N_EXPERTS)
-@pytest.mark.parametrize("name", GATES)
-def test_batch_size_one(name, n):
-    gate = build(name, n)
-    for mode in (True, False):
-        gate.train(mode)
-        out = gate(routing(gate, b=1))
-        check_weights(gate, out.weights, 1)
-        assert out.aux_loss.shape == ()
-        assert torch.isfinite(out.aux_loss)
 
 
 @pytest.mark.parametrize("n", N_EXPERTS)

@@ -43,20 +43,30 @@ def task_weights(info: DatasetInfo, alpha: float | None) -> list[float]:
     return [1.0 / len(info.tasks)] * len(info.tasks)
 
 
-def task_loss(task: TaskSpec, prediction: Tensor, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
-    """Mean loss of one task over the rows it sees, and the number of those rows."""
+def task_rows(task: TaskSpec, prediction: Tensor, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+    """The predictions and targets of the rows a task sees (its explicit mask, for masked tasks)."""
     target = batch[task.name]
     if task.masked:
         mask = batch[f"{task.name}_mask"]
-        prediction, target = prediction[mask], target[mask]
-    count = prediction.new_tensor(target.shape[0])
-    if target.shape[0] == 0:  # a batch with no rated row contributes no loss (not NaN)
-        return prediction.sum() * 0.0, count
+        return prediction[mask], target[mask]
+    return prediction, target
+
+
+def rows_loss(task: TaskSpec, prediction: Tensor, target: Tensor) -> Tensor:
+    """Mean loss of one task over its rows; a batch with no such row contributes 0 (not NaN)."""
+    if target.shape[0] == 0:
+        return prediction.sum() * 0.0
     if task.kind == "binary":
-        return F.binary_cross_entropy_with_logits(prediction, target.float()), count
+        return F.binary_cross_entropy_with_logits(prediction, target.float())
     if task.kind == "regression":
-        return F.mse_loss(prediction, target.float()), count
-    return F.cross_entropy(prediction, target.long()), count
+        return F.mse_loss(prediction, target.float())
+    return F.cross_entropy(prediction, target.long())
+
+
+def task_loss(task: TaskSpec, prediction: Tensor, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+    """Mean loss of one task over the rows it sees, and the number of those rows."""
+    prediction, target = task_rows(task, prediction, batch)
+    return rows_loss(task, prediction, target), prediction.new_tensor(target.shape[0])
 
 
 def task_metrics(task: TaskSpec) -> MetricCollection:
@@ -149,16 +159,13 @@ class MultiTaskMoE(pl.LightningModule):
         batch_size = next(iter(batch.values())).shape[0]
         loss = output.predictions[0].new_zeros(())
         for weight, task, prediction, gate_output in zip(self.weights, self.info.tasks, output.predictions, output.gates):
-            value, count = task_loss(task, prediction, batch)
+            prediction, target = task_rows(task, prediction, batch)  # masked once, for the loss and metrics
+            value = rows_loss(task, prediction, target)
             loss = loss + weight * value
             metrics = getattr(self, f"{stage}_metrics")[task.name]
-            metrics["loss"].update(value.detach(), count)
+            metrics["loss"].update(value.detach(), target.shape[0])
             metrics["routing"].update(gate_output.weights)
             if stage != "train":
-                target = batch[task.name]
-                if task.masked:
-                    mask = batch[f"{task.name}_mask"]
-                    prediction, target = prediction[mask], target[mask]
                 if task.kind == "binary":
                     prediction = prediction.sigmoid()
                     target = target.long()
