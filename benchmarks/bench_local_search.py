@@ -1,6 +1,6 @@
 """Overhead of permutation local search per training step, inside the learning window, on MovieLens-100K.
 
-    MTMOE_DATA=../shared/data python benchmarks/bench_local_search.py [--gates topk,comet,hash] [--repeats 40]
+    MTMOE_DATA=../shared/data python benchmarks/bench_local_search.py [--gates topk,comet,hash] [--repeats 40] [--device cuda]
 
 For each gate, a base model and its "+" model (same initialisation) train on the same batches; their steps
 (forward, loss, backward, Adam) are timed interleaved, so both see the same machine load, at three positions of
@@ -22,6 +22,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gates", default="hash,topk,comet")
     parser.add_argument("--repeats", type=int, default=40)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = parser.parse_args()
 
     import lightning.pytorch as pl
@@ -32,9 +33,11 @@ def main() -> None:
 
     data = MovieLens100KDataModule(batch_size=512)
     data.setup()
-    batches = list(data.train_dataloader())
+    device = torch.device(args.device)
+    batches = [{k: v.to(device) for k, v in batch.items()} for batch in data.train_dataloader()]
     window = 1000
-    print(f"MovieLens-100K, batch 512, CPU {torch.get_num_threads()} threads, torch {torch.__version__}; "
+    where = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU {torch.get_num_threads()} threads"
+    print(f"MovieLens-100K, batch 512, {where}, torch {torch.__version__}; "
           f"median of {args.repeats} interleaved steps per cell\n")
     print("| gate | window position (R) | base step (ms) | + step (ms) | overhead |")
     print("|---|---|---|---|---|")
@@ -43,7 +46,7 @@ def main() -> None:
         for plus in (False, True):
             pl.seed_everything(0, verbose=False)
             model = MultiTaskMoE(gate=partial(gate_class(gate)), info=data.info, perm_epochs=1 if plus else None)
-            model.train()
+            model.to(device).train()
             if plus:
                 model.net.local_search.set_window(window)
             models[plus] = (model, model.configure_optimizers())
@@ -58,6 +61,8 @@ def main() -> None:
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
             return time.perf_counter() - start
 
         overheads = []

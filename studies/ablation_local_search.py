@@ -1,7 +1,7 @@
 """Rerun the design of the COMET paper's Table 1 (Section 4.4) on MovieLens-100K: each gate with and without
 permutation local search, over many random initialisations.
 
-    MTMOE_DATA=../shared/data python studies/ablation_local_search.py --seeds 10
+    MTMOE_DATA=../shared/data python studies/ablation_local_search.py --seeds 10 [--workers 4]
 
 Protocol (Section 4.4; comet-protocol.md §3.11): the S1.2 MovieLens architecture with 16 experts, k = 2, 10 epochs
 at batch 512 and learning rate 2.5e-5 (Adam), the "+" variants learning the permutation for the first 5 epochs with
@@ -11,7 +11,8 @@ with its sampled negatives has 200k rows too. The paper does not state alpha; it
 
 Seed s initialises base and "+" models identically apart from the permutation (the run seed also draws the Hash-r
 table). Results go to ``<out>/runs.csv`` one row per finished run, so an interrupted study resumes where it stopped
-and ``--seeds`` can be raised later. The table reports mean +- standard error (x 1e-2, as Table 1) and the one-sided
+and ``--seeds`` can be raised later. ``--workers N`` trains N runs at a time in separate processes (on one
+GPU, or splitting the CPU's cores between them); the parent alone writes ``runs.csv``. The table reports mean +- standard error (x 1e-2, as Table 1) and the one-sided
 unpaired Welch t-test of "+" < base (``scipy.stats.ttest_ind(..., alternative="less", equal_var=False)``).
 """
 from __future__ import annotations
@@ -19,8 +20,11 @@ from __future__ import annotations
 import argparse
 import csv
 import math
+import multiprocessing
+import os
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from functools import partial
 from pathlib import Path
 
@@ -30,6 +34,27 @@ PAPER_TABLE_1 = {  # test loss x 1e-2, mean +- SE over 100 initialisations (Movi
     "comet": "52.034 ± 0.007", "comet+": "*52.017 ± 0.005",
 }
 FIELDS = ["gate", "seed", "test_loss", "watch_auroc", "rating_mse", "experts_per_sample", "seconds"]
+
+
+_WORKER_DATA = None  # the DataModule of a worker process, loaded once by ``_init_worker``
+
+
+def _init_worker(root: str | None, threads: int) -> None:
+    global _WORKER_DATA
+    import logging
+
+    import torch
+
+    from mtmoe.data import MovieLens100KDataModule
+
+    torch.set_num_threads(threads)
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # one progress line per run, from the parent
+    _WORKER_DATA = MovieLens100KDataModule(root=root, batch_size=512)
+    _WORKER_DATA.setup()
+
+
+def _train_in_worker(gate: str, seed: int, args: argparse.Namespace) -> dict:
+    return train_one(_WORKER_DATA, gate, seed, args)
 
 
 def train_one(data, gate: str, seed: int, args: argparse.Namespace) -> dict:
@@ -104,10 +129,11 @@ def main() -> None:
     parser.add_argument("--alpha", type=float, default=0.9)
     parser.add_argument("--root", default=None, help="data root (default: $MTMOE_DATA, else datasets/)")
     parser.add_argument("--accelerator", default="cpu")
+    parser.add_argument("--workers", type=int, default=1, help="runs trained at a time, each in its own process")
     parser.add_argument("--out", default="studies/out/ablation_local_search", help="folder for runs.csv and table.md")
     args = parser.parse_args()
-    if args.seeds < 1 or args.perm_epochs > args.epochs:
-        print("error: need --seeds >= 1 and --perm-epochs <= --epochs", file=sys.stderr)
+    if args.seeds < 1 or args.workers < 1 or args.perm_epochs > args.epochs:
+        print("error: need --seeds >= 1, --workers >= 1 and --perm-epochs <= --epochs", file=sys.stderr)
         sys.exit(2)
 
     from mtmoe.data import MovieLens100KDataModule
@@ -122,23 +148,31 @@ def main() -> None:
         with open(runs_csv) as handle:
             rows = [{**r, "seed": int(r["seed"]), "test_loss": float(r["test_loss"])} for r in csv.DictReader(handle)]
     done = {(r["gate"], r["seed"]) for r in rows}
+    todo = [(g + s, seed) for seed in range(args.seeds) for g in gates for s in ("", "+") if (g + s, seed) not in done]
     try:
-        data = MovieLens100KDataModule(root=args.root, batch_size=512)
-        data.setup()
+        MovieLens100KDataModule(root=args.root, batch_size=512).prepare_data()  # once, before any worker reads it
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
-    todo = [(g + s, seed) for seed in range(args.seeds) for g in gates for s in ("", "+") if (g + s, seed) not in done]
-    for i, (gate, seed) in enumerate(todo, 1):
-        row = train_one(data, gate, seed, args)
-        rows.append(row)
-        new_file = not runs_csv.exists()
-        with open(runs_csv, "a", newline="") as handle:
-            writer = csv.DictWriter(handle, fieldnames=FIELDS)
-            if new_file:
-                writer.writeheader()
-            writer.writerow(row)
-        print(f"[{i}/{len(todo)}] {gate} seed {seed}: test loss {row['test_loss']:.4f} ({row['seconds']} s)", flush=True)
+    threads = max(1, (os.cpu_count() or 1) // args.workers)
+    start = time.perf_counter()
+    with ProcessPoolExecutor(
+        args.workers, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker,
+        initargs=(args.root, threads),
+    ) as pool:
+        futures = [pool.submit(_train_in_worker, gate, seed, args) for gate, seed in todo]
+        for i, future in enumerate(as_completed(futures), 1):
+            row = future.result()
+            rows.append(row)
+            new_file = not runs_csv.exists()
+            with open(runs_csv, "a", newline="") as handle:
+                writer = csv.DictWriter(handle, fieldnames=FIELDS)
+                if new_file:
+                    writer.writeheader()
+                writer.writerow(row)
+            eta = (time.perf_counter() - start) / i * (len(todo) - i)
+            print(f"[{i}/{len(todo)}] {row['gate']} seed {row['seed']}: test loss {row['test_loss']:.4f} "
+                  f"({row['seconds']} s; ETA {eta / 60:.1f} min)", flush=True)
     table = summarise(rows, gates)
     header = (
         f"MovieLens-100K, {args.epochs} epochs ({args.perm_epochs} of permutation learning), batch 512, "
