@@ -22,100 +22,15 @@ from __future__ import annotations
 
 import math
 
-import numba
-import numpy as np
 import torch
 from scipy.optimize import linear_sum_assignment
 from torch import Tensor, nn
 
 from mtmoe.errors import UsageError
+from mtmoe.sinkhorn import sinkhorn
 
 TAU_START, TAU_END = 1e-3, 1e-7
 ITERATIONS_START, ITERATIONS_END = 20, 150
-
-
-@numba.njit(cache=True)
-def _sinkhorn_forward(log_p: np.ndarray, iterations: int) -> tuple[np.ndarray, np.ndarray]:
-    """``iterations`` log-space row-then-column normalisations of ``log_p`` ``[m, n, n]`` (float64, in place).
-
-    Returns the row and column softmaxes of every iteration ``[R, m, n, n]``, which the backward pass needs; the
-    last column softmax is the output.
-    """
-    m, n, _ = log_p.shape
-    rows = np.empty((iterations, m, n, n))
-    cols = np.empty((iterations, m, n, n))
-    for r in range(iterations):
-        for b in range(m):
-            for i in range(n):  # L[i, :] -= logsumexp(L[i, :])
-                top = log_p[b, i, :].max()
-                total = 0.0
-                for j in range(n):
-                    rows[r, b, i, j] = math.exp(log_p[b, i, j] - top)
-                    total += rows[r, b, i, j]
-                shift = top + math.log(total)
-                for j in range(n):
-                    rows[r, b, i, j] /= total
-                    log_p[b, i, j] -= shift
-            for j in range(n):  # L[:, j] -= logsumexp(L[:, j])
-                top = log_p[b, :, j].max()
-                total = 0.0
-                for i in range(n):
-                    cols[r, b, i, j] = math.exp(log_p[b, i, j] - top)
-                    total += cols[r, b, i, j]
-                shift = top + math.log(total)
-                for i in range(n):
-                    cols[r, b, i, j] /= total
-                    log_p[b, i, j] -= shift
-    return rows, cols
-
-
-@numba.njit(cache=True)
-def _sinkhorn_backward(g: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
-    """Vector-Jacobian product of :func:`_sinkhorn_forward`'s last column softmax, given ``g`` = dLoss/dOutput."""
-    iterations, m, n, _ = rows.shape
-    g = g * cols[iterations - 1]  # d exp(L) / dL = exp(L)
-    for r in range(iterations - 1, -1, -1):
-        for b in range(m):
-            for j in range(n):  # through L <- L - logsumexp over each column
-                total = 0.0
-                for i in range(n):
-                    total += g[b, i, j]
-                for i in range(n):
-                    g[b, i, j] -= cols[r, b, i, j] * total
-            for i in range(n):  # through L <- L - logsumexp over each row
-                total = 0.0
-                for j in range(n):
-                    total += g[b, i, j]
-                for j in range(n):
-                    g[b, i, j] -= rows[r, b, i, j] * total
-    return g
-
-
-class LogSinkhorn(torch.autograd.Function):
-    """``exp`` of ``R`` log-space Sinkhorn iterations on ``U / tau`` (rows then columns; ends column-stochastic).
-
-    Forward and backward are compiled loops (numba) in float64 over the small [m, n, n] matrices: the same
-    arithmetic as unrolled autograd (checked against it in the tests), without ~14 kernels per iteration, which
-    cost about as much as a MovieLens training step at R = 150 (as NumPy calls: 7-11 ms per step on a 2-core CPU).
-    """
-
-    @staticmethod
-    def forward(ctx, u: Tensor, tau: float, iterations: int) -> Tensor:
-        if iterations < 1:
-            raise ValueError(f"Sinkhorn needs at least one iteration, got {iterations}")
-        log_p = u.detach().cpu().double().numpy() / tau
-        ctx.rows, ctx.cols = _sinkhorn_forward(log_p, iterations)
-        ctx.tau = tau
-        return torch.from_numpy(ctx.cols[-1].copy()).to(device=u.device, dtype=u.dtype)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
-        g = _sinkhorn_backward(grad.detach().cpu().double().numpy(), ctx.rows, ctx.cols)
-        return torch.from_numpy(g / ctx.tau).to(device=grad.device, dtype=grad.dtype), None, None
-
-
-def sinkhorn(u: Tensor, tau: float, iterations: int) -> Tensor:
-    return LogSinkhorn.apply(u, tau, iterations)
 
 
 def round_to_permutation(p: Tensor) -> Tensor:
@@ -178,6 +93,14 @@ class LocalSearch(nn.Module):
         self.register_buffer("rounded", torch.eye(n_experts).repeat(m, 1, 1))
         self.register_buffer("rounded_at", torch.full((), -1, dtype=torch.long))  # step ``rounded`` belongs to
         self.last_stats: dict[str, Tensor] = {}
+
+    def _apply(self, fn, recurse=True):
+        """Move tensors as ``nn.Module`` does, except the scalar counters: they stay on the CPU, so the Python-side
+        schedule logic (read every step) never waits for a GPU."""
+        counters = {name: self._buffers[name] for name in ("step", "window", "rounded_at")}
+        super()._apply(fn, recurse)
+        self._buffers.update(counters)
+        return self
 
     def set_window(self, steps_per_epoch: int) -> None:
         self.window.fill_(self.epochs * steps_per_epoch)

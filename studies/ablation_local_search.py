@@ -156,10 +156,11 @@ def main() -> None:
         sys.exit(2)
     threads = max(1, (os.cpu_count() or 1) // args.workers)
     start = time.perf_counter()
-    with ProcessPoolExecutor(
+    pool = ProcessPoolExecutor(
         args.workers, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker,
         initargs=(args.root, threads),
-    ) as pool:
+    )
+    try:
         futures = [pool.submit(_train_in_worker, gate, seed, args) for gate, seed in todo]
         for i, future in enumerate(as_completed(futures), 1):
             row = future.result()
@@ -173,6 +174,11 @@ def main() -> None:
             eta = (time.perf_counter() - start) / i * (len(todo) - i)
             print(f"[{i}/{len(todo)}] {row['gate']} seed {row['seed']}: test loss {row['test_loss']:.4f} "
                   f"({row['seconds']} s; ETA {eta / 60:.1f} min)", flush=True)
+    except KeyboardInterrupt:
+        print(f"interrupted: {len(rows)} runs kept in {runs_csv}; rerun the same command to resume", file=sys.stderr)
+        pool.shutdown(wait=False, cancel_futures=True)
+        sys.exit(130)
+    pool.shutdown()
     table = summarise(rows, gates)
     header = (
         f"MovieLens-100K, {args.epochs} epochs ({args.perm_epochs} of permutation learning), batch 512, "

@@ -31,12 +31,11 @@ from mtmoe.permutation import (
     TAU_END,
     TAU_START,
     LocalSearch,
-    LogSinkhorn,
     permutation_entropy,
     round_to_permutation,
     schedule,
-    sinkhorn,
 )
+from mtmoe.sinkhorn import LogSinkhorn, sinkhorn
 
 FAST = ["--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false", "--data.batch_size=64"]
 
@@ -266,6 +265,37 @@ def test_log_sinkhorn_keeps_dtype_and_float32_gradient_matches() -> None:
     plain_log_sinkhorn(u64, 0.1, 20).pow(2).sum().backward()
     assert u32.grad.dtype == torch.float32
     assert torch.allclose(u32.grad.double(), u64.grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("n", [2, 5, 16, 33])
+def test_log_sinkhorn_cuda_kernels_equal_the_cpu_loops(dtype: torch.dtype, n: int) -> None:
+    """The Triton forward and backward give the CPU loops' results, at every schedule position."""
+    for seed, (tau, iterations) in enumerate([(1.0, 1), (TAU_START, 20), (1e-5, 85), (TAU_END, ITERATIONS_END)]):
+        u = module_init_u(3, n, seed, dtype)
+        upstream = torch.randn(3, n, n, dtype=dtype, generator=torch.Generator().manual_seed(seed))
+        cpu, gpu = u.clone().requires_grad_(), u.cuda().requires_grad_()
+        p_cpu, p_gpu = sinkhorn(cpu, tau, iterations), sinkhorn(gpu, tau, iterations)
+        assert p_gpu.is_cuda and p_gpu.dtype == dtype
+        assert torch.allclose(p_gpu.cpu(), p_cpu, atol=1e-6 if dtype == torch.float32 else 1e-12, rtol=0)
+        (p_cpu * upstream).sum().backward()
+        (p_gpu * upstream.cuda()).sum().backward()
+        scale = float(cpu.grad.abs().max()) + 1e-30
+        assert torch.allclose(gpu.grad.cpu() / scale, cpu.grad / scale, atol=1e-5 if dtype == torch.float32 else 1e-10)
+
+
+def test_counters_stay_on_the_cpu_when_the_module_moves() -> None:
+    """Step, window and rounding marker are read every step: they never move (no GPU synchronisation)."""
+    search = LocalSearch(4, 2, epochs=1)
+    counters = {name: getattr(search, name) for name in ("step", "window", "rounded_at")}
+    search.double()
+    if torch.cuda.is_available():
+        search.cuda()
+        assert search.log_weights.is_cuda and search.rounded.is_cuda
+    for name, tensor in counters.items():
+        assert getattr(search, name) is tensor and tensor.device.type == "cpu" and tensor.dtype == torch.long
+    assert search.log_weights.dtype == torch.float64
 
 
 def test_round_to_permutation_random_soft_inputs() -> None:
