@@ -169,6 +169,14 @@ def monte_carlo(losses: np.ndarray, budgets: np.ndarray, draws: int = DRAWS, see
     return torch.tensor(losses, device=device)[ranks].cpu().numpy()
 
 
+def agreement(mc_mean: np.ndarray, exact_mean: np.ndarray, exact_std: np.ndarray, draws: int) -> np.ndarray:
+    """|Monte-Carlo mean - closed form| in standard errors of the Monte-Carlo mean (0 where they agree to rounding,
+    e.g. at s = N without replacement, where every draw is the whole bag)."""
+    difference = np.abs(np.asarray(mc_mean) - np.asarray(exact_mean))
+    error = np.asarray(exact_std) / math.sqrt(draws)
+    return np.divide(difference, error, out=np.zeros_like(difference), where=difference > 1e-12)
+
+
 def summarize(outcomes: np.ndarray) -> dict[str, np.ndarray]:
     """Per budget: the Monte-Carlo mean, its standard error and the 95% band (percentiles, inverted CDF)."""
     low, high = np.quantile(outcomes, BAND, axis=0, method="inverted_cdf")
@@ -236,7 +244,7 @@ def reduction_factors(expected_a: np.ndarray, expected_b: np.ndarray, budgets: n
             bound = ">=" if s_a == 1 and expected_a[0] < level else ""
         rows.append({"s_b": int(s_b), "level": level, "s_b_reach": reach_b, "s_a": s_a, "factor": factor,
                      "bound": bound})
-    return pd.DataFrame(rows)
+    return pd.DataFrame(rows).astype({"s_a": "Int64"})
 
 
 def factor_range(factors: pd.DataFrame) -> dict[str, Any]:
@@ -382,12 +390,12 @@ def report_blocks(curves: pd.DataFrame, ranges: pd.DataFrame, gates: list[str], 
              str(r.never)] for r in ranges.itertuples()]
     blocks.append(("table", header, rows) if rows else ("p", "No pair of gates shares a panel."))
     first = curves.groupby("study", sort=False).first()
-    mc_error = curves.assign(z=(curves.mc_mean - curves.exact_mean).abs() / (curves.exact_std / math.sqrt(settings.draws)))
+    mc_error = curves.assign(z=agreement(curves.mc_mean, curves.exact_mean, curves.exact_std, settings.draws))
     blocks += [("h2", "Studies"),
                ("table", ["Study", "Gate", "alpha", "completed N", "left out (diverged)", "budgets up to",
                           "max |MC − closed form| / SE"],
                 [[study, r.gate, r.alpha, str(r.trials), str(r.left_out), str(int(curves[curves.study == study].s.max())),
-                  f"{mc_error[mc_error.study == study].z.replace([np.inf], np.nan).max():.2f}"]
+                  f"{mc_error[mc_error.study == study].z.max():.2f}"]
                  for study, r in first.iterrows()])]
     blocks.append(("h2", "Test loss ×10⁻² at selected budgets: Monte-Carlo mean (closed form) [95% band]"))
     for data_, alpha in _panels(curves):
@@ -502,8 +510,8 @@ def select(url: str, trials: pd.DataFrame, gates: list[str] | None) -> tuple[pd.
     for data, table in trials.groupby("data"):
         missing = [gate for gate in gates or [] if gate not in set(table.gate)]
         if missing:
-            raise UsageError(f"no study for gate {missing[0]!r} of dataset {data!r} in {url} "
-                             f"(gates with studies: {', '.join(sorted(set(table.gate)))})")
+            raise UsageError(f"no study with finished trials for gate {missing[0]!r} of dataset {data!r} in {url} "
+                             f"(gates with trials: {', '.join(sorted(set(table.gate)))})")
     if gates is not None:
         trials = trials[trials.gate.isin(gates)]
     studies = trials.groupby([trials.data, trials.alpha.map(_alpha_text), trials.gate]).study.unique()
