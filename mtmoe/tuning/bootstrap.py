@@ -35,7 +35,11 @@ trial), one study per dataset, alpha and gate.
   L within its N_A trials the factor is undefined (``never``). The **range** is the min and max over the grid's
   s_B >= 2 (at s_B = 1 the factor cannot exceed 1 by construction).
   Default pairs: every "G+" over its "G" (Figure 3) and ``comet`` over every other gate without "+" (Figure 2);
-  ``--pairs A:B,...`` chooses.
+  ``--pairs A:B,...`` chooses. Factors compare gates within a panel (same dataset and alpha).
+
+``--gates`` picks gates (default: every gate with a study of the dataset); each must have a study with finished
+trials in the storage, and a panel shows those with a study at its alpha. ``--data`` takes a comma-separated list
+for a figure of several datasets (Figure 2).
 
 Outputs (written atomically into ``--out``, default ``studies/reports/<data>/``): ``bootstrap.png`` (one panel
 per dataset and alpha: Monte-Carlo mean with its 95% band, closed form as markers), ``bootstrap_curves.csv``,
@@ -530,14 +534,15 @@ def bootstrap(argv: list[str]) -> None:
     datasets = _names(args.data, "--data")
     requested = _names(args.gates, "--gates")
     pairs = [tuple(pair.split(":", 1)) for pair in _names(args.pairs, "--pairs") or []]
-    for pair in pairs:
-        if len(pair) != 2 or not all(pair) or (requested and not set(pair) <= set(requested)):
-            raise UsageError(f"--pairs: {':'.join(pair)!r} is not A:B of two of the bootstrapped gates")
     tables = []
     for data in datasets:
         url, table = collect(args.storage, data)
         tables.append(table.assign(data=data))
     trials, gates = select(url, pd.concat(tables, ignore_index=True), requested)
+    for pair in pairs:
+        if len(pair) != 2 or not set(pair) <= set(gates):
+            raise UsageError(f"--pairs: {':'.join(pair)!r} is not A:B of two of the bootstrapped gates "
+                             f"({', '.join(gates)})")
     start = time.perf_counter()
     curves = tuning_curves(trials, settings)
     elapsed = time.perf_counter() - start
