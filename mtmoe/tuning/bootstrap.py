@@ -308,7 +308,7 @@ def _panel_title(data: str, alpha: str) -> str:
 def plot(curves: pd.DataFrame, gates: list[str]):
     """The tuning curves, one panel per (dataset, alpha) as in Figures 2-3: Monte-Carlo mean and 95% band per gate
     (a "+" gate solid, in its base gate's colour; the base gate dashed), the closed form as dots. The y axis fits
-    the mean curves; the widest bands (small s) may run past it."""
+    the bands' lower ends and the mean curves; the bands' upper ends at small s may run past it."""
     from matplotlib.figure import Figure
     from matplotlib.ticker import FixedLocator, NullLocator, ScalarFormatter
 
@@ -334,8 +334,8 @@ def plot(curves: pd.DataFrame, gates: list[str]):
         ax.xaxis.set_major_locator(FixedLocator([s for s in SHOWN_BUDGETS if s <= panel.s.max()]))
         ax.xaxis.set_major_formatter(ScalarFormatter())
         ax.xaxis.set_minor_locator(NullLocator())
-        low, high = panel.mc_mean.min(), panel.mc_mean.max()
-        margin = 0.25 * (high - low) or 0.01 * abs(high) or 0.01
+        low, high = panel.mc_low.min(), panel.mc_mean.max()
+        margin = 0.1 * (high - low) or 0.01 * abs(high) or 0.01
         ax.set_ylim(low - margin, high + margin)
         ax.set_title(_panel_title(data, alpha))
         ax.set_xlabel("tuning budget s (trials)")
@@ -377,8 +377,8 @@ def report_blocks(curves: pd.DataFrame, ranges: pd.DataFrame, gates: list[str], 
               f"{settings.max_budget or PAPER_MAX_BUDGET}}} (up to a study's N completed trials), {settings.draws} "
               f"repetitions draw s trials ({scheme}; {settings.resampling} draws, seed {settings.seed}), keep the best "
               "validation objective (ties: lower config_id) and record its test loss. Lines: the Monte-Carlo mean; "
-              "bands: 2.5th-97.5th percentiles of the recorded test losses (the y axis fits the means: the widest "
-              "bands may run past it); dots: the closed form. Diverged trials are left out of the bag."),
+              "bands: 2.5th-97.5th percentiles of the recorded test losses (the y axis fits the means and the "
+              "bands' lower ends: the upper ends at small s may run past it); dots: the closed form. Diverged trials are left out of the bag."),
         ("img", "bootstrap.png", "tuning curves"),
         ("h2", "Tuning reduction factors"),
         ("p", "Factor of A over B at budget s_B: s_B' / s_A, where s_A and s_B' are the smallest budgets at which "
