@@ -397,7 +397,7 @@ def report_blocks(curves: pd.DataFrame, ranges: pd.DataFrame, gates: list[str], 
     mc_error = curves.assign(z=agreement(curves.mc_mean, curves.exact_mean, curves.exact_std, settings.draws))
     blocks += [("h2", "Studies"),
                ("table", ["Study", "Gate", "alpha", "completed N", "left out (diverged)", "budgets up to",
-                          "max |MC − closed form| / SE"],
+                          "max abs(MC − closed form) / SE"],
                 [[study, r.gate, r.alpha, str(r.trials), str(r.left_out), str(int(curves[curves.study == study].s.max())),
                   f"{mc_error[mc_error.study == study].z.max():.2f}"]
                  for study, r in first.iterrows()])]
