@@ -283,6 +283,9 @@ def test_cli_end_to_end(storage, tmp_path: Path, capsys) -> None:
     markdown = (out / "bootstrap.md").read_text()
     assert "![tuning curves](bootstrap.png)" in markdown and markdown in printed
     assert "| movielens | 0.1 | topk+ over topk |" in markdown and "**movielens, α = 0.9**" in markdown
+    for block in markdown.split("\n\n"):  # every Markdown table row has its header's number of cells
+        rows = [line for line in block.splitlines() if line.startswith("|")]
+        assert len({row.count("|") for row in rows}) <= 1, block
     page = (out / "bootstrap.html").read_text()
     inlined = re.search(r'src="data:image/png;base64,([^"]+)"', page).group(1)
     assert base64.b64decode(inlined) == png and page.count("<table>") == 4  # factors, studies, 2 panels
