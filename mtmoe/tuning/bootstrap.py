@@ -1,4 +1,4 @@
-"""``python -m mtmoe bootstrap --data movielens``: the tuning-budget bootstrap of Appendix F (Figures 2-3, §5.1.2-5.1.3).
+"""``python -m mtmoe bootstrap --data movielens``: Appendix F's tuning-budget bootstrap (Figures 2-3, §5.1.2-5.1.3).
 
 It reads the trials of the tuning studies (never trains). Pure functions over a **trial table**: one row per
 evaluated configuration, as :func:`mtmoe.tuning.report.collect` reads it (columns ``study, gate, alpha,
@@ -378,7 +378,8 @@ def report_blocks(curves: pd.DataFrame, ranges: pd.DataFrame, gates: list[str], 
               f"repetitions draw s trials ({scheme}; {settings.resampling} draws, seed {settings.seed}), keep the best "
               "validation objective (ties: lower config_id) and record its test loss. Lines: the Monte-Carlo mean; "
               "bands: 2.5th-97.5th percentiles of the recorded test losses (the y axis fits the means and the "
-              "bands' lower ends: the upper ends at small s may run past it); dots: the closed form. Diverged trials are left out of the bag."),
+              "bands' lower ends: the upper ends at small s may run past it); dots: the closed form. Diverged "
+              "trials are left out of the bag."),
         ("img", "bootstrap.png", "tuning curves"),
         ("h2", "Tuning reduction factors"),
         ("p", "Factor of A over B at budget s_B: s_B' / s_A, where s_A and s_B' are the smallest budgets at which "
@@ -390,17 +391,17 @@ def report_blocks(curves: pd.DataFrame, ranges: pd.DataFrame, gates: list[str], 
     header = ["Dataset", "alpha", "A over B", "range (s_B ≥ 2)", "s_B at min – max", "never"]
     rows = [[r.data, r.alpha, f"{r.gate_a} over {r.gate_b}",
              f"{_factor(r.factor_min, r.min_bound)} – {_factor(r.factor_max, r.max_bound)}",
-             "-" if r.s_b_at_min is None or pd.isna(r.s_b_at_min) else f"{int(r.s_b_at_min)} – {int(r.s_b_at_max)}",
+             "-" if pd.isna(r.s_b_at_min) else f"{int(r.s_b_at_min)} – {int(r.s_b_at_max)}",
              str(r.never)] for r in ranges.itertuples()]
     blocks.append(("table", header, rows) if rows else ("p", "No pair of gates shares a panel."))
-    first = curves.groupby("study", sort=False).first()
-    mc_error = curves.assign(z=agreement(curves.mc_mean, curves.exact_mean, curves.exact_std, settings.draws))
+    studies = curves.assign(z=agreement(curves.mc_mean, curves.exact_mean, curves.exact_std, settings.draws)).groupby(
+        "study", sort=False).agg(gate=("gate", "first"), alpha=("alpha", "first"), trials=("trials", "first"),
+                                 left_out=("left_out", "first"), largest=("s", "max"), z=("z", "max"))
     blocks += [("h2", "Studies"),
                ("table", ["Study", "Gate", "alpha", "completed N", "left out (diverged)", "budgets up to",
                           "max abs(MC − closed form) / SE"],
-                [[study, r.gate, r.alpha, str(r.trials), str(r.left_out), str(int(curves[curves.study == study].s.max())),
-                  f"{mc_error[mc_error.study == study].z.max():.2f}"]
-                 for study, r in first.iterrows()])]
+                [[study, r.gate, r.alpha, str(r.trials), str(r.left_out), str(r.largest), f"{r.z:.2f}"]
+                 for study, r in studies.iterrows()])]
     blocks.append(("h2", "Test loss ×10⁻² at selected budgets: Monte-Carlo mean (closed form) [95% band]"))
     for data_, alpha in _panels(curves):
         panel = curves[(curves.data == data_) & (curves.alpha == alpha)]
