@@ -319,6 +319,7 @@ def test_cli_seed_and_options(storage, tmp_path: Path, capsys) -> None:
         (["--storage", "sqlite:///{tmp}/missing.db"], "no study storage at"),
         (["--pairs", "topk:comet", "--gates", "topk"], "--pairs: 'topk:comet' is not A:B"),
         (["--draws", "1"], "--draws must be >= 2"),
+        (["--draws", "many"], "argument --draws: invalid int value: 'many'"),
         (["--resample", "bogus"], "invalid choice: 'bogus'"),
         (["--bogus"], "unrecognised arguments: --bogus"),
     ],
@@ -335,6 +336,11 @@ def test_cli_bad_input_one_line_exit_2(storage, tmp_path: Path, capsys, argv: li
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
     assert not (tmp_path / "rep").exists() and not (tmp_path / "missing.db").exists()
+
+
+def test_cli_missing_data_is_one_line(capsys) -> None:
+    assert run_cli(["bootstrap"]) == 2
+    assert capsys.readouterr().err.strip() == "error: bootstrap: the following arguments are required: --data"
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a CUDA device is here")
