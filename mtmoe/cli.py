@@ -1,4 +1,5 @@
-"""Command line: ``python -m mtmoe fit --gate comet --data movielens`` (and ``validate``, ``test``, ``gates``).
+"""Command line: ``python -m mtmoe fit --gate comet --data movielens`` (and ``validate``, ``test``, ``gates``;
+``tune``, ``report`` and ``bootstrap`` read and write the tuning studies, :mod:`mtmoe.tuning`).
 
 ``fit``/``validate``/``test`` are a ``LightningCLI`` (``--config``, ``--print_config``, ``--trainer.*``,
 ``--model.*``, ``--data.*``, ``--seed_everything``) with two shortcuts: ``--gate NAME`` selects a registered gate
@@ -189,6 +190,10 @@ def main(argv: list[str] | None = None) -> None:
             from mtmoe.tuning.report import report
 
             report(argv[1:])
+        elif argv and argv[0] == "bootstrap":
+            from mtmoe.tuning.bootstrap import bootstrap
+
+            bootstrap(argv[1:])
         elif argv and argv[0] == "gates":
             print_gates()
         elif argv and argv[0] == "datasets":
@@ -198,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
         else:
             raise UsageError(
                 f"unknown command {argv[0]!r}; commands: {', '.join(LIGHTNING_COMMANDS)}, "
-                "tune, report, gates, datasets"
+                "tune, report, bootstrap, gates, datasets"
             )
     except (UsageError, ArgumentError) as error:
         message = " ".join(str(error).split())  # one line, whatever the parser's formatting

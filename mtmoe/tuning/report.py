@@ -40,18 +40,37 @@ SIGNIFICANCE = 0.05
 TASK_METRICS = {"auroc": ("AUC", 100.0), "accuracy": ("accuracy", 100.0), "mse": ("MSE", 1.0)}
 
 
-def parse_report_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m mtmoe report", exit_on_error=False)
+class OneLineParser(argparse.ArgumentParser):
+    """Every parse error (a missing required flag too, which ``exit_on_error=False`` does not cover before Python
+    3.12) is a one-line UsageError."""
+
+    def error(self, message: str):
+        raise UsageError(f"{self.prog.rpartition(' ')[2]}: {message}")
+
+
+def studies_parser(command: str) -> argparse.ArgumentParser:
+    """``--data``, ``--storage``, ``--out``: how the commands that read the tuning studies (``report``,
+    ``bootstrap``) find them and where they write."""
+    parser = OneLineParser(prog=f"python -m mtmoe {command}", exit_on_error=False)
     parser.add_argument("--data", required=True, help="dataset (the studies' 'data' attribute)")
     parser.add_argument("--storage", default=None, help="RDB URL or journal:PATH (default: studies/optuna.db)")
     parser.add_argument("--out", default=None, help="output folder (default: studies/reports/<data>/)")
+    return parser
+
+
+def parse_strict(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """Parse ``argv``; a bad or unknown flag is a one-line UsageError."""
     try:
         args, extra = parser.parse_known_args(argv)
     except argparse.ArgumentError as error:
         raise UsageError(str(error)) from None
     if extra:
-        raise UsageError(f"report: unrecognised arguments: {' '.join(extra)}")
+        raise UsageError(f"{parser.prog.rpartition(' ')[2]}: unrecognised arguments: {' '.join(extra)}")
     return args
+
+
+def parse_report_args(argv: list[str]) -> argparse.Namespace:
+    return parse_strict(studies_parser("report"), argv)
 
 
 def open_storage(url: str | None):
@@ -242,12 +261,13 @@ def markdown(data: str, url: str, table: pd.DataFrame, table7: pd.DataFrame) -> 
     return "\n".join(lines) + "\n"
 
 
-def write_atomic(text: str, path: Path) -> None:
+def write_atomic(content: str | bytes, path: Path) -> None:
+    """Write to a temporary file beside ``path``, then rename it over ``path``: never a half-written file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
+        with os.fdopen(fd, "wb" if isinstance(content, bytes) else "w") as handle:
+            handle.write(content)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

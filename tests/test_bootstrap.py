@@ -1,0 +1,388 @@
+"""``bootstrap`` (Appendix F): known answers on synthetic trial tables, the closed forms against enumeration and
+against the Monte-Carlo draws of the same sampling scheme, the reduction factor, and the command line on real
+Optuna studies in a temporary SQLite storage, written in the format ``tune`` writes.
+"""
+from __future__ import annotations
+
+import base64
+import itertools
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import optuna
+import pandas as pd
+import pytest
+from optuna.trial import TrialState
+from scipy.special import comb
+
+from mtmoe.tuning import report as report_module
+from mtmoe.tuning.bootstrap import (
+    Settings,
+    best_rank_distribution,
+    budget_grid,
+    closed_form,
+    expected_curve,
+    factor_range,
+    monte_carlo,
+    panel_factors,
+    plot,
+    ranked_test_losses,
+    reduction_factors,
+    summarize,
+    tuning_curves,
+)
+
+from conftest import run_cli
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+LR = optuna.distributions.FloatDistribution(5e-5, 5e-4, log=True)
+
+
+def table(objectives, test_losses, gate: str = "topk", alpha: str | None = None, data: str = "movielens",
+          config_ids=None) -> pd.DataFrame:
+    """A trial table as ``report.collect`` returns it (diverged trials: objective +inf)."""
+    n = len(objectives)
+    return pd.DataFrame({
+        "data": data, "study": f"{data}/{gate}" + (f"/alpha={alpha}" if alpha else ""), "gate": gate, "alpha": alpha,
+        "config_id": range(n) if config_ids is None else config_ids, "objective": np.asarray(objectives, float),
+        "test_loss": np.asarray(test_losses, float), "diverged": ~np.isfinite(np.asarray(objectives, float)),
+    })
+
+
+def correlated_trials(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Validation objective and test loss of n trials: a shared quality plus noise, so the two disagree often."""
+    rng = np.random.default_rng(seed)
+    quality = 0.40 + rng.exponential(0.02, n)
+    return quality + rng.normal(0, 0.005, n), quality + rng.normal(0, 0.005, n)
+
+
+# --------------------------------------------------------------------------------------------------- closed form
+
+
+def test_budget_grid_is_appendix_f() -> None:
+    grid = budget_grid(250)
+    assert len(grid) == 52 and list(grid[:5]) == [1, 2, 5, 10, 15] and grid[-1] == 250
+    assert list(budget_grid(12)) == [1, 2, 5, 10] and list(budget_grid(1)) == [1]
+
+
+@pytest.mark.parametrize("replace", [False, True])
+def test_best_rank_distribution_matches_enumeration(replace: bool) -> None:
+    """Every draw of s of 6 ranked trials (subsets, or sequences with replacement) enumerated: P(best is rank i)."""
+    n = 6
+    budgets = np.arange(1, n + 1)
+    p = best_rank_distribution(n, budgets, replace)
+    for row, s in zip(p, budgets):
+        draws = itertools.product(range(n), repeat=s) if replace else itertools.combinations(range(n), s)
+        counts = np.bincount([min(draw) for draw in draws], minlength=n)
+        assert row == pytest.approx(counts / counts.sum(), abs=1e-14)
+
+
+def test_hypergeometric_closed_form_at_paper_scale() -> None:
+    """N = 500: C(N-i, s-1)/C(N, s) by exact integer binomials, for the whole Appendix F grid."""
+    n, grid = 500, budget_grid(250)
+    p = best_rank_distribution(n, grid)
+    for b in (0, 1, 2, 10, 51):
+        s = int(grid[b])
+        exact = np.array([comb(n - i, s - 1, exact=True) / comb(n, s, exact=True) for i in range(1, n + 1)])
+        assert p[b] == pytest.approx(exact, rel=1e-9, abs=1e-300)
+    assert p.sum(axis=1) == pytest.approx(1.0, abs=1e-12)
+
+
+@pytest.mark.parametrize("replace", [False, True])
+def test_known_answers_s_1_and_s_n(replace: bool) -> None:
+    objectives, losses = correlated_trials(40, 0)
+    ranked = ranked_test_losses(table(objectives, losses))
+    budgets = np.array([1, 40])
+    exact = closed_form(ranked, budgets, replace)
+    assert exact["exact_mean"][0] == pytest.approx(losses.mean(), rel=1e-12)  # s = 1: any trial, uniformly
+    assert exact["exact_std"][0] == pytest.approx(losses.std(), rel=1e-9)
+    outcomes = monte_carlo(ranked, budgets, draws=1000, seed=3, replace=replace)
+    mc = summarize(outcomes)
+    assert abs(mc["mc_mean"][0] - losses.mean()) < 4 * losses.std() / math.sqrt(1000)
+    best = losses[np.argmin(objectives)]
+    if replace:  # s = N with replacement misses the best trial with probability (1 - 1/N)^N
+        assert abs(exact["exact_mean"][1] - best) > 1e-4 and exact["exact_std"][1] > 1e-4
+    else:  # s = N without replacement: every draw is the whole bag, whose best-validation trial is fixed
+        assert exact["exact_mean"][1] == pytest.approx(best, rel=1e-12) and exact["exact_std"][1] < 1e-9
+        assert exact["exact_low"][1] == exact["exact_high"][1] == best
+        assert np.all(outcomes[:, 1] == best) and mc["mc_low"][1] == mc["mc_high"][1] == best
+
+
+@pytest.mark.parametrize("replace", [False, True], ids=["without-replacement", "with-replacement-dodge"])
+@pytest.mark.parametrize("resampling", ["nested", "independent"])
+def test_monte_carlo_agrees_with_the_closed_form_of_its_scheme(replace: bool, resampling: str) -> None:
+    objectives, losses = correlated_trials(60, 1)
+    ranked = ranked_test_losses(table(objectives, losses))
+    budgets = budget_grid(60)
+    draws = 2000
+    outcomes = monte_carlo(ranked, budgets, draws, seed=11, replace=replace, resampling=resampling)
+    mc = summarize(outcomes)
+    exact = closed_form(ranked, budgets, replace)
+    error = exact["exact_std"] / math.sqrt(draws)
+    assert np.all(np.abs(mc["mc_mean"] - exact["exact_mean"]) <= 4 * error + 1e-12)
+    assert mc["mc_se"][:-1] == pytest.approx(error[:-1], rel=0.15)  # the SE estimates the closed form's
+    # the exact band's ends are the 2.5% and 97.5% quantiles of the draws' distribution: P(Y <= q) >= level > P(Y < q)
+    tolerance = 4 * math.sqrt(0.025 * 0.975 / draws)
+    for level, end in ((0.025, exact["exact_low"]), (0.975, exact["exact_high"])):
+        assert np.all((outcomes <= end).mean(axis=0) >= level - tolerance)
+        assert np.all((outcomes < end).mean(axis=0) <= level + tolerance)
+    # like with like: the other scheme's closed form is far off at large budgets (the check can fail)
+    other = closed_form(ranked, budgets, not replace)["exact_mean"]
+    assert np.abs(mc["mc_mean"][-3:] - other[-3:]).max() > 10 * error[-3:].max()
+
+
+def test_seeded_draws_are_reproducible_and_per_study() -> None:
+    objectives, losses = correlated_trials(50, 2)
+    ranked = ranked_test_losses(table(objectives, losses))
+    grid = budget_grid(50)
+    assert np.array_equal(monte_carlo(ranked, grid, 500, seed=7), monte_carlo(ranked, grid, 500, seed=7))
+    assert not np.array_equal(monte_carlo(ranked, grid, 500, seed=7), monte_carlo(ranked, grid, 500, seed=8))
+    one = table(objectives, losses, gate="topk")
+    two = pd.concat([one, table(*correlated_trials(30, 3), gate="comet")], ignore_index=True)
+    alone, together = tuning_curves(one, Settings(draws=300)), tuning_curves(two, Settings(draws=300))
+    shared = together[together.gate == "topk"].reset_index(drop=True)
+    pd.testing.assert_frame_equal(alone, shared)  # adding a gate leaves the others' draws alone
+    assert not tuning_curves(one, Settings(draws=300, seed=1)).mc_mean.equals(alone.mc_mean)
+
+
+def test_bag_leaves_out_diverged_and_breaks_ties_by_config_id() -> None:
+    trials = table(objectives=[0.1, 0.1, math.inf, 0.05, 0.3], test_losses=[1.0, 2.0, 0.0, math.nan, 3.0],
+                   config_ids=[5, 3, 1, 2, 4])
+    assert list(ranked_test_losses(trials)) == [2.0, 1.0, 3.0]  # config 3 before config 5; 1 and 2 left out
+    curves = tuning_curves(trials, Settings(draws=100))
+    assert list(curves.s) == [1, 2] and set(curves.trials) == {3} and set(curves.left_out) == {2}
+    assert curves.exact_mean.iloc[0] == pytest.approx(2.0)
+    assert curves.exact_mean.iloc[1] == pytest.approx((2.0 * 2 + 1.0) / 3)  # best of a pair: rank 1 in 2 of 3
+
+
+# --------------------------------------------------------------------------------------------------- reduction
+
+
+def test_reduction_factor_known_answers() -> None:
+    grid = budget_grid(10)  # 1, 2, 5, 10
+    b = 10.0 - np.arange(10)  # E_B(s) = 11 - s
+    better = reduction_factors(b - 2.5, b, grid)
+    assert list(better.s_a) == [1, 1, 3, 8]  # levels 10, 9, 6, 1 reached by 8.5 - s at s = 1, 1, 3, 8
+    assert list(better.factor) == pytest.approx([1, 2, 5 / 3, 10 / 8])
+    assert list(better.bound) == [">=", ">=", "", ""]
+    assert factor_range(better) == {"factor_min": 1.25, "factor_max": 2.0, "s_b_at_min": 10, "s_b_at_max": 2,
+                                    "min_bound": "", "max_bound": ">=", "never": 0}
+    worse = reduction_factors(b + 0.5, b, grid)
+    assert list(worse.factor[:3]) == pytest.approx([1 / 2, 2 / 3, 5 / 6]) and worse.bound.iloc[3] == "never"
+    assert factor_range(worse)["never"] == 1 and math.isnan(worse.factor.iloc[3])
+    # a curve that rises (best validation is not best test): B's own first budget at its level counts
+    rising = np.array([3.0, 1.0, 2.0, 2.0, 2.0])
+    same = reduction_factors(rising, rising, budget_grid(5))
+    assert list(same.s_b_reach) == [1, 2, 2] and list(same.factor) == [1.0, 1.0, 1.0]
+
+
+def test_identical_gates_give_1_and_a_uniformly_better_gate_more() -> None:
+    objectives, losses = correlated_trials(200, 4)
+    trials = pd.concat([table(objectives, losses, gate="hash"), table(objectives, losses, gate="hash+"),
+                        table(objectives, losses - 0.003, gate="topk")], ignore_index=True)
+    factors, ranges = panel_factors(trials, [("hash+", "hash"), ("topk", "hash"), ("hash", "topk")])
+    ranges = ranges.set_index(["gate_a", "gate_b"])
+    identical = factors[factors.gate_a == "hash+"]
+    assert len(identical) == len(budget_grid(200)) and (identical.factor == 1.0).all() and (identical.bound == "").all()
+    assert ranges.loc[("hash+", "hash")].factor_min == ranges.loc[("hash+", "hash")].factor_max == 1.0
+    better = factors[factors.gate_a == "topk"]
+    assert (better.factor >= 1.0).all() and ranges.loc[("topk", "hash")].factor_max > 2.0
+    assert (factors[factors.gate_a == "hash"].factor.dropna() <= 1.0).all()  # and the other way round, below 1
+
+
+def test_plot_has_one_panel_per_dataset_and_alpha() -> None:
+    trials = pd.concat([table(*correlated_trials(20, 5), gate=gate, alpha=alpha, data=data)
+                        for data, alphas in (("movielens", ("0.1", "0.9")), ("books", (None,)))
+                        for alpha in alphas for gate in ("topk", "topk+")], ignore_index=True)
+    figure = plot(tuning_curves(trials, Settings(draws=50)), ["topk", "topk+"])
+    titles = [ax.get_title() for ax in figure.axes if ax.get_visible()]
+    assert titles == ["books", "movielens, α = 0.1", "movielens, α = 0.9"]
+    assert all(len(ax.get_lines()) == 4 for ax in figure.axes if ax.get_visible())  # 2 gates: mean + closed form
+
+
+# --------------------------------------------------------------------------------------------------- command line
+
+
+def add_study(storage, data: str, gate: str, objectives, test_losses, alpha: str | None = None,
+              diverged: int = 0) -> str:
+    """A finished study as ``tune`` leaves it: study attributes, one enqueued-and-completed trial per config_id
+    with tune's user attributes, ``diverged`` extra configurations failed with a reason (their test loss set, as
+    tune sets it before it sees the NaN), and the noise the readers must skip (a lost trial, a skipped duplicate)."""
+    name = f"{data}/{gate}" + (f"/alpha={alpha}" if alpha else "")
+    study = optuna.create_study(study_name=name, storage=storage, direction="minimize")
+    n = len(objectives) + diverged
+    attrs = {"space_fingerprint": "0" * 16, "seed": 0, "data": data, "gate": gate, "trials": n,
+             **({"alpha": alpha} if alpha else {})}
+    for key, value in attrs.items():
+        study.set_user_attr(key, value)
+    for config_id in range(n):
+        loss = float(test_losses[config_id]) if config_id < len(objectives) else 0.0
+        user = {"config_id": config_id, "config_hash": f"{config_id:012d}", "seed": config_id, "wall_time_s": 1.0,
+                "epochs_run": 3, "best_epoch": 2, "test/loss": loss, "test_loss": loss,
+                "test/watch/experts_per_sample": 2.0, "test/rating/experts_per_sample": 2.0}
+        if config_id < len(objectives):
+            trial = optuna.trial.create_trial(value=float(objectives[config_id]), params={"model.lr": 1e-4},
+                                              distributions={"model.lr": LR}, user_attrs=user)
+        else:
+            trial = optuna.trial.create_trial(state=TrialState.FAIL, params={"model.lr": 1e-4},
+                                              distributions={"model.lr": LR},
+                                              user_attrs={**user, "fail_reason": "diverged: train loss nan"})
+        study.add_trial(trial)
+    study.add_trial(optuna.trial.create_trial(state=TrialState.FAIL, user_attrs={"config_id": 0}))  # lost
+    study.add_trial(optuna.trial.create_trial(state=TrialState.PRUNED, user_attrs={"config_id": 1}))  # duplicate
+    return name
+
+
+@pytest.fixture(scope="module")
+def storage(tmp_path_factory) -> tuple[str, dict]:
+    """movielens at two alphas; hash+ identical to hash, topk+ = topk with every test loss 0.005 lower."""
+    url = f"sqlite:///{tmp_path_factory.mktemp('boot') / 'studies.db'}"
+    trials = {}
+    for alpha, n in (("0.1", 30), ("0.9", 20)):
+        objectives, losses = correlated_trials(n, int(float(alpha) * 10))
+        for gate, shift, diverged in (("hash", 0.0, 2), ("hash+", 0.0, 0), ("topk", 0.05, 0), ("topk+", 0.045, 1)):
+            add_study(url, "movielens", gate, objectives, losses + shift, alpha, diverged)
+            trials[(alpha, gate)] = (objectives, losses + shift)
+    add_study(url, "books", "topk", *correlated_trials(10, 9))  # another dataset: not read
+    return url, trials
+
+
+def run_bootstrap(url: str, out: Path, *extra: str) -> int:
+    return run_cli(["bootstrap", "--data", "movielens", "--storage", url, "--out", str(out), *extra])
+
+
+def test_cli_end_to_end(storage, tmp_path: Path, capsys) -> None:
+    url, trials = storage
+    out = tmp_path / "rep"
+    assert run_bootstrap(url, out, "--gates", "topk,topk+,hash,hash+", "--draws", "400") == 0
+    printed = capsys.readouterr().out
+    curves = pd.read_csv(out / "bootstrap_curves.csv", dtype={"alpha": str})
+    assert sorted(set(zip(curves.alpha, curves.gate))) == sorted(trials)
+    for (alpha, gate), (objectives, losses) in trials.items():
+        rows = curves[(curves.alpha == alpha) & (curves.gate == gate)].set_index("s")
+        n = len(objectives)
+        assert list(rows.index) == list(budget_grid(n)) and set(rows.trials) == {n}
+        assert rows.exact_mean[1] == pytest.approx(losses.mean(), rel=1e-12)  # s = 1: the mean test loss
+        best = losses[np.argmin(objectives)]
+        assert rows.exact_mean[n] == pytest.approx(best) and rows.mc_mean[n] == pytest.approx(best)  # s = N
+        assert (abs(rows.mc_mean - rows.exact_mean) <= 4 * rows.exact_std / math.sqrt(400) + 1e-12).all()
+    assert set(curves[curves.gate == "hash"].left_out) == {2}
+
+    ranges = pd.read_csv(out / "bootstrap_ranges.csv", dtype={"alpha": str}).set_index(["alpha", "gate_a"])
+    assert sorted(ranges.index) == [(a, g) for a in ("0.1", "0.9") for g in ("hash+", "topk+")]  # the "+" pairs
+    for alpha in ("0.1", "0.9"):
+        assert ranges.loc[(alpha, "hash+")].factor_min == ranges.loc[(alpha, "hash+")].factor_max == 1.0
+        assert ranges.loc[(alpha, "topk+")].factor_min >= 1.0 and ranges.loc[(alpha, "topk+")].factor_max > 1.0
+    factors = pd.read_csv(out / "bootstrap_factors.csv", dtype={"alpha": str})
+    assert len(factors[(factors.alpha == "0.1") & (factors.gate_a == "hash+")]) == len(budget_grid(30))
+
+    png = (out / "bootstrap.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
+    markdown = (out / "bootstrap.md").read_text()
+    assert "![tuning curves](bootstrap.png)" in markdown and markdown in printed
+    assert "| movielens | 0.1 | topk+ over topk |" in markdown and "**movielens, α = 0.9**" in markdown
+    for block in markdown.split("\n\n"):  # every Markdown table row has its header's number of cells
+        rows = [line for line in block.splitlines() if line.startswith("|")]
+        assert len({row.count("|") for row in rows}) <= 1, block
+    page = (out / "bootstrap.html").read_text()
+    inlined = re.search(r'src="data:image/png;base64,([^"]+)"', page).group(1)
+    assert base64.b64decode(inlined) == png and page.count("<table>") == 4  # factors, studies, 2 panels
+    assert not list(out.glob(".*"))  # atomic writes leave no temporary files
+
+
+def test_cli_seed_and_options(storage, tmp_path: Path, capsys) -> None:
+    url, _ = storage
+    read = lambda name: pd.read_csv(tmp_path / name / "bootstrap_curves.csv")
+    assert run_bootstrap(url, tmp_path / "a", "--draws", "200", "--seed", "5") == 0
+    assert run_bootstrap(url, tmp_path / "b", "--draws", "200", "--seed", "5") == 0
+    assert run_bootstrap(url, tmp_path / "c", "--draws", "200", "--seed", "6") == 0
+    pd.testing.assert_frame_equal(read("a"), read("b"))
+    assert not read("a").mc_mean.equals(read("c").mc_mean) and read("a").exact_mean.equals(read("c").exact_mean)
+    assert run_bootstrap(url, tmp_path / "d", "--draws", "200", "--replacement", "--resample", "independent",
+                         "--max-budget", "20", "--pairs", "hash:topk") == 0
+    dodge = read("d")
+    assert dodge.s.max() == 20 and not dodge.exact_mean.equals(read("a")[read("a").s <= 20].exact_mean)
+    ranges = pd.read_csv(tmp_path / "d" / "bootstrap_ranges.csv")
+    assert list(zip(ranges.gate_a, ranges.gate_b)) == [("hash", "topk")] * 2
+    assert "with replacement; closed form of Dodge et al. 2019" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--gates", "topk,comet"], "no study with finished trials for gate 'comet' of dataset 'movielens'"),
+        (["--max-budget", "25"], "has 20 completed trials, fewer than --max-budget 25"),
+        (["--data", "jester"], "no studies for dataset 'jester'"),
+        (["--data", "empty"], "have no finished trials yet"),
+        (["--storage", "sqlite:///{tmp}/missing.db"], "no study storage at"),
+        (["--pairs", "topk:comet", "--gates", "topk"], "--pairs: 'topk:comet' is not A:B"),
+        (["--draws", "1"], "--draws must be >= 2"),
+        (["--draws", "many"], "argument --draws: invalid int value: 'many'"),
+        (["--resample", "bogus"], "invalid choice: 'bogus'"),
+        (["--bogus"], "unrecognised arguments: --bogus"),
+    ],
+)
+def test_cli_bad_input_one_line_exit_2(storage, tmp_path: Path, capsys, argv: list[str], message: str) -> None:
+    url, _ = storage
+    empty = optuna.create_study(study_name="empty/topk", storage=url, load_if_exists=True)  # a study, no trials
+    empty.set_user_attr("data", "empty")
+    empty.set_user_attr("gate", "topk")
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    data = [] if "--data" in argv else ["--data", "movielens"]
+    storage_flag = [] if "--storage" in argv else ["--storage", url]
+    assert run_cli(["bootstrap", *data, *storage_flag, *argv, "--out", str(tmp_path / "rep")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+    assert not (tmp_path / "rep").exists() and not (tmp_path / "missing.db").exists()
+
+
+def test_cli_missing_data_is_one_line(capsys) -> None:
+    assert run_cli(["bootstrap"]) == 2
+    assert capsys.readouterr().err.strip() == "error: bootstrap: the following arguments are required: --data"
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a CUDA device is here")
+def test_cli_cuda_without_a_gpu_is_one_line(storage, tmp_path: Path, capsys) -> None:
+    assert run_bootstrap(storage[0], tmp_path / "rep", "--device", "cuda") == 2
+    assert capsys.readouterr().err.strip() == "error: --device cuda: no CUDA device is available here"
+
+
+def test_outputs_are_replaced_atomically(storage, tmp_path: Path, monkeypatch) -> None:
+    """A run that fails while writing leaves the previous outputs whole and no temporary file behind."""
+    url, _ = storage
+    out = tmp_path / "rep"
+    assert run_bootstrap(url, out, "--draws", "100") == 0
+    before = {path.name: path.read_bytes() for path in out.iterdir()}
+    assert set(before) == {"bootstrap.png", "bootstrap.md", "bootstrap.html", "bootstrap_curves.csv",
+                           "bootstrap_factors.csv", "bootstrap_ranges.csv"}
+    replace = report_module.os.replace
+
+    def fail_on_png(source, target):
+        if str(target).endswith(".png"):
+            raise OSError("disk full")
+        replace(source, target)
+
+    monkeypatch.setattr(report_module.os, "replace", fail_on_png)
+    with pytest.raises(OSError, match="disk full"):
+        run_bootstrap(url, out, "--draws", "100", "--seed", "9")
+    assert {path.name: path.read_bytes() for path in out.iterdir()} == before
+
+
+def test_gpu_draws_match_the_closed_form() -> None:
+    """``--device cuda`` (run where a GPU is): the same estimator, checked against the closed form."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    objectives, losses = correlated_trials(500, 6)
+    ranked = ranked_test_losses(table(objectives, losses))
+    grid = budget_grid(250)
+    for resampling in ("nested", "independent"):
+        outcomes = monte_carlo(ranked, grid, 1000, seed=1, resampling=resampling, device="cuda")
+        assert np.array_equal(outcomes, monte_carlo(ranked, grid, 1000, seed=1, resampling=resampling, device="cuda"))
+        exact = closed_form(ranked, grid)
+        error = exact["exact_std"] / math.sqrt(1000)
+        assert np.all(np.abs(outcomes.mean(0) - exact["exact_mean"]) <= 4 * error + 1e-12)
+    assert expected_curve(ranked)[0] == pytest.approx(losses.mean())
