@@ -24,7 +24,6 @@ import multiprocessing
 import os
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from functools import partial
 from pathlib import Path
 
@@ -53,8 +52,8 @@ def _init_worker(root: str | None, threads: int) -> None:
     _WORKER_DATA.setup()
 
 
-def _train_in_worker(gate: str, seed: int, args: argparse.Namespace) -> dict:
-    return train_one(_WORKER_DATA, gate, seed, args)
+def _train_in_worker(job: tuple[str, int, argparse.Namespace]) -> dict:
+    return train_one(_WORKER_DATA, *job)
 
 
 def train_one(data, gate: str, seed: int, args: argparse.Namespace) -> dict:
@@ -156,14 +155,10 @@ def main() -> None:
         sys.exit(2)
     threads = max(1, (os.cpu_count() or 1) // args.workers)
     start = time.perf_counter()
-    pool = ProcessPoolExecutor(
-        args.workers, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker,
-        initargs=(args.root, threads),
-    )
+    pool = multiprocessing.get_context("spawn").Pool(args.workers, _init_worker, (args.root, threads))
     try:
-        futures = [pool.submit(_train_in_worker, gate, seed, args) for gate, seed in todo]
-        for i, future in enumerate(as_completed(futures), 1):
-            row = future.result()
+        jobs = pool.imap_unordered(_train_in_worker, [(gate, seed, args) for gate, seed in todo])
+        for i, row in enumerate(jobs, 1):
             rows.append(row)
             new_file = not runs_csv.exists()
             with open(runs_csv, "a", newline="") as handle:
@@ -175,10 +170,11 @@ def main() -> None:
             print(f"[{i}/{len(todo)}] {row['gate']} seed {row['seed']}: test loss {row['test_loss']:.4f} "
                   f"({row['seconds']} s; ETA {eta / 60:.1f} min)", flush=True)
     except KeyboardInterrupt:
+        pool.terminate()  # runs in progress are lost; finished ones are in runs.csv
         print(f"interrupted: {len(rows)} runs kept in {runs_csv}; rerun the same command to resume", file=sys.stderr)
-        pool.shutdown(wait=False, cancel_futures=True)
         sys.exit(130)
-    pool.shutdown()
+    pool.close()
+    pool.join()
     table = summarise(rows, gates)
     header = (
         f"MovieLens-100K, {args.epochs} epochs ({args.perm_epochs} of permutation learning), batch 512, "

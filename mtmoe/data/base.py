@@ -77,6 +77,7 @@ class IndexBatches:
     def __iter__(self) -> Iterator[dict[str, Tensor]]:
         if self.shuffle:
             order = torch.randperm(self.n_rows, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+            order = order.to(next(iter(self.tensors.values())).device)  # the same order on any device
             self.epoch += 1
             for start in range(0, self.n_rows, self.batch_size):
                 index = order[start : start + self.batch_size]
@@ -96,6 +97,8 @@ class InMemoryDataModule(pl.LightningDataModule):
         eval_batch_size: validation/test batch size (default: ``batch_size``).
         seed: seed of the training shuffle.
         download: fetch missing raw files from the official source (with checksum and a progress bar).
+        data_on_device: when training on a GPU, copy the splits to it once at setup and cut batches there (no
+            host-to-device copy per step); False keeps them in host memory and Lightning copies each batch.
     """
 
     def __init__(
@@ -106,6 +109,7 @@ class InMemoryDataModule(pl.LightningDataModule):
         eval_batch_size: int | None = None,
         seed: int = 0,
         download: bool = True,
+        data_on_device: bool = True,
     ) -> None:
         super().__init__()
         if batch_size < 1:
@@ -113,7 +117,7 @@ class InMemoryDataModule(pl.LightningDataModule):
         self.root = Path(root or os.environ.get("MTMOE_DATA") or PROJECT_DATASETS)
         self.cache_dir = Path(cache_dir or os.environ.get("MTMOE_CACHE") or Path.home() / ".cache" / "mtmoe")
         self.batch_size, self.eval_batch_size = batch_size, eval_batch_size or batch_size
-        self.seed, self.download = seed, download
+        self.seed, self.download, self.data_on_device = seed, download, data_on_device
         self.splits: dict[str, dict[str, Tensor]] | None = None
 
     @property
@@ -130,6 +134,9 @@ class InMemoryDataModule(pl.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.splits is None:
             self.splits = self.load_splits()
+        device = self.trainer.strategy.root_device if self.trainer is not None else None
+        if self.data_on_device and device is not None and device.type != "cpu":
+            self.splits = {name: {k: t.to(device) for k, t in split.items()} for name, split in self.splits.items()}
 
     def _batches(self, split: str, train: bool) -> IndexBatches:
         self.setup()
