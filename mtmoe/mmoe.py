@@ -63,12 +63,12 @@ class MMoE(nn.Module):
         expert_outputs = self.experts(h)  # [B, n, d]
         routing = RoutingInput(x=h.flatten(1), sample_id=batch.get("sample_id"), expert_outputs=expert_outputs)
         gate_outputs = [gate(routing) for gate in self.gates]
+        weights = torch.stack([g.weights for g in gate_outputs], dim=1)  # [B, T, n]
         local_search_aux = None
         if self.local_search is not None:
-            permuted, local_search_aux = self.local_search([g.weights for g in gate_outputs])
-            for gate_output, w in zip(gate_outputs, permuted):
-                gate_output.weights = w
-        weights = torch.stack([g.weights for g in gate_outputs], dim=1)  # [B, T, n]
+            weights, local_search_aux = self.local_search(weights)
+            for t, gate_output in enumerate(gate_outputs):
+                gate_output.weights = weights[:, t]
         mixed = torch.bmm(weights, expert_outputs.flatten(2))  # [B, T, d]: all tasks in one batched matmul
         predictions = []
         for t, tower in enumerate(self.towers):

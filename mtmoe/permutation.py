@@ -139,16 +139,17 @@ class LocalSearch(nn.Module):
         self.last_stats = {"tau": torch.tensor(tau), "iterations": torch.tensor(float(iterations))}
         return p, self.zeta * permutation_entropy(p) if self.zeta > 0 else zero
 
-    def forward(self, weights: list[Tensor]) -> tuple[list[Tensor], Tensor]:
-        """Permute each task gate's weights ``[B, n]``: ``w P``, rescaled to the gate's own row sums."""
+    def forward(self, weights: Tensor) -> tuple[Tensor, Tensor]:
+        """Permute all task gates' weights ``[B, T, n]`` at once: ``w P`` (per task ``w_t P_t`` with ``per_task``),
+        rescaled to each gate's own row sums."""
         p, aux = self.matrices()
-        out = []
-        for t, w in enumerate(weights):
-            permuted = w @ p[t if self.per_task else 0]
-            total = permuted.sum(-1, keepdim=True)
-            scale = torch.where(total > 0, w.sum(-1, keepdim=True) / total.clamp_min(1e-30), torch.ones_like(total))
-            out.append(permuted * scale)
-        return out, aux
+        if self.per_task:
+            permuted = torch.bmm(weights.transpose(0, 1), p).transpose(0, 1)  # [T, B, n] x [T, n, n]
+        else:
+            permuted = weights @ p[0]
+        total = permuted.sum(-1, keepdim=True)
+        scale = torch.where(total > 0, weights.sum(-1, keepdim=True) / total.clamp_min(1e-30), torch.ones_like(total))
+        return permuted * scale, aux
 
     def assignment(self) -> list[list[int]]:
         """Per permutation matrix: the expert each gate slot feeds (``col_ind``) under the rounded matrix."""

@@ -91,9 +91,10 @@ def assert_permutation_matrices(p: torch.Tensor) -> None:
     assert bool((p.sum(-1) == 1).all()) and bool((p.sum(-2) == 1).all())
 
 
-def task_weights(n: int = 6, batch: int = 8, tasks: int = 2, seed: int = 0) -> list[torch.Tensor]:
+def task_weights(n: int = 6, batch: int = 8, tasks: int = 2, seed: int = 0) -> torch.Tensor:
+    """Simplex weights of ``tasks`` task gates, stacked as MMoE hands them to local search: ``[B, T, n]``."""
     generator = torch.Generator().manual_seed(seed)
-    return [torch.randn(batch, n, generator=generator).softmax(-1) for _ in range(tasks)]
+    return torch.stack([torch.randn(batch, n, generator=generator).softmax(-1) for _ in range(tasks)], dim=1)
 
 
 class Counter:
@@ -397,9 +398,9 @@ def test_training_matrices_are_soft_and_differentiable_inside_the_window() -> No
     out, aux = search(weights)
     target = torch.randn(8, 6, generator=torch.Generator().manual_seed(1))
     search.log_weights.grad = None
-    (sum((o * target).sum() for o in out) + aux).backward()
+    ((out * target.unsqueeze(1)).sum() + aux).backward()
     assert search.log_weights.grad is not None and float(search.log_weights.grad.abs().max()) > 0
-    for w, o in zip(weights, out):  # w P rescaled to the gate's row sums
+    for w, o in zip(weights.unbind(1), out.unbind(1)):  # w P rescaled to the gate's row sums
         assert torch.allclose(o.sum(-1), w.sum(-1), atol=1e-6)
 
 
@@ -417,7 +418,7 @@ def test_permuted_weights_keep_the_gates_row_sums_when_sinkhorn_rows_are_off() -
             break
     else:
         pytest.fail("no U in 30 seeds gave a Sinkhorn output with rows off by > 0.1")
-    for w, o in zip(weights, out):
+    for w, o in zip(weights.unbind(1), out.unbind(1)):
         raw = w @ p
         assert float((raw.sum(-1) - 1).abs().max()) > 1e-3  # un-normalised, w P leaves the simplex
         assert torch.allclose(o.detach(), raw * (w.sum(-1, keepdim=True) / raw.sum(-1, keepdim=True)), atol=1e-6)
@@ -429,7 +430,7 @@ def test_gradient_reaches_u_at_the_module_initialisation() -> None:
     search = make_search()
     search.train()
     out, aux = search(task_weights())
-    (out[0][:, 0].sum() + out[1][:, 1].sum() + aux).backward()
+    (out[:, 0, 0].sum() + out[:, 1, 1].sum() + aux).backward()
     assert search.log_weights.grad is not None and bool(torch.isfinite(search.log_weights.grad).all())
 
 
@@ -447,7 +448,7 @@ def test_evaluation_uses_the_rounded_matrix_inside_the_window() -> None:
         assert not hard.requires_grad and float(aux) == 0
         assert torch.equal(hard, round_to_permutation(search.soft))
         out, _ = search(task_weights())
-        assert torch.allclose(out[0], task_weights()[0] @ hard[0])
+        assert torch.allclose(out[:, 0], task_weights()[:, 0] @ hard[0])
         search.train()
     assert not search.frozen
 
@@ -484,7 +485,7 @@ def test_frozen_after_the_window(spies: dict[str, Counter]) -> None:
     for step in range(1, 6):
         out, aux = search(weights)
         optimiser.zero_grad()
-        (out[0][:, 0].sum() - out[1][:, 2].sum() + aux).backward()
+        (out[:, 0, 0].sum() - out[:, 1, 2].sum() + aux).backward()
         assert search.log_weights.grad is not None
         optimiser.step()
         assert list(search.parameters()) == parameters and search.log_weights is parameters[0]
@@ -499,9 +500,9 @@ def test_frozen_after_the_window(spies: dict[str, Counter]) -> None:
     assert_permutation_matrices(frozen)
     assert torch.equal(frozen, round_to_permutation(last_soft))  # (this check is one more solve of our own)
     spies["assignment"].calls -= 1
-    assert float(aux) == 0 and not out[0].requires_grad
+    assert float(aux) == 0 and not out.requires_grad
     optimiser.zero_grad()
-    loss = out[0][:, 0].sum() + aux
+    loss = out[:, 0, 0].sum() + aux
     assert not loss.requires_grad  # nothing to back-propagate into U
     assert search.log_weights.grad is None
 
@@ -549,8 +550,8 @@ def test_per_task_gives_one_permutation_per_task() -> None:
     weights = task_weights()
     out, _ = search(weights)
     for t in range(2):  # each task gate's weights go through its own matrix
-        assert torch.allclose(out[t], weights[t] @ q[t], atol=1e-7)
-        assert torch.allclose(out[t][:, q[t].argmax(-1)], weights[t], atol=1e-7)  # slot i feeds expert col_ind[i]
+        assert torch.allclose(out[:, t], weights[:, t] @ q[t], atol=1e-7)
+        assert torch.allclose(out[:, t][:, q[t].argmax(-1)], weights[:, t], atol=1e-7)  # slot i feeds expert col_ind[i]
 
 
 def test_checkpoint_resume_inside_and_after_the_window(spies: dict[str, Counter]) -> None:
@@ -562,7 +563,7 @@ def test_checkpoint_resume_inside_and_after_the_window(spies: dict[str, Counter]
     for _ in range(3):
         out, aux = original(task_weights())
         optimiser.zero_grad()
-        (out[0][:, 1].sum() + aux).backward()
+        (out[:, 0, 1].sum() + aux).backward()
         optimiser.step()
     state = original.state_dict()
     assert set(state) == {"log_weights", "step", "window", "soft", "rounded", "rounded_at"}
