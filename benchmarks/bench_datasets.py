@@ -113,7 +113,8 @@ def main() -> None:
             sys.exit(f"{name}: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else 'failed'}")
         rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
         print(f"{name}: {rows[-1]['epoch_s']:.1f} s/epoch", file=sys.stderr)
-    machine = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    threads = torch.get_num_threads()
+    machine = f"{platform.processor() or platform.machine()}, {threads} threads, torch {torch.__version__}"
     if args.device == "cuda":
         machine = torch.cuda.get_device_name()
     lines = [

@@ -58,7 +58,7 @@ def write_mnist(root: Path, name: str = "MNIST", n_train: int = 60, n_test: int 
     return arrays
 
 
-def write_svhn(root: Path, sizes: dict[str, int] | None = None, seed: int = 1) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+def write_svhn(root: Path, sizes: dict[str, int] | None = None, seed: int = 1) -> dict[str, tuple]:
     """SVHN ``*_32x32.mat`` files; returns per file the images ``[N, 3, 32, 32]`` and the digits 0-9 written."""
     rng = np.random.default_rng(seed)
     written = {}

@@ -114,8 +114,8 @@ def stratified_split(labels: np.ndarray, n_train: int, seed: int) -> tuple[np.nd
     """``train_test_split(range(n), train_size=n_train, stratify=labels, shuffle=True, random_state=seed)``.
 
     scikit-learn's ``StratifiedShuffleSplit`` re-implemented draw for draw on a legacy ``RandomState(seed)``
-    (checked against scikit-learn 1.9.1: identical on MNIST and on the known answers in the tests), so the official generator's split (5/6 of
-    the 60k training images, stratified, seed 0) is reproduced without depending on scikit-learn.
+    (checked against scikit-learn 1.9.1: identical on MNIST and on the known answers in the tests), so the official
+    generator's split (5/6 of the 60k training images, stratified, seed 0) is reproduced without scikit-learn.
     """
     n_test = len(labels) - n_train
     classes, inverse = np.unique(labels, return_inverse=True)
