@@ -7,6 +7,7 @@ A plain ``nn.Module``: it knows nothing of Lightning, losses or metrics.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -14,7 +15,8 @@ import torch
 from torch import Tensor, nn
 
 from mtmoe.data.base import DatasetInfo
-from mtmoe.experts import DenseExperts, EmbeddingBottom, Tower
+from mtmoe.errors import UsageError
+from mtmoe.experts import ConvExperts, DenseExperts, EmbeddingBottom, ImageBottom, Tower
 from mtmoe.gates.base import Gate, GateDims, GateOutput, RoutingInput
 from mtmoe.permutation import LocalSearch
 
@@ -90,25 +92,36 @@ def build_mmoe(
 ) -> MMoE:
     """The paper's architecture for ``info``'s dataset (S1.2); any argument left ``None`` takes the paper's value.
 
-    ``keras_init`` (default, faithful to the official TensorFlow code) re-initialises bottom, experts and towers
-    with Keras' defaults; gates always use their own papers' initialisations. ``local_search`` holds the keyword
-    arguments of :class:`mtmoe.permutation.LocalSearch` for a "+" model (``None``: the base gate alone).
+    Recommenders: embedding bottom, dense experts, gates on the concatenated embeddings. Images: no bottom (the
+    uint8 image scaled on the device), CNN experts (:class:`ConvExperts`; ``expert_units`` sizes their dense
+    layers), gates on the raw image flattened (official ``main_model.py``). ``keras_init`` (default, faithful to
+    the official TensorFlow code) re-initialises bottom, experts and towers with Keras' defaults; gates always use
+    their own papers' initialisations. ``local_search`` holds the keyword arguments of
+    :class:`mtmoe.permutation.LocalSearch` for a "+" model (``None``: the base gate alone).
     """
     n_experts = n_experts or info.n_experts
-    if info.image_shape is not None:
-        raise NotImplementedError(f"image datasets ({info.name}) are not wired into build_mmoe yet")
-    bottom = EmbeddingBottom(info.n_users, info.n_items, embedding_dim or info.embedding_dim)
-    experts = DenseExperts(
-        bottom.out_features,
-        expert_units or info.expert_units,
-        n_experts,
-        info.expert_dropout if expert_dropout is None else expert_dropout,
-    )
-    dims = GateDims(in_features=bottom.out_features, n_experts=n_experts, n_ids=info.n_ids, k=info.k)
+    dropout = info.expert_dropout if expert_dropout is None else expert_dropout
+    units = expert_units or info.expert_units
+    if info.image_shape is None:
+        bottom: nn.Module = EmbeddingBottom(info.n_users, info.n_items, embedding_dim or info.embedding_dim)
+        experts: nn.Module = DenseExperts(bottom.out_features, units, n_experts, dropout)
+        routing_features = bottom.out_features
+        initialised = [bottom, experts]
+    else:
+        if embedding_dim is not None:
+            raise UsageError(f"embedding_dim applies to the recommenders only; {info.name} has no embeddings")
+        bottom = ImageBottom(info.overlay_shift)
+        experts = ConvExperts(info.image_shape, info.conv_layers, units, info.expert_layers, n_experts, dropout)
+        routing_features = math.prod(info.image_shape)
+        initialised = [experts]
+    dims = GateDims(in_features=routing_features, n_experts=n_experts, n_ids=info.n_ids, k=info.k)
     gates = [gate(dims) for _ in info.tasks]
-    towers = [Tower(experts.units, tower_units or info.tower_units, task.n_classes) for task in info.tasks]
+    towers = [
+        Tower(experts.out_features, tower_units or info.tower_units, task.n_classes, info.tower_layers)
+        for task in info.tasks
+    ]
     if keras_init:
-        for module in (bottom, experts, *towers):
+        for module in (*initialised, *towers):
             module.keras_init_()
     search = None if local_search is None else LocalSearch(n_experts, len(info.tasks), **local_search)
     return MMoE(bottom, experts, gates, towers, search)

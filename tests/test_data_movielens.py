@@ -151,8 +151,8 @@ def test_info_is_static(tmp_path: Path) -> None:
 
 
 def test_registry_and_cli_signatures() -> None:
-    for name, path in DATASETS.items():
-        module_name, class_name = path.rsplit(".", 1)
+    for name in ("movielens", "movielens-100k"):  # the image datasets: tests/test_data_images.py
+        module_name, class_name = DATASETS[name].rsplit(".", 1)
         cls = getattr(importlib.import_module(module_name), class_name)
         parser = jsonargparse.ArgumentParser()  # what the CLI sees: **kwargs resolved through super().__init__
         parser.add_class_arguments(cls, "data")

@@ -5,6 +5,10 @@ from mtmoe.data.movielens import MovieLens1MDataModule, MovieLens100KDataModule,
 DATASETS: dict[str, str] = {  # CLI name -> import path of the DataModule class
     "movielens": "mtmoe.data.movielens.MovieLens1MDataModule",
     "movielens-100k": "mtmoe.data.movielens.MovieLens100KDataModule",
+    "multimnist": "mtmoe.data.multimnist.MultiMNISTDataModule",
+    "multifashionmnist": "mtmoe.data.multimnist.MultiFashionMNISTDataModule",
+    "celeba": "mtmoe.data.celeba.CelebADataModule",
+    "digits": "mtmoe.data.digits.DigitsDataModule",
 }
 
 __all__ = [

@@ -47,7 +47,7 @@ class DatasetInfo:
     n_ids: int  # number of distinct ``sample_id`` values
     n_users: int = 0  # embedding table sizes (recommenders)
     n_items: int = 0
-    image_shape: tuple[int, ...] | None = None
+    image_shape: tuple[int, ...] | None = None  # images: the model's input [C, H, W] (the gates route on it flat)
     n_experts: int = 16
     k: int = 2
     embedding_dim: int = 128
@@ -55,6 +55,10 @@ class DatasetInfo:
     tower_units: int = 256
     expert_dropout: float = 0.5
     task_weighting: Literal["alpha", "equal"] = "alpha"  # alpha: (alpha, 1 - alpha) for two tasks
+    conv_layers: tuple[tuple[int, int], ...] = ()  # images: (kernel, filters) of each conv -> ReLU -> max-pool block
+    expert_layers: int = 1  # dense layers of ``expert_units`` in an expert (after the convolutions, for images)
+    tower_layers: int = 1  # hidden dense layers of ``tower_units`` in a tower
+    overlay_shift: int = 0  # > 0: ``image`` holds two layers, summed at offsets 0 and this shift (MultiMNIST)
 
 
 class IndexBatches:

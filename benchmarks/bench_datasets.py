@@ -1,0 +1,143 @@
+"""Training epoch time of one sparse gate per dataset (the paper's architecture and batch size for each, S1.2-S1.3).
+
+    MTMOE_DATA=../shared/data python benchmarks/bench_datasets.py --data multimnist [--gate comet] [--device cpu]
+    MTMOE_DATA=../shared/data python benchmarks/bench_datasets.py --data multimnist,multifashionmnist --batches 20
+
+Each dataset runs in its own subprocess (peak memory is per dataset). Data preparation is done before timing. The
+time is that of Lightning training epochs (batching by index, host-to-device copy of the uint8 batch, forward,
+backward, Adam, metrics; validation off) on the last of ``--epochs`` epochs, the first warming up. With
+``--batches N`` an epoch is cut to N steps and the full epoch is extrapolated as N-step time x steps per epoch
+(marked "extrapolated"); without it the whole epoch is timed. Inference samples/s: eval-mode forward passes over
+(at most ``--batches``) test batches of 1024. Prints a Markdown table and writes it, with a JSON copy, to
+``benchmarks/out/datasets-<device>.md``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import subprocess
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+
+OUT = Path(__file__).resolve().parent / "out"
+
+
+def run_one(data_name: str, gate: str, epochs: int, batches: int | None, device: str) -> dict:
+    import importlib
+
+    import lightning.pytorch as pl
+
+    from mtmoe.data import DATASETS
+    from mtmoe.gates import gate_class
+    from mtmoe.lit.module import MultiTaskMoE
+
+    class EpochTimer(pl.Callback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def on_train_epoch_start(self, trainer, pl_module) -> None:
+            self.start = time.perf_counter()
+
+        def on_train_epoch_end(self, trainer, pl_module) -> None:
+            if device == "cuda":
+                torch.cuda.synchronize()
+            self.times.append(time.perf_counter() - self.start)
+
+    module_name, class_name = DATASETS[data_name].rsplit(".", 1)
+    data = getattr(importlib.import_module(module_name), class_name)()
+    data.setup()
+    steps_per_epoch = len(data.train_dataloader())
+    pl.seed_everything(0, verbose=False)
+    model = MultiTaskMoE(gate=partial(gate_class(gate)), info=data.info, lr=1e-4)
+    timer = EpochTimer()
+    trainer = pl.Trainer(
+        max_epochs=epochs, accelerator=device, devices=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+        limit_train_batches=batches or 1.0, callbacks=[timer],
+    )
+    trainer.fit(model, datamodule=data)
+    steps = batches or steps_per_epoch
+    step_s = timer.times[-1] / steps
+
+    model.eval().to(device)
+    test = data.splits["test"]
+    n_test = len(test["sample_id"])
+    n_eval = min(n_test, 1024 * (batches or n_test))
+    eval_batches = [{k: v[i : i + 1024].to(device) for k, v in test.items()} for i in range(0, n_eval, 1024)]
+    with torch.no_grad():
+        model.net(eval_batches[0])
+        start = time.perf_counter()
+        for batch in eval_batches:
+            model.net(batch)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        inference_s = time.perf_counter() - start
+    peak = (
+        torch.cuda.max_memory_allocated() / 2**20
+        if device == "cuda"
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    )
+    return {
+        "data": data_name, "gate": gate, "n_experts": data.info.n_experts, "k": data.info.k,
+        "batch_size": data.batch_size, "train_rows": len(data.splits["train"]["sample_id"]),
+        "steps_per_epoch": steps_per_epoch, "timed_steps": steps, "extrapolated": batches is not None,
+        "step_ms": 1e3 * step_s, "epoch_s": step_s * steps_per_epoch, "train_samples_per_s": data.batch_size / step_s,
+        "inference_samples_per_s": n_eval / inference_s, "peak_memory_mib": peak,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", default="multimnist,multifashionmnist,celeba,digits", help="comma-separated")
+    parser.add_argument("--gate", default="comet", help="one registered sparse gate (default: comet)")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--batches", type=int, default=None, help="time N steps an epoch and extrapolate")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one dataset in this process
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(run_one(args.one, args.gate, args.epochs, args.batches, args.device)))
+        return
+    rows = []
+    for name in args.data.split(","):
+        command = [sys.executable, __file__, "--one", name, "--gate", args.gate, "--epochs", str(args.epochs),
+                   "--device", args.device] + (["--batches", str(args.batches)] if args.batches else [])
+        proc = subprocess.run(command, capture_output=True, text=True)
+        if proc.returncode != 0:
+            sys.exit(f"{name}: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else 'failed'}")
+        rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        print(f"{name}: {rows[-1]['epoch_s']:.1f} s/epoch", file=sys.stderr)
+    threads = torch.get_num_threads()
+    machine = f"{platform.processor() or platform.machine()}, {threads} threads, torch {torch.__version__}"
+    if args.device == "cuda":
+        machine = torch.cuda.get_device_name()
+    lines = [
+        f"gate {args.gate}; {args.device} ({machine}); epochs {args.epochs}, the last timed"
+        + (f"; {args.batches} steps an epoch, full epoch extrapolated" if args.batches else ""),
+        "",
+        "| dataset | n | k | batch | steps/epoch | step (ms) | epoch (s) | train samples/s | inference samples/s "
+        "| peak memory (MiB) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        epoch = f"{r['epoch_s']:.1f}" + (" (extrapolated)" if r["extrapolated"] else "")
+        lines.append(
+            f"| {r['data']} | {r['n_experts']} | {r['k']} | {r['batch_size']} | {r['steps_per_epoch']} "
+            f"| {r['step_ms']:.1f} | {epoch} | {r['train_samples_per_s']:,.0f} | {r['inference_samples_per_s']:,.0f} "
+            f"| {r['peak_memory_mib']:.0f} |"
+        )
+    table = "\n".join(lines)
+    print(table)
+    OUT.mkdir(exist_ok=True)
+    (OUT / f"datasets-{args.device}.md").write_text(table + "\n")
+    (OUT / f"datasets-{args.device}.json").write_text(json.dumps(rows, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
