@@ -1,13 +1,17 @@
 """Datasets: in-memory DataModules (:mod:`mtmoe.data.base`) and raw-file fetching (:mod:`mtmoe.data.download`)."""
 from mtmoe.data.base import DatasetInfo, IndexBatches, InMemoryDataModule, TaskSpec
+from mtmoe.data.books import BooksDataModule
+from mtmoe.data.jester import JesterDataModule
 from mtmoe.data.movielens import MovieLens1MDataModule, MovieLens100KDataModule, MovieLensDataModule
 
 DATASETS: dict[str, str] = {  # CLI name -> import path of the DataModule class
     "movielens": "mtmoe.data.movielens.MovieLens1MDataModule",
     "movielens-100k": "mtmoe.data.movielens.MovieLens100KDataModule",
+    "books": "mtmoe.data.books.BooksDataModule",
+    "jester": "mtmoe.data.jester.JesterDataModule",
 }
 
 __all__ = [
-    "DATASETS", "DatasetInfo", "InMemoryDataModule", "IndexBatches", "MovieLens100KDataModule",
-    "MovieLens1MDataModule", "MovieLensDataModule", "TaskSpec",
+    "DATASETS", "BooksDataModule", "DatasetInfo", "InMemoryDataModule", "IndexBatches", "JesterDataModule",
+    "MovieLens100KDataModule", "MovieLens1MDataModule", "MovieLensDataModule", "TaskSpec",
 ]
