@@ -33,14 +33,15 @@ def random_book_ratings(n_users: int = 40, n_books: int = 30, per_user: int = 12
 
 
 def write_jester_sheet(path: Path, ratings: np.ndarray, count: np.ndarray | None = None) -> Path:
-    """One ``jester-data-N.xls``: per user the number of rated jokes, then the 100 ratings (99 = not rated)."""
+    """One ``jester-data-N.xls``: per user the number of rated jokes, then the 100 ratings (99 = not rated); a
+    string cell is written as text (malformed-file tests)."""
     count = (ratings != 99).sum(axis=1) if count is None else count
     book = xlwt.Workbook()
     sheet = book.add_sheet("jester-data")
     for row, (n_rated, values) in enumerate(zip(count, ratings)):
         sheet.write(row, 0, int(n_rated))
         for column, value in enumerate(values, start=1):
-            sheet.write(row, column, float(value))
+            sheet.write(row, column, value if isinstance(value, str) else float(value))
     path.parent.mkdir(parents=True, exist_ok=True)
     book.save(str(path))
     return path

@@ -59,8 +59,10 @@ def read_jester_sheet(path: Path) -> JesterRatings:
     if bad.any():
         row, column = np.argwhere(bad)[0]
         expected = "a count 0..100" if column == 0 else "a rating in [-10, 10] or 99 (not rated)"
-        raise UsageError(f"{path} is malformed: row {row + 1}, column {column + 1} holds "
-                         f"{frame.iat[row, column]!r}, expected {expected}")
+        cell = frame.iat[row, column]
+        cell = cell.item() if isinstance(cell, np.generic) else cell
+        raise UsageError(f"{path} is malformed: row {row + 1}, column {column + 1} holds {cell!r}, "
+                         f"expected {expected}")
     rated = ratings != NOT_RATED
     return JesterRatings(rating=np.where(rated, ratings, 0).astype(np.float32), rated=rated)
 
