@@ -151,7 +151,7 @@ def test_info_is_static(tmp_path: Path) -> None:
 
 
 def test_registry_and_cli_signatures() -> None:
-    for name, path in DATASETS.items():
+    for name, path in ((n, p) for n, p in DATASETS.items() if n.startswith("movielens")):
         module_name, class_name = path.rsplit(".", 1)
         cls = getattr(importlib.import_module(module_name), class_name)
         parser = jsonargparse.ArgumentParser()  # what the CLI sees: **kwargs resolved through super().__init__

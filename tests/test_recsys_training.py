@@ -2,15 +2,18 @@
 a few batches on each (tiny fixtures), and the command line."""
 from __future__ import annotations
 
+import importlib
 import json
 import math
 from functools import partial
 from pathlib import Path
 
+import jsonargparse
 import lightning.pytorch as pl
 import pytest
 import torch
 
+from mtmoe.data import DATASETS as REGISTRY
 from mtmoe.data import BooksDataModule, JesterDataModule
 from mtmoe.data.base import InMemoryDataModule
 from mtmoe.gates import gate_class, list_gates
@@ -35,6 +38,19 @@ def roots(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def datamodule(name: str, roots: dict[str, Path], **kwargs) -> InMemoryDataModule:
     root = roots[name]
     return DATASETS[name](root=str(root), cache_dir=str(root / "cache"), download=False, **kwargs)
+
+
+@pytest.mark.parametrize("name", DATASETS)
+def test_registered_with_cli_arguments(name: str) -> None:
+    module_name, class_name = REGISTRY[name].rsplit(".", 1)
+    cls = getattr(importlib.import_module(module_name), class_name)
+    assert cls is DATASETS[name] and cls(download=False).info.name == name
+    parser = jsonargparse.ArgumentParser()  # what the CLI sees: **kwargs resolved through super().__init__
+    parser.add_class_arguments(cls, "data")
+    keys = {action.dest for action in parser._actions}
+    assert {"data.split_seed", "data.stratify", "data.root", "data.cache_dir", "data.download"} <= keys
+    assert parser.get_defaults().data.batch_size == 2048  # S1.3
+    assert ("data.rating_scale" in keys) == (name == "jester")
 
 
 @pytest.mark.parametrize("name", DATASETS)
