@@ -69,7 +69,7 @@ def test_validate_and_test_from_checkpoint(tiny_root: Path) -> None:
     "extra, message",
     [
         (["--gate", "nope"], "unknown gate 'nope'; valid gates: comet"),
-        (["--gate", "topk", "--data", "nope"], "unknown dataset 'nope'; valid datasets: movielens"),
+        (["--gate", "topk", "--data", "nope"], "unknown dataset 'nope'; valid datasets: books, jester, movielens"),
         (["--gate", "topk", "--model.gate.k=17"], "k must satisfy 1 <= k <= n_experts"),
         (["--gate", "comet", "--model.gate.k=0"], "k must satisfy 1 <= k <= n_experts"),
         (["--gate", "softmax", "--model.n_experts=1"], "n_experts must be >= 2"),
