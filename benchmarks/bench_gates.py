@@ -1,7 +1,13 @@
-"""Per-gate throughput on MovieLens-100K: training samples/s, epoch time, inference samples/s, peak memory, and
-the ratio of a training step to its floor (the bare expert matmuls of the same batch, forward and backward).
+"""Per-gate throughput on a dataset (default MovieLens-100K): training samples/s, epoch time, inference samples/s,
+peak memory, and the ratio of a training step to its floor (the bare expert matmuls of the same batch, forward
+and backward).
 
     MTMOE_DATA=../shared/data python benchmarks/bench_gates.py [--gates comet,comet+] [--epochs 2] [--device cpu]
+    MTMOE_DATA=../shared/data python benchmarks/bench_gates.py --data books --gates comet   # batch 2048 (S1.3)
+
+``--data`` takes any registered dataset (``python -m mtmoe datasets``), at the paper's architecture and batch size
+for it (``--batch-size`` overrides); ``--limit-batches N`` times the first N steps of each epoch only (a short run on
+a slow machine) and reports the epoch time extrapolated to the full epoch, marked as such.
 
 Each gate runs in its own subprocess (so peak RSS is per gate). The epoch time is a full Lightning training epoch
 (data batching, forward, backward, Adam, metrics, logging), measured on the last of ``--epochs`` epochs (the first
@@ -43,10 +49,12 @@ def floor_step_seconds(batch_size: int, in_features: int, units: int, n_experts:
     return sorted(times)[len(times) // 2]
 
 
-def run_one(gate: str, epochs: int, device: str) -> dict:
+def run_one(gate: str, epochs: int, device: str, data_name: str, batch_size: int | None, limit: int | None) -> dict:
+    import importlib
+
     import lightning.pytorch as pl
 
-    from mtmoe.data import MovieLens100KDataModule
+    from mtmoe.data import DATASETS
     from mtmoe.gates import gate_class
     from mtmoe.lit.module import MultiTaskMoE
 
@@ -63,7 +71,9 @@ def run_one(gate: str, epochs: int, device: str) -> dict:
             self.times.append(time.perf_counter() - self.start)
 
     pl.seed_everything(0, verbose=False)
-    data = MovieLens100KDataModule(batch_size=512)
+    module_name, class_name = DATASETS[data_name].rsplit(".", 1)
+    data_class = getattr(importlib.import_module(module_name), class_name)
+    data = data_class(**({} if batch_size is None else {"batch_size": batch_size}))
     data.setup()
     model = MultiTaskMoE(
         gate=partial(gate_class(gate.removesuffix("+"))),
@@ -75,11 +85,13 @@ def run_one(gate: str, epochs: int, device: str) -> dict:
     trainer = pl.Trainer(
         max_epochs=epochs, accelerator=device, devices=1, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[timer],
+        limit_train_batches=limit,
     )
     trainer.fit(model, datamodule=data)
     train_rows = len(data.splits["train"]["user"])
     steps = len(data.train_dataloader())
-    epoch_s = timer.times[-1]
+    timed_steps = min(limit or steps, steps)
+    epoch_s = timer.times[-1] * steps / timed_steps  # extrapolated to the full epoch when limited
 
     model.eval().to(device)
     test = data.splits["test"]
@@ -94,7 +106,7 @@ def run_one(gate: str, epochs: int, device: str) -> dict:
             torch.cuda.synchronize()
         inference_s = (time.perf_counter() - start) / 3
     experts = model.net.experts
-    floor = floor_step_seconds(512, experts.in_features, experts.units, experts.n_experts, device)
+    floor = floor_step_seconds(data.batch_size, experts.in_features, experts.units, experts.n_experts, device)
     peak = (
         torch.cuda.max_memory_allocated() / 2**20
         if device == "cuda"
@@ -102,6 +114,10 @@ def run_one(gate: str, epochs: int, device: str) -> dict:
     )
     return {
         "gate": gate,
+        "dataset": data.info.name,
+        "batch_size": data.batch_size,
+        "timed_steps": timed_steps,
+        "steps": steps,
         "train_rows": train_rows,
         "epoch_s": epoch_s,
         "train_samples_per_s": train_rows / epoch_s,
@@ -118,18 +134,28 @@ def main() -> None:
     parser.add_argument("--gates", default=None, help="comma-separated gate names (default: every registered gate)")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--data", default="movielens-100k", help="a registered dataset (default: movielens-100k)")
+    parser.add_argument("--batch-size", type=int, default=None, help="default: the paper's for the dataset")
+    parser.add_argument("--limit-batches", type=int, default=None, help="time only the first N steps of each epoch")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one gate in this process
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(run_one(args.one, args.epochs, args.device)))
+        print(json.dumps(run_one(args.one, args.epochs, args.device, args.data, args.batch_size, args.limit_batches)))
         return
+    from mtmoe.data import DATASETS
     from mtmoe.gates import list_gates
+
+    if args.data not in DATASETS:
+        parser.error(f"unknown dataset {args.data!r}; valid datasets: {', '.join(sorted(DATASETS))}")
+    options = ["--epochs", str(args.epochs), "--device", args.device, "--data", args.data]
+    options += [] if args.batch_size is None else ["--batch-size", str(args.batch_size)]
+    options += [] if args.limit_batches is None else ["--limit-batches", str(args.limit_batches)]
 
     gates = args.gates.split(",") if args.gates else [g + plus for g in list_gates() for plus in ("", "+")]
     rows = []
     for gate in gates:
         proc = subprocess.run(
-            [sys.executable, __file__, "--one", gate, "--epochs", str(args.epochs), "--device", args.device],
+            [sys.executable, __file__, "--one", gate, *options],
             capture_output=True, text=True, check=True,
         )
         rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
@@ -137,8 +163,12 @@ def main() -> None:
     machine = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
     if args.device == "cuda":
         machine = torch.cuda.get_device_name()
+    first = rows[0]
+    timed = ("" if first["timed_steps"] == first["steps"] else
+             f"; epoch times extrapolated from the first {first['timed_steps']} of {first['steps']} steps")
     lines = [
-        f"MovieLens-100K, batch 512, {rows[0]['train_rows']:,} training rows; {args.device} ({machine})",
+        f"{first['dataset']}, batch {first['batch_size']}, {first['train_rows']:,} training rows; {args.device} "
+        f"({machine}){timed}",
         "",
         "| gate | epoch (s) | train samples/s | inference samples/s | peak memory (MiB) | step (ms) "
         "| floor (ms) | step / floor | step / base gate's step |",
@@ -155,8 +185,9 @@ def main() -> None:
     table = "\n".join(lines)
     print(table)
     OUT.mkdir(exist_ok=True)
-    (OUT / f"gates-{args.device}.md").write_text(table + "\n")
-    (OUT / f"gates-{args.device}.json").write_text(json.dumps(rows, indent=2) + "\n")
+    stem = f"gates-{args.device}" if args.data == "movielens-100k" else f"gates-{args.data}-{args.device}"
+    (OUT / f"{stem}.md").write_text(table + "\n")
+    (OUT / f"{stem}.json").write_text(json.dumps(rows, indent=2) + "\n")
 
 
 if __name__ == "__main__":

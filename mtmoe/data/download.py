@@ -2,7 +2,10 @@
 
 Driven by ``datasets/manifest.json``: per dataset the archive ``url``, its ``sha256`` or ``md5``, and the ``files``
 it must provide (paths relative to the data root, main file first), each with its ``size`` in bytes where known.
-Files already on disk are used as they are, without any network access (``datasets/README.md``).
+Two optional keys say where a download goes: ``"unpack_into": "FOLDER"`` extracts the archive into that folder of
+the root (archives without a top-level folder); ``"unpack": false`` keeps the verified archive itself as the main
+file (read in place). Files already on disk are used as they are, without any network access
+(``datasets/README.md``).
 """
 from __future__ import annotations
 
@@ -45,7 +48,10 @@ def ensure_files(root: Path, name: str, download: bool) -> Path:
     paths = [root / relative for relative in entry["files"]]
     missing = [path for path in paths if not path.is_file()]
     if missing:
-        hint = f"download {entry['url']} and unzip it into {root}"
+        if entry.get("unpack", True):
+            hint = f"download {entry['url']} and unzip it into {root / entry.get('unpack_into', '')}"
+        else:
+            hint = f"download {entry['url']} to {paths[0]}"
         if not download:
             raise UsageError(f"missing {missing[0]}: {hint} (or pass --data.download true)")
         _fetch(entry, root, hint)
@@ -78,7 +84,12 @@ def _fetch(entry: dict, root: Path, hint: str) -> None:
                 f"corrupt download of {url}: {algorithm} {digest} != {entry[algorithm]} (partial file deleted); "
                 f"retry, or {hint}"
             )
-        _extract(archive, root, url)
+        if entry.get("unpack", True):
+            _extract(archive, root / entry.get("unpack_into", ""), url)
+        else:
+            target = root / next(iter(entry["files"]))
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(archive, target)
     finally:
         archive.unlink(missing_ok=True)
 
@@ -98,6 +109,7 @@ def _download(url: str, fd: int, label: str, algorithm: str) -> str:
 
 def _extract(archive: Path, root: Path, url: str) -> None:
     """Unpack into a temporary folder inside ``root``, then rename the entries into place."""
+    root.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=root, prefix=".extract-"))
     try:
         shutil.unpack_archive(archive, staging)
