@@ -11,6 +11,13 @@ a whole MovieLens training step at R = 150, so forward and backward are hand-wri
 
 Both save every round's row and column softmaxes for the backward pass, which is the exact vector-Jacobian
 product of the recursion (the tests check both against autograd through the unrolled recursion).
+
+Output entries below ``finfo.tiny / finfo.eps`` of the output dtype (~1e-31 in float32) are set to exactly 0 (the
+gradient is the exact one of the unflushed output). They are far below the precision of their column, which sums
+to 1, but at the window's start (tau = 1e-3) they are many: 489 of the 8,192 permuted gate weights of a MovieLens
+batch were subnormal float32 numbers, which x86 CPUs process on a slow path. The start-of-window cells of the
+overhead benchmark (``benchmarks/README.md``) were the slow ones on CPU before this flush; its effect there has not
+been re-measured on a quiet machine.
 """
 from __future__ import annotations
 
@@ -87,7 +94,7 @@ def _backward_cpu(g: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> np.ndarr
 if triton is not None:
 
     @triton.jit
-    def _forward_cuda(log_p_ptr, rows_ptr, cols_ptr, out_ptr, iterations, n, BLOCK: tl.constexpr):
+    def _forward_cuda(log_p_ptr, rows_ptr, cols_ptr, out_ptr, floor, iterations, n, BLOCK: tl.constexpr):
         """One program per matrix: the same recursion as :func:`_forward_cpu`, softmaxes stored as ``[m, R, n, n]``."""
         b = tl.program_id(0)
         i = tl.arange(0, BLOCK)[:, None]
@@ -113,6 +120,7 @@ if triton is not None:
             cols = e / total[None, :]
             tl.store(cols_ptr + saved, cols, mask=inside)
             log_p = log_p - (top + tl.log(total))[None, :]
+        cols = tl.where(cols < floor, 0.0, cols)
         tl.store(out_ptr + b * n * n + offsets, cols.to(out_ptr.dtype.element_ty), mask=inside)
 
     @triton.jit
@@ -133,6 +141,12 @@ if triton is not None:
         tl.store(g_ptr + b * n * n + offsets, g, mask=inside)
 
 
+def _floor(dtype: torch.dtype) -> float:
+    """Output entries below this are flushed to 0: products with them stay clear of subnormals down to ``eps``."""
+    info = torch.finfo(dtype)
+    return info.tiny / info.eps
+
+
 class LogSinkhorn(torch.autograd.Function):
     """``sinkhorn(u, tau, iterations)`` with the hand-written forward and backward of this module."""
 
@@ -148,12 +162,14 @@ class LogSinkhorn(torch.autograd.Function):
             cols = torch.empty_like(rows)
             out = torch.empty_like(u)
             block = max(16, triton.next_power_of_2(n))
-            _forward_cuda[(m,)](log_p, rows, cols, out, iterations, n, BLOCK=block)
+            _forward_cuda[(m,)](log_p, rows, cols, out, _floor(u.dtype), iterations, n, BLOCK=block)
             ctx.save_for_backward(rows, cols)
             return out
         rows, cols = _forward_cpu(u.detach().cpu().double().numpy() / tau, iterations)
         ctx.rows, ctx.cols = rows, cols
-        return torch.from_numpy(cols[-1].copy()).to(device=u.device, dtype=u.dtype)
+        out = cols[-1].copy()
+        out[out < _floor(u.dtype)] = 0.0
+        return torch.from_numpy(out).to(device=u.device, dtype=u.dtype)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:

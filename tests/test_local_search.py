@@ -268,6 +268,17 @@ def test_log_sinkhorn_keeps_dtype_and_float32_gradient_matches() -> None:
     assert torch.allclose(u32.grad.double(), u64.grad, rtol=1e-4, atol=1e-6)
 
 
+def test_log_sinkhorn_flushes_entries_that_would_be_subnormal_products() -> None:
+    """Entries below finfo.tiny / finfo.eps are exact zeros; every other entry is the exact recursion's."""
+    floor = torch.finfo(torch.float32).tiny / torch.finfo(torch.float32).eps
+    u = module_init_u(1, 16, 0, torch.float32)
+    exact = plain_log_sinkhorn(u.double(), TAU_START, 20).float()
+    assert bool(((exact > 0) & (exact < floor)).any())  # the window's start does produce such entries
+    p = sinkhorn(u, TAU_START, 20)
+    assert not bool(((p > 0) & (p < floor)).any())
+    assert torch.allclose(p, torch.where(exact < floor, torch.zeros_like(exact), exact), rtol=1e-5, atol=0)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("n", [2, 5, 16, 33])
