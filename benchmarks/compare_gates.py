@@ -10,6 +10,7 @@ Budget (the same for every gate, stated in the table's header): ``--epochs`` epo
 default hyperparameters (their papers' recommendations) and seed ``--seed``. The best-validation epoch's weights are
 restored (Keras' ``restore_best_weights``, as ``fit`` does; no early stopping), then tested. A "+" variant learns
 its permutation during the first ``--perm-epochs`` epochs (default: min(5, epochs), Table 1's E_perm = 5).
+``--train-batches`` cuts every epoch short, for smoke runs only.
 
 Columns: test loss (the ``test/loss`` of ``fit``, ×10⁻² as the paper's tables), the per-task test metrics (AUC and
 accuracy ×100, MSE as is), n/s (experts with non-zero weight per sample, mean over the task gates), the fraction of
@@ -99,8 +100,9 @@ def run_gate(gate: str, args: argparse.Namespace) -> dict:
                          perm_epochs=perm_epochs)
     timer, restore = EpochTimer(), RestoreBestWeights()
     trainer = pl.Trainer(
-        max_epochs=args.epochs, accelerator=args.accelerator, devices=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[timer, restore],
+        max_epochs=args.epochs, limit_train_batches=args.train_batches, accelerator=args.accelerator, devices=1,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[timer, restore],
     )
     trainer.fit(model, datamodule=data)
     trainer.test(model, datamodule=data, verbose=False)
@@ -123,7 +125,9 @@ def markdown(rows: list[dict], args: argparse.Namespace, device: str) -> str:
     metrics = [key for key in rows[0] if "/" in key]
     header = [f"{k.split('/')[0]} {TASK_METRICS[k.split('/')[1]][0]}" for k in metrics]
     lines = [
-        f"{args.data}: {args.epochs} epoch(s), Adam lr {args.lr:g}, batch {args.batch_size}, seed {args.seed}, "
+        f"{args.data}: {args.epochs} epoch(s)"
+        + (f" of {args.train_batches} batches" if args.train_batches else "")
+        + f", Adam lr {args.lr:g}, batch {args.batch_size}, seed {args.seed}, "
         f"best-validation epoch restored; each gate's default hyperparameters; {device}",
         "",
         "| gate | test loss ×10⁻² | " + " | ".join(header) + " | n/s | zero-expert % | train s/epoch "
@@ -149,6 +153,8 @@ def main(argv: list[str] | None = None) -> None:
                         "paper's MovieLens range 5e-5..5e-4)")
     parser.add_argument("--batch-size", type=int, default=512, help="training and evaluation batch (default 512)")
     parser.add_argument("--perm-epochs", type=int, default=None, help="E_perm of '+' gates (default min(5, epochs))")
+    parser.add_argument("--train-batches", type=int, default=None,
+                        help="training batches per epoch, for smoke runs (default: the whole training split)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu"])
     parser.add_argument("--root", default=None, help="data root (default: $MTMOE_DATA)")
