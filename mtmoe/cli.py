@@ -130,6 +130,9 @@ def translate_shortcuts(argv: list[str]) -> list[str]:
                     "(append '+' for permutation local search, e.g. comet+)"
                 )
             cls = gate_class(base)
+            if value.endswith("+") and not cls.permutable:
+                raise UsageError(f"gate {base!r} has no local-search ('+') variant: its weights are tied to the "
+                                 "experts' own responses")
             out.append(f"--model.gate={cls.__module__}.{cls.__qualname__}")
             if value.endswith("+") and not any(a.startswith("--model.perm_epochs") for a in argv):
                 out.append("--model.perm_epochs=5")
@@ -176,7 +179,7 @@ def print_gates() -> None:
         cls = gate_class(name)
         kind = "sparse" if cls.sparse else "dense"
         tuned = ", ".join(cls.hyperparameters) or "-"
-        print(f"{name:<10} {kind:<7} {cls.__module__}.{cls.__qualname__}  (tuned: {tuned})")
+        print(f"{name:<15} {kind:<7} {cls.__module__}.{cls.__qualname__}  (tuned: {tuned})")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -42,7 +42,8 @@ class MMoE(nn.Module):
     The bottom maps a batch to the experts' input ``h``; the experts map it to ``[B, n, ...]``; each gate routes on
     ``h`` flattened (the concatenated embeddings for recommenders, the raw image for vision: official
     ``main_model.py``) and also sees the batch's stable sample ids and the experts' outputs. With
-    ``local_search``, the gates' weights are permuted before they reach the experts (the "+" variants).
+    ``local_search``, the gates' weights are permuted before they reach the experts (the "+" variants); a gate's
+    ``output_scale`` (SparseMixer's omega) multiplies its task's mixture element-wise.
     """
 
     def __init__(
@@ -57,6 +58,10 @@ class MMoE(nn.Module):
         if len(gates) != len(towers):
             raise ValueError(f"{len(gates)} gates for {len(towers)} towers")
         self.bottom, self.experts = bottom, experts
+        if local_search is not None and not all(gate.permutable for gate in gates):
+            name = getattr(gates[0], "registry_name", type(gates[0]).__name__)
+            raise UsageError(f"gate {name!r} has no local-search ('+') variant: its weights are tied to the experts'"
+                             " own responses, and permuting them would hand them to other experts")
         self.gates, self.towers = nn.ModuleList(gates), nn.ModuleList(towers)
         self.local_search = local_search
 
@@ -73,8 +78,9 @@ class MMoE(nn.Module):
                 gate_output.weights = weights[:, t]
         mixed = torch.bmm(weights, expert_outputs.flatten(2))  # [B, T, d]: all tasks in one batched matmul
         predictions = []
-        for t, tower in enumerate(self.towers):
-            out = tower(mixed[:, t].view(-1, *expert_outputs.shape[2:]))
+        for t, (tower, gate_output) in enumerate(zip(self.towers, gate_outputs)):
+            z = mixed[:, t].view(-1, *expert_outputs.shape[2:])
+            out = tower(z if gate_output.output_scale is None else z * gate_output.output_scale)
             predictions.append(out.squeeze(-1) if out.shape[-1] == 1 else out)
         return MMoEOutput(predictions, gate_outputs, local_search_aux)
 
@@ -114,7 +120,8 @@ def build_mmoe(
         experts = ConvExperts(info.image_shape, info.conv_layers, units, info.expert_layers, n_experts, dropout)
         routing_features = math.prod(info.image_shape)
         initialised = [experts]
-    dims = GateDims(in_features=routing_features, n_experts=n_experts, n_ids=info.n_ids, k=info.k)
+    dims = GateDims(in_features=routing_features, n_experts=n_experts, n_ids=info.n_ids, k=info.k,
+                    expert_shape=(experts.out_features,))
     gates = [gate(dims) for _ in info.tasks]
     towers = [
         Tower(experts.out_features, tower_units or info.tower_units, task.n_classes, info.tower_layers)

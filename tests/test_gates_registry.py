@@ -6,11 +6,19 @@ capability flags and hyperparameters (comet-protocol.md §9.4):
 * ``sparse is False`` (dense gates): every expert is active, ``max_active()`` is ``None``;
 * ``"gamma" in hyperparameters`` (smooth-step, dense-to-sparse gates: COMET, DSelect-k): every expert is active at
   initialisation and at most ``max_active()`` are active once the smooth-step inputs are saturated;
-* any other sparse gate with a ``max_active()`` (Top-k, Hash-r): exactly ``max_active()`` experts per sample.
+* batch-level routers (``active_per_batch(B)`` not ``None``: Expert Choice, USMoE): exactly that many non-zero
+  weights in a batch, however they fall on the samples (a sample may get none);
+* any other sparse gate with a ``max_active()`` (Top-k, Hash-r, CompeteSMoE, SparseMixer): exactly ``max_active()``
+  experts per sample.
 
-Simplex rule: rows sum to 1 within 1e-5, except for gates that document unreachable codes (DSelect-k with n not a
-power of 2, exposed as ``power_of_two = False``), whose rows only satisfy ``sum <= 1``; their saturated simplex
-check on valid codes lives in ``test_gates_paper.py``.
+Simplex rule: for ``simplex`` gates rows sum to 1 within 1e-5, except for gates that document unreachable codes
+(DSelect-k with n not a power of 2, exposed as ``power_of_two = False``), whose rows only satisfy ``sum <= 1``; their
+saturated simplex check on valid codes lives in ``test_gates_paper.py``. Rows of the other gates are only
+non-negative (their documented sums are checked in ``test_gates_routers.py``).
+
+Batch independence: in eval mode a gate that is not ``batch_dependent`` gives every sample the same weights whatever
+the rest of its batch; a ``batch_dependent`` one does not (expected, and documented by the gate).
+A gate's ``output_scale`` (SparseMixer's omega) enters the surrogate losses, so its gradient is checked too.
 """
 from __future__ import annotations
 
@@ -32,8 +40,11 @@ K = 2
 SATURATION_FACTOR = 1e7
 
 
+EXPERT_SHAPE = (3,)  # one expert's output, as ``routing`` draws them
+
+
 def dims(n: int, k: int = K, n_ids: int = N_IDS) -> GateDims:
-    return GateDims(in_features=P, n_experts=n, n_ids=n_ids, k=min(k, n))
+    return GateDims(in_features=P, n_experts=n, n_ids=n_ids, k=min(k, n), expert_shape=EXPERT_SHAPE)
 
 
 def build(name: str, n: int, seed: int = 0, **hparams) -> Gate:
@@ -46,7 +57,7 @@ def routing(gate: Gate, b: int = B, scale: float = 1.0, seed: int = 1, zero: boo
     x = torch.zeros(b, P) if zero else torch.randn(b, P, generator=generator) * scale
     sample_id = torch.randint(0, N_IDS, (b,), generator=generator) if gate.needs_sample_id else None
     expert_outputs = (
-        torch.randn(b, gate.n_experts, 3, generator=generator) if gate.needs_expert_outputs else None
+        torch.randn(b, gate.n_experts, *EXPERT_SHAPE, generator=generator) if gate.needs_expert_outputs else None
     )
     return RoutingInput(x=x, sample_id=sample_id, expert_outputs=expert_outputs)
 
@@ -89,6 +100,15 @@ def saturate_(gate: Gate, factor: float = SATURATION_FACTOR) -> list[nn.Module]:
     return scaled
 
 
+def surrogate_loss(out, seed: int = 2) -> torch.Tensor:
+    """A random linear function of the weights (and of the output scale, if any) plus the auxiliary loss."""
+    generator = torch.Generator().manual_seed(seed)
+    loss = (out.weights * torch.randn(out.weights.shape, generator=generator)).sum() + out.aux_loss
+    if out.output_scale is not None:
+        loss = loss + (out.output_scale * torch.randn(out.output_scale.shape, generator=generator)).sum()
+    return loss
+
+
 def backward(gate: Gate, loss: torch.Tensor) -> None:
     """``loss.backward()``; a gate without trainable parameters (Hash-r) must give a constant loss instead."""
     if any(p.requires_grad for p in gate.parameters()):
@@ -106,6 +126,8 @@ def check_weights(gate: Gate, weights: torch.Tensor, b: int, exact_simplex: bool
     assert weights.shape == (b, n)
     assert torch.isfinite(weights).all()
     assert (weights >= 0).all()
+    if not gate.simplex:
+        return
     sums = weights.sum(dim=-1)
     assert (sums <= 1 + 1e-5).all(), sums
     if exact_simplex is None:
@@ -218,6 +240,13 @@ def test_active_experts(name, n):
         for module in scaled:
             for p in module.parameters():
                 assert p.grad is not None and (p.grad == 0).all()
+    elif gate.active_per_batch(B) is not None:
+        for mode in (True, False):  # batch-level in training always, in eval when batch-dependent
+            if mode or gate.batch_dependent:
+                counts = n_active(gate.train(mode)(routing(gate)).weights)
+                assert counts.sum() == gate.active_per_batch(B), counts
+        if not gate.batch_dependent:  # evaluated per sample: the per-sample guarantee applies
+            assert (n_active(gate.eval()(routing(gate)).weights) == active).all()
     elif active is not None:
         assert (n_active(weights) == active).all(), n_active(weights)
     else:
@@ -227,10 +256,11 @@ def test_active_experts(name, n):
 @pytest.mark.parametrize("n", N_EXPERTS)
 @pytest.mark.parametrize("name", GATES)
 def test_gradients_reach_every_parameter(name, n):
+    """On a batch of 256: SparseMixer gives its router no gradient from a sample whose sampling mask leaves one
+    expert (``pi_D = 1``), which at initialisation is most samples for small n."""
     gate = build(name, n).train()
-    out = gate(routing(gate))
-    target = torch.randn(out.weights.shape, generator=torch.Generator().manual_seed(2))
-    backward(gate, (out.weights * target).sum() + out.aux_loss)
+    out = gate(routing(gate, b=256))
+    backward(gate, surrogate_loss(out))
     for pname, p in gate.named_parameters():
         if p.requires_grad:
             assert p.grad is not None, f"{pname} got no gradient"
@@ -255,8 +285,7 @@ def test_finite_at_extreme_inputs(name, n, case):
     assert torch.isfinite(out.aux_loss)
     for value in out.stats.values():
         assert torch.isfinite(value).all()
-    target = torch.randn(out.weights.shape, generator=torch.Generator().manual_seed(2))
-    backward(gate, (out.weights * target).sum() + out.aux_loss)
+    backward(gate, surrogate_loss(out))
     for pname, p in gate.named_parameters():
         if p.grad is not None:
             assert torch.isfinite(p.grad).all(), f"non-finite gradient in {pname}"
@@ -272,6 +301,25 @@ def test_eval_is_deterministic_and_has_no_aux_loss(name, n):
     assert first.aux_loss.shape == ()
     assert first.aux_loss.item() == 0.0
     assert not first.stats or all(torch.isfinite(v).all() for v in first.stats.values())
+
+
+@pytest.mark.parametrize("n", [3, 8])
+@pytest.mark.parametrize("name", GATES)
+def test_eval_batch_independence_follows_the_flag(name, n):
+    """A sample's eval weights ignore the rest of its batch unless the gate is ``batch_dependent``."""
+    gate = build(name, n).eval()
+    full = routing(gate, b=2 * B)
+    first_half = RoutingInput(*(None if t is None else t[:B] for t in (full.x, full.sample_id, full.expert_outputs)))
+    changed = routing(gate, b=2 * B, seed=7)  # same first half, other second half
+    for field in ("x", "sample_id", "expert_outputs"):
+        if getattr(full, field) is not None:
+            getattr(changed, field)[:B] = getattr(full, field)[:B]
+    weights = gate(full).weights[:B]
+    if not gate.batch_dependent:
+        torch.testing.assert_close(gate(first_half).weights, weights)
+        torch.testing.assert_close(gate(changed).weights[:B], weights)
+    else:
+        assert not torch.equal(gate(changed).weights[:B], weights)
 
 
 @pytest.mark.parametrize("n", N_EXPERTS)

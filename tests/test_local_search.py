@@ -684,7 +684,10 @@ def reindex_experts(model: MMoE, assignment: list[int]) -> MMoE:
     return clone
 
 
-@pytest.mark.parametrize("gate", list_gates())
+PERMUTABLE = [g for g in list_gates() if gate_class(g).permutable]  # gates with a "+" variant
+
+
+@pytest.mark.parametrize("gate", PERMUTABLE)
 def test_permuting_weights_equals_reindexing_experts(gate: str) -> None:
     """sum_l (w P)_l f_l = sum_i w_i f_{col_ind[i]}: the "+" model with a hard P is the base model whose experts
     are re-indexed (Section 4.1); an identity P reproduces the base model exactly (§9.4)."""
@@ -725,7 +728,7 @@ def test_permuting_weights_equals_reindexing_experts(gate: str) -> None:
 
 
 @pytest.mark.parametrize("saturate", [False, True])
-@pytest.mark.parametrize("gate", list_gates())
+@pytest.mark.parametrize("gate", PERMUTABLE)
 def test_plus_keeps_experts_per_sample_after_the_window(gate: str, saturate: bool) -> None:
     info = tiny_info()
     base, plus = base_and_plus(gate, info, zeta=1e-4)
@@ -747,14 +750,17 @@ def test_plus_keeps_experts_per_sample_after_the_window(gate: str, saturate: boo
     for training in (True, False):
         base.train(training)
         plus.train(training)
-        with torch.no_grad():
-            base_out, plus_out = base(batch), plus(batch)
+        with torch.no_grad():  # the same random draws for both (dropout, SparseMixer's sampling)
+            torch.manual_seed(11)
+            base_out = base(batch)
+            torch.manual_seed(11)
+            plus_out = plus(batch)
         for b, p in zip(base_out.gates, plus_out.gates):
             assert torch.equal((p.weights > 0).sum(-1), (b.weights > 0).sum(-1))
             assert bool((p.weights >= 0).all())
             assert torch.allclose(p.weights.sum(-1), b.weights.sum(-1), atol=1e-6)
             assert torch.allclose(p.weights[:, q.argmax(-1)], b.weights, atol=1e-7, rtol=1e-6)
-            if gate != "dselect":  # every other gate is on the simplex
+            if gate_class(gate).simplex and gate != "dselect":  # DSelect-k: n = 6 is not a power of 2
                 assert torch.allclose(p.weights.sum(-1), torch.ones(len(p.weights)), atol=1e-5)
             if saturate and gate != "softmax":  # sparse rows exist, so the count comparison is not vacuous
                 assert int((b.weights > 0).sum(-1).min()) <= 2

@@ -39,11 +39,34 @@ def test_fit_end_to_end_every_gate(tiny_root: Path, gate: str, capsys: pytest.Ca
     assert 0.0 <= test["watch/auroc"] <= 1.0
     n_experts = 16
     assert len(test["watch/utilisation"]) == n_experts
-    expected = {"softmax": n_experts, "hash": 1, "topk": 2}
+    expected = {"softmax": n_experts, "hash": 1, "topk": 2, "competesmoe": 2, "competesmoe-v2": 2, "sparsemixer": 1,
+                "usmoe": 2}  # USMoE: floor(2 B) pairs in every eval batch
     if gate in expected:
         assert test["watch/experts_per_sample"] == pytest.approx(expected[gate])
     assert results["best_epoch"] in (0, 1) and results["epochs_run"] == 2
     assert (results_path.parent / "config.yaml").exists()
+
+
+@pytest.mark.parametrize("gate", ["sparsemixer+", "expertchoice+", "usmoe+"])
+def test_fit_local_search_variants_of_the_other_routers(tiny_root: Path, gate: str) -> None:
+    assert run_cli(["fit", "--gate", gate, "--data", "movielens-100k", f"--data.root={tiny_root}",
+                    "--trainer.max_epochs=2", "--trainer.limit_train_batches=6", "--trainer.limit_val_batches=2",
+                    "--trainer.limit_test_batches=2", "--model.perm_epochs=1", *FAST]) == 0
+    results = json.loads(next(Path("runs").rglob("results.json")).read_text())
+    assert results["gate"] == gate and results["permutation"]["frozen"] == 1.0
+    assert math.isfinite(results["test"]["loss"])
+
+
+def test_the_planned_run_length_reaches_the_gates(tiny_root: Path) -> None:
+    """CompeteSMoE v2's warm-up is 5% of the run's training forward passes (max_epochs x batches per epoch)."""
+    data = MovieLens100KDataModule(root=str(tiny_root), batch_size=64)
+    model = MultiTaskMoE(gate=partial(gate_class("competesmoe-v2"), competition_prob=1.0), info=data.info)
+    trainer = pl.Trainer(max_epochs=2, limit_train_batches=10, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    trainer.fit(model, datamodule=data)
+    for gate in model.net.gates:
+        assert int(gate.warmup_steps) == round(0.05 * 2 * 10) == 1
+        assert int(gate.step) == 2 * 10
 
 
 def test_fit_is_reproducible_with_a_seed(tiny_root: Path) -> None:

@@ -150,6 +150,23 @@ def test_every_gate_section_loads(path: Path) -> None:
         assert ("model.perm_epochs" in space.distributions) == gate.endswith("+")
 
 
+@pytest.mark.parametrize("path", SPACE_FILES, ids=lambda p: p.name)
+def test_every_registered_gate_has_a_section_tuning_only_its_hyperparameters(path: Path) -> None:
+    """Every gate, and the "+" variant of every gate that local search may permute; ``model.gate.*`` distributions
+    only over the gate's declared ``hyperparameters``."""
+    import yaml
+
+    from mtmoe.gates import gate_class, list_gates
+
+    sections = set(yaml.safe_load(path.read_text())["gates"])
+    permutable = {g for g in list_gates() if gate_class(g).permutable}
+    assert sections == set(list_gates()) | {g + "+" for g in permutable}
+    for gate in sections:
+        space = load_space(path.stem, gate, path)
+        tuned = {k.removeprefix("model.gate.") for k in space.distributions if k.startswith("model.gate.")}
+        assert tuned <= set(gate_class(gate.removesuffix("+")).hyperparameters), gate
+
+
 BASE_SPACE = """\
 data: movielens-100k
 trials: 10
@@ -251,6 +268,26 @@ def test_sqlite_study_resume_reproducible_and_report(tiny_root: Path, tmp_path: 
     assert table7["rating MSE mean"] == pytest.approx(best.user_attrs["test/rating/mse"])
     assert f"{100 * best.user_attrs['test_loss']:.2f} ± n/a" in printed
     assert (tmp_path / "rep" / "report.md").read_text() in printed
+
+
+def test_router_names_with_hyphens_and_plus_flow_through_tune_and_report(tiny_root: Path, tmp_path: Path,
+                                                                         capsys) -> None:
+    """``competesmoe-v2`` and ``usmoe+`` (a boolean hyperparameter, a "+" variant) from the real search spaces."""
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    for gate in ("competesmoe-v2", "usmoe+"):
+        extra = ["--model.perm_epochs=1"] if gate.endswith("+") else []
+        assert run_cli(tune_args(url, tiny_root, tmp_path / "runs", *TINY, *extra, trials=1, gate=gate)) == 0
+        (trial,) = trials_of(url, f"movielens-100k/{gate}")
+        assert trial.state == TrialState.COMPLETE and math.isfinite(trial.user_attrs["test_loss"])
+    assert isinstance(trial.params["model.gate.rescale_expert_choice"], bool)
+    capsys.readouterr()
+    assert run_cli(["report", "--data", "movielens-100k", "--storage", url, "--out", str(tmp_path / "rep")]) == 0
+    printed = capsys.readouterr().out
+    table = pd.read_csv(tmp_path / "rep" / "table_2_3.csv").set_index("study")
+    assert list(table.gate) == ["competesmoe-v2", "usmoe+"]
+    assert table.loc["movielens-100k/usmoe+"].baseline == "movielens-100k/competesmoe-v2"  # "+" is never a baseline
+    assert pd.isna(table.loc["movielens-100k/competesmoe-v2"].baseline)
+    assert "| movielens-100k/competesmoe-v2 | competesmoe-v2 |" in printed and "| movielens-100k/usmoe+ | usmoe+ |" in printed
 
 
 DIVERGING_SPACE = """\

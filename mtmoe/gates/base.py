@@ -1,8 +1,8 @@
 """The gate contract shared by every router in the suite.
 
-A gate maps a :class:`RoutingInput` to per-sample expert weights ``[B, n]`` on the simplex, plus an auxiliary
-loss and routing statistics, all returned from ``forward`` (no globals, no side-channel losses). The routing input
-carries everything a router of the suite may need:
+A gate maps a :class:`RoutingInput` to per-sample expert weights ``[B, n]`` (on the simplex unless the gate says
+otherwise, ``Gate.simplex``), plus an auxiliary loss and routing statistics, all returned from ``forward`` (no
+globals, no side-channel losses). The routing input carries everything a router of the suite may need:
 
 * ``x`` -- the routing features ``[B, p]`` (concatenated embeddings for recommenders, the flattened image for vision);
 * ``sample_id`` -- a stable integer id per sample (user id, image index) for pre-assigned routing (Hash-r);
@@ -10,8 +10,11 @@ carries everything a router of the suite may need:
   MMoE computes experts densely before gating, so they are always available at no extra cost.
 
 Batch-level routers (Expert Choice, USMoE) see the whole mini-batch through ``x``; a router that changes the
-backward pass (SparseMixer) does so inside its own ``forward`` with a custom autograd function. Local search
-(the "+" variants) never touches a gate: it permutes the returned weights (``mtmoe.permutation``).
+backward pass (SparseMixer) does so inside its own ``forward`` with a custom autograd function, and a router with
+a trainable output scale (SparseMixer's omega) returns it as ``GateOutput.output_scale``, which the model applies
+to that task's mixture of experts. Local search (the "+" variants) never touches a gate: it permutes the returned
+weights (``mtmoe.permutation``); a gate whose weights are tied to the experts' identities (``permutable = False``,
+CompeteSMoE) has no "+" variant.
 
 Auxiliary losses are added only in training mode (comet-protocol.md §1): in ``eval()`` every gate returns a zero
 auxiliary loss, so an evaluation loss is the pure task loss.
@@ -35,6 +38,7 @@ class GateDims:
     n_experts: int
     n_ids: int = 0  # number of distinct stable sample ids (users, images); needed by pre-assigned routing
     k: int = 2  # the dataset's cardinality (S1.3), used by gates whose ``k`` is left unset
+    expert_shape: tuple[int, ...] = ()  # one expert's output shape (``(units,)`` for dense experts); output scales
 
 
 @dataclass
@@ -46,22 +50,37 @@ class RoutingInput:
 
 @dataclass
 class GateOutput:
-    weights: Tensor  # [B, n], non-negative, rows on the simplex (up to the gate's documented tolerance)
+    weights: Tensor  # [B, n], non-negative; rows on the simplex for ``simplex`` gates (up to documented tolerance)
     aux_loss: Tensor  # scalar; exactly 0 in eval mode
     stats: dict[str, Tensor] = field(default_factory=dict)  # scalar diagnostics (entropy, penalties, ...)
+    output_scale: Tensor | None = None  # ``expert_shape``: multiplies this task's mixture (SparseMixer's omega)
 
 
 class Gate(nn.Module):
     """Base class of every router. Subclasses set the capability flags and implement ``forward``.
 
     ``max_active`` returns the number of non-zero weights the gate guarantees per sample once trained to
-    saturation (``None`` for dense gates); the registry test suite checks it.
+    saturation (``None`` for dense gates and for batch-level routers, whose samples get a varying number);
+    ``active_per_batch`` returns the number of non-zero weights a batch-level router guarantees in a whole batch.
+    The registry test suite checks both.
+
+    Capability flags:
+
+    * ``sparse``: weights have exact zeros (False: every expert gets weight, Softmax);
+    * ``simplex``: every row sums to 1 (False: rows are non-negative with a documented sum, e.g. SparseMixer's
+      ``pi_D``, Expert Choice's raw affinities, USMoE's unified scores);
+    * ``batch_dependent``: in eval mode a sample's weights depend on the other samples of its batch (an instance
+      may clear it, e.g. a batch-level router evaluated with its per-sample policy);
+    * ``permutable``: local search (the "+" variant) may permute the weights across experts;
+    * ``needs_sample_id`` / ``needs_expert_outputs``: which optional fields of :class:`RoutingInput` it reads.
     """
 
     sparse: ClassVar[bool] = True
+    simplex: ClassVar[bool] = True
+    permutable: ClassVar[bool] = True
     needs_sample_id: ClassVar[bool] = False
     needs_expert_outputs: ClassVar[bool] = False
-    batch_dependent: ClassVar[bool] = False
+    batch_dependent: bool = False
     #: Hyperparameters a search space may tune for this gate (names of ``__init__`` keyword arguments).
     hyperparameters: ClassVar[tuple[str, ...]] = ()
 
@@ -74,6 +93,15 @@ class Gate(nn.Module):
 
     def max_active(self) -> int | None:
         return None
+
+    def active_per_batch(self, batch_size: int) -> int | None:
+        """Non-zero weights in a batch of ``batch_size`` for a batch-level router (training, and eval when
+        ``batch_dependent``); ``None`` for per-sample routers."""
+        return None
+
+    def set_training_steps(self, total: int | None) -> None:
+        """Told by the training loop how many training forward passes the run plans (``None``: unbounded), for
+        gates with a schedule in fractions of the run (CompeteSMoE v2's warm-up)."""
 
     def forward(self, routing: RoutingInput) -> GateOutput:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -89,6 +117,32 @@ def resolve_k(k: int | None, dims: GateDims) -> int:
     if not 1 <= k <= dims.n_experts:
         raise UsageError(f"k must satisfy 1 <= k <= n_experts, got k={k} with n_experts={dims.n_experts}")
     return int(k)
+
+
+def resolve_budget(k: float | None, dims: GateDims) -> float:
+    """A batch-level router's average number of experts per sample: ``k`` if given, else ``dims.k``; ``0 < k <= n``."""
+    k = dims.k if k is None else k
+    if not 0 < k <= dims.n_experts:
+        raise UsageError(f"k must satisfy 0 < k <= n_experts, got k={k} with n_experts={dims.n_experts}")
+    return float(k)
+
+
+def check_probability(name: str, value: float) -> float:
+    if not 0.0 <= value <= 1.0:
+        raise UsageError(f"{name} must be in [0, 1], got {value}")
+    return float(value)
+
+
+def check_non_negative(**values: float) -> None:
+    for name, value in values.items():
+        if not value >= 0:
+            raise UsageError(f"{name} must be >= 0, got {value}")
+
+
+def topk_softmax(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """``softmax(TopK_{-inf}(logits, k))`` as dense ``[B, n]`` weights, and the selected indices ``[B, k]``."""
+    top_values, top_index = logits.topk(k, dim=-1)
+    return torch.zeros_like(logits).scatter(-1, top_index, top_values.softmax(dim=-1)), top_index
 
 
 def check_gamma(gamma: float) -> float:

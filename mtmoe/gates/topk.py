@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from mtmoe.gates.base import Gate, GateDims, GateOutput, RoutingInput, resolve_k
+from mtmoe.gates.base import Gate, GateDims, GateOutput, RoutingInput, resolve_k, topk_softmax
 from mtmoe.gates.registry import register_gate
 from mtmoe.gates.softmax import keras_dense
 
@@ -30,6 +30,5 @@ class TopKGate(Gate):
         logits = self.logits(routing.x)
         if self.noise is not None and self.training:
             logits = logits + torch.randn_like(logits) * torch.nn.functional.softplus(self.noise(routing.x))
-        top_values, top_index = logits.topk(self.k, dim=-1)
-        weights = torch.zeros_like(logits).scatter(-1, top_index, top_values.softmax(dim=-1))
+        weights, _ = topk_softmax(logits, self.k)
         return GateOutput(weights, self.zero(logits))

@@ -215,9 +215,14 @@ class MultiTaskMoE(pl.LightningModule):
             self.last_results[stage] = results
 
     def on_train_start(self) -> None:
-        """Local search's window is E_perm epochs of the actual training loader (not a hard-coded step count)."""
+        """Local search's window is E_perm epochs of the actual training loader (not a hard-coded step count);
+        gates with a schedule in fractions of the run learn its planned training forward passes."""
+        batches = int(self.trainer.num_training_batches)
         if self.net.local_search is not None:
-            self.net.local_search.set_window(int(self.trainer.num_training_batches))
+            self.net.local_search.set_window(batches)
+        epochs = self.trainer.max_epochs
+        for gate in self.net.gates:
+            gate.set_training_steps(batches * epochs if epochs is not None and epochs > 0 else None)
 
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
         search = self.net.local_search

@@ -33,11 +33,11 @@ import pandas as pd
 from optuna.trial import TrialState
 
 from mtmoe.errors import UsageError
+from mtmoe.lit.metrics import TASK_METRICS
 from mtmoe.tuning.space import STUDIES_DIR
 
 TOP_FRACTION = 0.05
 SIGNIFICANCE = 0.05
-TASK_METRICS = {"auroc": ("AUC", 100.0), "accuracy": ("accuracy", 100.0), "mse": ("MSE", 1.0)}
 
 
 class OneLineParser(argparse.ArgumentParser):
