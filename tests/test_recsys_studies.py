@@ -13,13 +13,16 @@ PAPER = {
     "jester": (16, 2, [0.001, 0.02, 0.1, 1, 5, 10], 0.01, [0.05, 0.1, 0.5, 1, 5, 10], 1.0),
 }
 GATES = ["softmax", "hash", "topk", "dselect", "comet", "comet+", "topk+", "hash+", "softmax+", "dselect+"]
+# the other papers' routers, after the COMET paper's gates (their sections: tests/test_tuning.py)
+ROUTERS = ["competesmoe", "competesmoe-v2", "sparsemixer", "expertchoice", "usmoe", "sparsemixer+", "expertchoice+",
+           "usmoe+"]
 
 
 @pytest.mark.parametrize("data", PAPER)
 def test_search_space_is_s1_3(data: str) -> None:
     n, k, gammas, comet_plus_gamma, entropies, dselect_zeta = PAPER[data]
     document = yaml.safe_load(space_file(data).read_text())
-    assert list(document["gates"]) == GATES and document["data"] == data
+    assert list(document["gates"]) == GATES + ROUTERS and document["data"] == data
     for gate in GATES:
         space = load_space(data, gate)
         assert space.trials == 500

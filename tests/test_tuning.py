@@ -20,12 +20,14 @@ import sys
 import time
 import urllib.request
 from datetime import datetime
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import optuna
 import pandas as pd
 import pytest
+from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState
 from scipy.stats import ttest_ind
 
@@ -42,7 +44,9 @@ TINY = ["--trainer.max_epochs=1", "--trainer.limit_train_batches=5", "--trainer.
 # A trial of a few seconds (3 epochs of ~60 steps of 8 rows), long enough to be caught RUNNING and signalled.
 SLOW = ["--trainer.max_epochs=3", "--trainer.limit_val_batches=2", "--trainer.limit_test_batches=2",
         "--data.batch_size=8"]
-SPACE_FILES = [STUDIES_DIR / "movielens.yaml", STUDIES_DIR / "movielens-100k.yaml"]
+SPACE_FILES = sorted(STUDIES_DIR.glob("*.yaml"))
+# The other papers' routers (not in the COMET paper): their own hyperparameters are the same in every file.
+ROUTERS = ("competesmoe", "competesmoe-v2", "sparsemixer", "expertchoice", "usmoe")
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
 
@@ -141,12 +145,14 @@ def test_every_gate_section_loads(path: Path) -> None:
     import yaml
 
     document = yaml.safe_load(path.read_text())
-    assert len(document["gates"]) >= 8
+    assert document["data"] == path.stem and len(document["gates"]) >= 8
+    assert document["trials"] in (100, 500)  # S1.3: 500 configurations a gate, 100 for CelebA
     for gate in document["gates"]:
         space = load_space(document["data"], gate, path)
-        assert space.gate == gate and space.trials == 500
+        assert space.gate == gate and space.trials == document["trials"]
         assert "model.lr" in space.distributions
-        assert space.fixed["trainer.max_epochs"] == 100 and space.fixed["early_stopping.patience"] == 25
+        # S1.3: 100 epochs for the recommenders and CelebA, 200 for the other image datasets; patience 25 for all
+        assert space.fixed["trainer.max_epochs"] in (100, 200) and space.fixed["early_stopping.patience"] == 25
         assert ("model.perm_epochs" in space.distributions) == gate.endswith("+")
 
 
@@ -165,6 +171,90 @@ def test_every_registered_gate_has_a_section_tuning_only_its_hyperparameters(pat
         space = load_space(path.stem, gate, path)
         tuned = {k.removeprefix("model.gate.") for k in space.distributions if k.startswith("model.gate.")}
         assert tuned <= set(gate_class(gate.removesuffix("+")).hyperparameters), gate
+
+
+def dataset_info(data: str):
+    """The dataset's :class:`DatasetInfo`, from its DataModule's constructor alone (no data is read)."""
+    import importlib
+
+    from mtmoe.data import DATASETS
+
+    module_name, class_name = DATASETS[data].rsplit(".", 1)
+    return getattr(importlib.import_module(module_name), class_name)(download=False).info
+
+
+def own_settings(space) -> dict:
+    """A section's ``model.*`` values and distributions but the learning rate, k and n: what a router's papers set."""
+    entries = {**space.fixed, **space.distributions}
+    return {key: value for key, value in entries.items()
+            if key.startswith("model.") and key not in ("model.lr", "model.gate.k", "model.n_experts")}
+
+
+def routers_and_plus() -> list[str]:
+    """The other papers' routers, each followed by its "+" where local search may permute its weights."""
+    from mtmoe.gates import gate_class
+
+    return [g for base in ROUTERS for g in (base, base + "+") if g == base or gate_class(base).permutable]
+
+
+@pytest.mark.parametrize("path", SPACE_FILES, ids=lambda p: p.name)
+def test_router_sections_take_movielens_hyperparameters_with_the_files_lr_and_k(path: Path) -> None:
+    """The routers' own hyperparameters come from their papers (cited in movielens.yaml), so they are the same in
+    every file; the learning rate is the file's Top-k's, k the dataset's (Expert Choice's capacity factor: the
+    paper's 1 and 2, and the dataset's k), and a "+" section adds movielens.yaml's local-search window."""
+    info = dataset_info(path.stem)
+    topk = load_space(path.stem, "topk", path)
+    assert topk.fixed["model.gate.k"] == info.k
+    for gate in routers_and_plus():
+        space = load_space(path.stem, gate, path)
+        reference = load_space("movielens", gate, STUDIES_DIR / "movielens.yaml")
+        assert own_settings(space) == own_settings(reference), gate
+        assert space.distributions["model.lr"] == topk.distributions["model.lr"], gate
+        if gate.removesuffix("+") == "expertchoice":
+            assert space.distributions["model.gate.k"] == CategoricalDistribution(sorted({1, 2, info.k}))
+        elif "model.gate.k" in {*reference.fixed, *reference.distributions}:
+            assert space.fixed["model.gate.k"] == info.k, gate
+
+
+@pytest.mark.parametrize("path", SPACE_FILES, ids=lambda p: p.name)
+def test_every_section_builds_the_datasets_model_and_every_gate_value_routes(path: Path) -> None:
+    """Tune's first configuration of every section builds the dataset's model (the CLI's ``model.*`` arguments,
+    no data read), and every value of every ``model.gate.*`` hyperparameter builds that model's gate, which routes
+    a random batch: weights ``[B, n]``, finite and non-negative, a finite auxiliary loss."""
+    import torch
+    import yaml
+
+    from mtmoe.gates import RoutingInput, create_gate, gate_class
+    from mtmoe.lit.module import MultiTaskMoE
+
+    info, batch = dataset_info(path.stem), 16
+    torch.manual_seed(0)
+    for gate in yaml.safe_load(path.read_text())["gates"]:
+        space = load_space(path.stem, gate, path)
+        assert space.fixed["model.n_experts"] == info.n_experts  # the paper's n (S1.2), as the DataModule's
+        (first,) = plan_configurations(space, 1, 0)
+        settings = {**space.fixed, **first}
+        gate_args = {k.removeprefix("model.gate."): v for k, v in settings.items() if k.startswith("model.gate.")}
+        model_args = {k.removeprefix("model."): v for k, v in settings.items()
+                      if k.startswith("model.") and not k.startswith("model.gate.")}
+        base = gate.removesuffix("+")
+        model = MultiTaskMoE(gate=partial(gate_class(base), **gate_args), info=info, **model_args)
+        assert (model.net.local_search is not None) == gate.endswith("+")
+        dims = model.net.gates[0].dims
+        assert len(model.net.gates) == len(info.tasks) and dims.n_experts == info.n_experts
+        for key, distribution in space.distributions.items():
+            if not key.startswith("model.gate."):
+                continue
+            categorical = isinstance(distribution, CategoricalDistribution)
+            for value in distribution.choices if categorical else (distribution.low, distribution.high):
+                router = create_gate(base, dims, **{**gate_args, key.removeprefix("model.gate."): value})
+                routing = RoutingInput(x=torch.randn(batch, dims.in_features),
+                                       sample_id=torch.randint(dims.n_ids, (batch,)),
+                                       expert_outputs=torch.randn(batch, dims.n_experts, *dims.expert_shape))
+                output = router(routing)
+                assert output.weights.shape == (batch, dims.n_experts), (gate, key, value)
+                assert torch.isfinite(output.weights).all() and (output.weights >= 0).all(), (gate, key, value)
+                assert torch.isfinite(output.aux_loss), (gate, key, value)
 
 
 BASE_SPACE = """\
@@ -204,7 +294,7 @@ def test_bad_search_space_names_the_problem(tmp_path: Path, old: str, new: str, 
 
 
 def test_plan_is_reproducible_and_inside_the_space() -> None:
-    space = load_space("movielens-100k", "comet+", SPACE_FILES[1])
+    space = load_space("movielens-100k", "comet+", STUDIES_DIR / "movielens-100k.yaml")
     first, again, other = (plan_configurations(space, 20, seed) for seed in (0, 0, 1))
     assert first == again and first != other and len(first) == 20
     for configuration in first + other:
