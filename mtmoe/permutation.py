@@ -26,6 +26,7 @@ import torch
 from scipy.optimize import linear_sum_assignment
 from torch import Tensor, nn
 
+from mtmoe.counters import HostCounters
 from mtmoe.errors import UsageError
 from mtmoe.sinkhorn import sinkhorn
 
@@ -57,8 +58,10 @@ def permutation_entropy(p: Tensor) -> Tensor:
     return (column_entropy + row_entropy).mean()
 
 
-class LocalSearch(nn.Module):
+class LocalSearch(HostCounters):
     """Learned expert permutation for ``n_tasks`` task gates (shared by default; ``per_task`` gives one each).
+
+    The counters ``step``, ``window`` and ``rounded_at`` stay on the CPU (:class:`mtmoe.counters.HostCounters`).
 
     Args:
         n_experts: n.
@@ -68,6 +71,8 @@ class LocalSearch(nn.Module):
         per_task: one permutation per task gate instead of one shared by all (the official code shares one).
         eval_rounded: evaluate with the rounded permutation inside the window (official); False: the soft one.
     """
+
+    host_buffers = ("step", "window", "rounded_at")
 
     def __init__(
         self,
@@ -93,14 +98,6 @@ class LocalSearch(nn.Module):
         self.register_buffer("rounded", torch.eye(n_experts).repeat(m, 1, 1))
         self.register_buffer("rounded_at", torch.full((), -1, dtype=torch.long))  # step ``rounded`` belongs to
         self.last_stats: dict[str, Tensor] = {}
-
-    def _apply(self, fn, recurse=True):
-        """Move tensors as ``nn.Module`` does, except the scalar counters: they stay on the CPU, so the Python-side
-        schedule logic (read every step) never waits for a GPU."""
-        counters = {name: self._buffers[name] for name in ("step", "window", "rounded_at")}
-        super()._apply(fn, recurse)
-        self._buffers.update(counters)
-        return self
 
     def set_window(self, steps_per_epoch: int) -> None:
         self.window.fill_(self.epochs * steps_per_epoch)

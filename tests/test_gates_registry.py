@@ -336,3 +336,39 @@ def test_state_dict_round_trip(name, n):
     target.load_state_dict(state)
     assert torch.equal(source(x).weights, target(x).weights)
     assert set(target.state_dict()) == set(state)
+
+
+class HostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the tensors whose value Python reads (``int(t)``, ``t.item()``, ``bool(t)``): on a GPU, each such
+    read waits for the device to finish its queued work."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tensors: list[torch.Tensor] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.tensors.append(args[0])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("name", GATES)
+def test_training_step_reads_no_device_values_but_its_host_counters(name: str) -> None:
+    """A training forward and backward reads from Python only the counters the gate keeps on the CPU
+    (``host_buffers``; they stay there when the gate moves), so a GPU step never waits for the device."""
+    gate = build(name, 8).train()
+    host = [getattr(gate, buffer) for buffer in getattr(gate, "host_buffers", ())]
+    gate.double()
+    assert all(getattr(gate, buffer) is tensor and tensor.device.type == "cpu"
+               for buffer, tensor in zip(getattr(gate, "host_buffers", ()), host))
+    inputs = routing(gate, b=64)
+    inputs = RoutingInput(inputs.x.double(), inputs.sample_id,
+                          None if inputs.expert_outputs is None else inputs.expert_outputs.double())
+    for _ in range(3):
+        reads = HostReads()
+        with reads:
+            out = gate(inputs)
+            loss = out.weights.square().sum() + out.aux_loss
+            if loss.requires_grad:  # Hash-r has nothing to train
+                loss.backward()
+        assert all(any(t is h for h in host) for t in reads.tensors), name

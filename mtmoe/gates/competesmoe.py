@@ -61,6 +61,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from mtmoe.counters import HostCounters
 from mtmoe.errors import UsageError
 from mtmoe.gates.base import (
     Gate, GateDims, GateOutput, RoutingInput, check_non_negative, check_probability, resolve_k, topk_softmax,
@@ -70,7 +71,7 @@ from mtmoe.gates.registry import register_gate
 from mtmoe.gates.softmax import keras_dense
 
 
-class CompetitionGate(Gate):
+class CompetitionGate(HostCounters, Gate):
     """What both versions share: the Top-K router's routing, the competition schedule and the forward pass.
 
     Subclasses define ``router`` (a module: routing features -> N logits), ``affinity(outputs [B, N, D]) -> s [B, N]``,
@@ -78,6 +79,7 @@ class CompetitionGate(Gate):
     """
 
     needs_expert_outputs = True
+    host_buffers = ("seed", "step")  # the coin is drawn from them in Python every training step
     permutable = False
 
     def __init__(
@@ -179,6 +181,8 @@ class CompeteSMoEV2Gate(CompetitionGate):
     Defaults are CSv2 Table 20 / §5.4 (omega 0.07, gamma 0.01, alpha 0.1, beta 0.005, warm-up 5%) and the LM
     setup's balance coefficient 0.01 (Table 19).
     """
+
+    host_buffers = (*CompetitionGate.host_buffers, "warmup_steps")
 
     hyperparameters = ("k", "competition_prob", "distill_coef", "winner_weight", "diversity_coef")
 

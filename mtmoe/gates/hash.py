@@ -10,7 +10,6 @@ table. The official code draws it from an unseeded NumPy generator.
 from __future__ import annotations
 
 import torch
-from torch.nn import functional as F
 
 from mtmoe.errors import UsageError
 from mtmoe.gates.base import Gate, GateDims, GateOutput, RoutingInput
@@ -34,5 +33,6 @@ class HashGate(Gate):
     def forward(self, routing: RoutingInput) -> GateOutput:
         if routing.sample_id is None:
             raise ValueError("HashGate needs RoutingInput.sample_id")
-        weights = F.one_hot(self.table[routing.sample_id], self.n_experts).to(routing.x.dtype)
+        experts = self.table[routing.sample_id].unsqueeze(1)
+        weights = routing.x.new_zeros(len(experts), self.n_experts).scatter_(1, experts, 1.0)  # one-hot, no host sync
         return GateOutput(weights, self.zero(routing.x))
