@@ -35,19 +35,8 @@ def run_one(data_name: str, gate: str, epochs: int, batches: int | None, device:
 
     from mtmoe.data import DATASETS
     from mtmoe.gates import gate_class
+    from mtmoe.lit.callbacks import EpochTimer
     from mtmoe.lit.module import MultiTaskMoE
-
-    class EpochTimer(pl.Callback):
-        def __init__(self) -> None:
-            self.times: list[float] = []
-
-        def on_train_epoch_start(self, trainer, pl_module) -> None:
-            self.start = time.perf_counter()
-
-        def on_train_epoch_end(self, trainer, pl_module) -> None:
-            if device == "cuda":
-                torch.cuda.synchronize()
-            self.times.append(time.perf_counter() - self.start)
 
     module_name, class_name = DATASETS[data_name].rsplit(".", 1)
     data = getattr(importlib.import_module(module_name), class_name)()
@@ -63,7 +52,7 @@ def run_one(data_name: str, gate: str, epochs: int, batches: int | None, device:
     )
     trainer.fit(model, datamodule=data)
     steps = batches or steps_per_epoch
-    step_s = timer.times[-1] / steps
+    step_s = timer.seconds[-1] / steps
 
     model.eval().to(device)
     test = data.splits["test"]

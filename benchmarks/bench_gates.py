@@ -56,19 +56,8 @@ def run_one(gate: str, epochs: int, device: str, data_name: str, batch_size: int
 
     from mtmoe.data import DATASETS
     from mtmoe.gates import gate_class
+    from mtmoe.lit.callbacks import EpochTimer
     from mtmoe.lit.module import MultiTaskMoE
-
-    class EpochTimer(pl.Callback):
-        def __init__(self) -> None:
-            self.times: list[float] = []
-
-        def on_train_epoch_start(self, trainer, pl_module) -> None:
-            self.start = time.perf_counter()
-
-        def on_train_epoch_end(self, trainer, pl_module) -> None:
-            if device == "cuda":
-                torch.cuda.synchronize()
-            self.times.append(time.perf_counter() - self.start)
 
     pl.seed_everything(0, verbose=False)
     module_name, class_name = DATASETS[data_name].rsplit(".", 1)
@@ -91,7 +80,7 @@ def run_one(gate: str, epochs: int, device: str, data_name: str, batch_size: int
     train_rows = len(data.splits["train"]["user"])
     steps = len(data.train_dataloader())
     timed_steps = min(limit or steps, steps)
-    epoch_s = timer.times[-1] * steps / timed_steps  # extrapolated to the full epoch when limited
+    epoch_s = timer.seconds[-1] * steps / timed_steps  # extrapolated to the full epoch when limited
 
     model.eval().to(device)
     test = data.splits["test"]

@@ -88,20 +88,9 @@ def warm_data_cache(gate: str, data_root: str | None) -> None:
 
 def epoch_cost(gate: str, epochs: int, data_root: str | None) -> dict:
     """In this process: one configuration of the gate's space at the paper's settings, ``epochs`` epochs, timed."""
-    import lightning.pytorch as pl
-
+    from mtmoe.lit.callbacks import EpochTimer  # an epoch ends after its validation
     from mtmoe.tuning.space import load_space
     from mtmoe.tuning.study import cli_args, make_cli, plan_configurations, quiet_libraries
-
-    class EpochTimer(pl.Callback):
-        def __init__(self) -> None:
-            self.epochs: list[float] = []
-
-        def on_train_epoch_start(self, trainer, pl_module) -> None:
-            self.start = time.perf_counter()
-
-        def on_train_epoch_end(self, trainer, pl_module) -> None:  # after the epoch's validation
-            self.epochs.append(time.perf_counter() - self.start)
 
     quiet_libraries()
     space = load_space("movielens-100k", gate)
@@ -116,10 +105,10 @@ def epoch_cost(gate: str, epochs: int, data_root: str | None) -> dict:
         cli.trainer.callbacks.append(timer)
         cli.fit(cli.model, cli.datamodule)
         total = time.perf_counter() - start
-    timed = timer.epochs[1:] or timer.epochs
+    timed = timer.seconds[1:] or timer.seconds
     epoch = sum(timed) / len(timed)
-    return {"gate": gate, "epochs": len(timer.epochs), "epoch_s": epoch, "first_epoch_s": timer.epochs[0],
-            "trial_s": total, "fixed_s": max(0.0, total - sum(timer.epochs)),
+    return {"gate": gate, "epochs": len(timer.seconds), "epoch_s": epoch, "first_epoch_s": timer.seconds[0],
+            "trial_s": total, "fixed_s": max(0.0, total - sum(timer.seconds)),
             "train_rows": len(cli.datamodule.splits["train"]["user"]) if hasattr(cli.datamodule, "splits") else None}
 
 

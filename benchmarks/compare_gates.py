@@ -33,7 +33,6 @@ import csv
 import importlib
 import platform
 import sys
-import time
 from functools import partial
 from pathlib import Path
 
@@ -47,24 +46,11 @@ sys.path.insert(0, str(ROOT))
 from mtmoe.data import DATASETS  # noqa: E402
 from mtmoe.errors import UsageError  # noqa: E402
 from mtmoe.gates import gate_class, list_gates  # noqa: E402
-from mtmoe.lit.callbacks import RestoreBestWeights  # noqa: E402
+from mtmoe.lit.callbacks import EpochTimer, RestoreBestWeights  # noqa: E402
 from mtmoe.lit.metrics import TASK_METRICS  # noqa: E402
 from mtmoe.lit.module import MultiTaskMoE  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out"
-
-
-class EpochTimer(pl.Callback):
-    def __init__(self) -> None:
-        self.seconds: list[float] = []
-
-    def on_train_epoch_start(self, trainer, pl_module) -> None:
-        self.start = time.perf_counter()
-
-    def on_train_epoch_end(self, trainer, pl_module) -> None:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        self.seconds.append(time.perf_counter() - self.start)
 
 
 def datamodule(args: argparse.Namespace):

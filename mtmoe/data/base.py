@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -23,6 +23,8 @@ import torch
 from torch import Tensor
 
 from mtmoe.errors import UsageError
+
+Splits = dict[str, dict[str, Tensor]]  # {"train"|"val"|"test": {name: tensor}}
 
 PROJECT_DATASETS = Path(__file__).resolve().parents[2] / "datasets"
 
@@ -176,3 +178,16 @@ def atomic_save(obj: object, path: Path) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def load_or_prepare(cache: Path, prepare: Callable[[], Splits]) -> Splits:
+    """The cached splits, else ``prepare()`` them and write the cache atomically (a temporary file, then a rename)."""
+    if cache.is_file():
+        return torch.load(cache, weights_only=True)
+    splits = prepare()
+    try:
+        atomic_save(splits, cache)
+    except OSError as error:
+        raise UsageError(f"cannot write the cache {cache} ({error.strerror or error}): set MTMOE_CACHE "
+                         f"or --data.cache_dir to a writable folder") from None
+    return splits

@@ -25,10 +25,9 @@ import torch
 from torch import Tensor
 from torchvision.datasets import MNIST
 
-from mtmoe.data.base import InMemoryDataModule, atomic_save
+from mtmoe.data.base import InMemoryDataModule, Splits, load_or_prepare
 from mtmoe.errors import UsageError
 
-Splits = dict[str, dict[str, Tensor]]
 SPLITS = ("train", "val", "test")
 
 
@@ -66,15 +65,7 @@ class ImageDataModule(InMemoryDataModule):
     def load_splits(self) -> Splits:
         files = self.raw_files()
         cache = self.cache_dir / f"{self.cache_name()}-{file_fingerprint(files)}-v{self.cache_version}.pt"
-        if cache.is_file():
-            return torch.load(cache, weights_only=True)
-        splits = self.prepare()
-        try:
-            atomic_save(splits, cache)
-        except OSError as error:
-            raise UsageError(f"cannot write the cache {cache} ({error.strerror or error}): set MTMOE_CACHE "
-                             f"or --data.cache_dir to a writable folder") from None
-        return splits
+        return load_or_prepare(cache, self.prepare)
 
 
 def with_sample_ids(parts: dict[str, dict[str, Tensor]]) -> Splits:

@@ -21,9 +21,9 @@ import pandas as pd
 import torch
 from python_calamine import CalamineError
 
-from mtmoe.data.base import DatasetInfo, InMemoryDataModule, sha256_file
+from mtmoe.data.base import DatasetInfo, InMemoryDataModule, Splits, load_or_prepare, sha256_file
 from mtmoe.data.download import ensure_files
-from mtmoe.data.recsys import Splits, load_or_prepare, rating_splits, rating_tasks
+from mtmoe.data.recsys import rating_splits, rating_tasks
 from mtmoe.errors import UsageError
 
 TASKS = rating_tasks("rated")

@@ -15,7 +15,7 @@ import pandas as pd
 import torch
 from torch import Tensor
 
-from mtmoe.data.base import DatasetInfo, InMemoryDataModule, TaskSpec, atomic_save, sha256_file
+from mtmoe.data.base import DatasetInfo, InMemoryDataModule, TaskSpec, load_or_prepare, sha256_file
 from mtmoe.data.download import ensure_files
 from mtmoe.errors import UsageError
 
@@ -175,19 +175,14 @@ class MovieLensDataModule(InMemoryDataModule):
         variant = _VARIANTS[self.variant]
         path = ensure_files(self.root, variant.manifest_name, self.download)
         cache = self.cache_dir / f"movielens-{self.variant}-{sha256_file(path)[:16]}-seed{self.negative_seed}-v1.pt"
-        if cache.is_file():
-            return torch.load(cache, weights_only=True)
-        ratings = read_ratings(path)
-        try:
-            splits = prepare_movielens(ratings, variant.n_users, variant.n_items, self.negative_seed)
-        except UsageError as error:
-            raise UsageError(f"{path}: {error}") from None
-        try:
-            atomic_save(splits, cache)
-        except OSError as error:
-            raise UsageError(f"cannot write the cache {cache} ({error.strerror or error}): set MTMOE_CACHE "
-                             f"or --data.cache_dir to a writable folder") from None
-        return splits
+
+        def prepare() -> dict[str, dict[str, Tensor]]:
+            try:
+                return prepare_movielens(read_ratings(path), variant.n_users, variant.n_items, self.negative_seed)
+            except UsageError as error:
+                raise UsageError(f"{path}: {error}") from None
+
+        return load_or_prepare(cache, prepare)
 
 
 class MovieLens1MDataModule(MovieLensDataModule):

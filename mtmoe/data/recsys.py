@@ -6,18 +6,14 @@ rows that have one, selected by an explicit bool mask (Jester has genuine 0.0 ra
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from mtmoe.data.base import TaskSpec, atomic_save
+from mtmoe.data.base import Splits, TaskSpec
 from mtmoe.data.movielens import stratified_split
-from mtmoe.errors import UsageError
 
-Splits = dict[str, dict[str, Tensor]]
 
 
 def rating_tasks(binary_task: str) -> tuple[TaskSpec, TaskSpec]:
@@ -63,16 +59,3 @@ def rating_splits(
 
     train, val, test = split_70_15_15(rated, seed, stratify)
     return {"train": tensors(train), "val": tensors(val), "test": tensors(test)}
-
-
-def load_or_prepare(cache: Path, prepare: Callable[[], Splits]) -> Splits:
-    """The cached splits, else ``prepare()`` them and write the cache atomically (a temporary file, then a rename)."""
-    if cache.is_file():
-        return torch.load(cache, weights_only=True)
-    splits = prepare()
-    try:
-        atomic_save(splits, cache)
-    except OSError as error:
-        raise UsageError(f"cannot write the cache {cache} ({error.strerror or error}): set MTMOE_CACHE "
-                         f"or --data.cache_dir to a writable folder") from None
-    return splits

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import math
+import time
 
 import lightning.pytorch as pl
 import torch
@@ -42,3 +43,18 @@ class RestoreBestWeights(pl.Callback):
     def load_state_dict(self, state_dict: dict) -> None:
         self.best_score, self.best_epoch = state_dict["best_score"], state_dict["best_epoch"]
         self.best_state = state_dict["best_state"]
+
+
+class EpochTimer(pl.Callback):
+    """Wall time of every training epoch in ``seconds``, waiting at each epoch's end for a GPU's queued work."""
+
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.start = time.perf_counter()
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)
+        self.seconds.append(time.perf_counter() - self.start)
