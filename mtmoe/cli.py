@@ -200,7 +200,8 @@ def main(argv: list[str] | None = None) -> None:
         elif argv and argv[0] == "gates":
             print_gates()
         elif argv and argv[0] == "datasets":
-            print("\n".join(f"{name:<16} {path}" for name, path in sorted(DATASETS.items())))
+            width = max(map(len, DATASETS))
+            print("\n".join(f"{name:<{width}}  {path}" for name, path in sorted(DATASETS.items())))
         elif not argv or argv[0] in LIGHTNING_COMMANDS or argv[0].startswith("-"):
             run_lightning(argv)
         else:
