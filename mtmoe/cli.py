@@ -24,6 +24,7 @@ from mtmoe.data import DATASETS
 from mtmoe.data.base import InMemoryDataModule
 from mtmoe.errors import UsageError
 from mtmoe.gates import gate_class, list_gates
+from mtmoe.gates.base import no_plus_variant
 from mtmoe.lit.callbacks import RestoreBestWeights
 from mtmoe.lit.module import MultiTaskMoE
 
@@ -131,8 +132,7 @@ def translate_shortcuts(argv: list[str]) -> list[str]:
                 )
             cls = gate_class(base)
             if value.endswith("+") and not cls.permutable:
-                raise UsageError(f"gate {base!r} has no local-search ('+') variant: its weights are tied to the "
-                                 "experts' own responses")
+                raise no_plus_variant(base)
             out.append(f"--model.gate={cls.__module__}.{cls.__qualname__}")
             if value.endswith("+") and not any(a.startswith("--model.perm_epochs") for a in argv):
                 out.append("--model.perm_epochs=5")

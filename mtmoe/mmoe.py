@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from mtmoe.data.base import DatasetInfo
 from mtmoe.errors import UsageError
 from mtmoe.experts import ConvExperts, DenseExperts, EmbeddingBottom, ImageBottom, Tower
-from mtmoe.gates.base import Gate, GateDims, GateOutput, RoutingInput
+from mtmoe.gates.base import Gate, GateDims, GateOutput, RoutingInput, no_plus_variant
 from mtmoe.permutation import LocalSearch
 
 GateFactory = Callable[[GateDims], Gate]
@@ -60,8 +60,7 @@ class MMoE(nn.Module):
         self.bottom, self.experts = bottom, experts
         if local_search is not None and not all(gate.permutable for gate in gates):
             name = getattr(gates[0], "registry_name", type(gates[0]).__name__)
-            raise UsageError(f"gate {name!r} has no local-search ('+') variant: its weights are tied to the experts'"
-                             " own responses, and permuting them would hand them to other experts")
+            raise no_plus_variant(name)
         self.gates, self.towers = nn.ModuleList(gates), nn.ModuleList(towers)
         self.local_search = local_search
 

@@ -111,6 +111,12 @@ class Gate(nn.Module):
         return like.new_zeros(())
 
 
+def no_plus_variant(name: str) -> UsageError:
+    """The error for a "+" (local search) on a gate that is not ``permutable``."""
+    return UsageError(f"gate {name!r} has no local-search ('+') variant: its weights are tied to the experts' own "
+                      "responses, and permuting them would hand them to other experts")
+
+
 def resolve_k(k: int | None, dims: GateDims) -> int:
     """``k`` if given, else the dataset's default ``dims.k``; checked against ``1 <= k <= n``."""
     k = dims.k if k is None else k
