@@ -1,12 +1,16 @@
-"""Overhead of permutation local search per training step, inside the learning window, on MovieLens-100K.
+"""Overhead of permutation local search per training step, inside the learning window and after it, on MovieLens-100K.
 
-    MTMOE_DATA=../shared/data python benchmarks/bench_local_search.py [--gates topk,comet,hash] [--repeats 40] [--device cuda]
+    MTMOE_DATA=../shared/data python benchmarks/bench_local_search.py [--gates topk,comet,hash] [--repeats 60] [--device cuda]
 
 For each gate, a base model and its "+" model (same initialisation) train on the same batches; their steps
-(forward, loss, backward, Adam) are timed interleaved, so both see the same machine load, at three positions of
-the window: its start (R = 20 Sinkhorn iterations), middle (R = 85) and end (R = 150). Reported: median step times
-and the overhead ``(plus - base) / base``. The window-average overhead is the mean over the three positions (R
-grows linearly over the window). After the window a "+" step uses a cached matrix (no Sinkhorn, no assignment).
+(forward, loss, backward, Adam) are timed in adjacent pairs, alternating which goes first, so both see the same
+machine load. Positions: the window's start (R = 20 Sinkhorn iterations), middle (R = 85), end (R = 150), and
+after the window (the frozen permutation). Reported per cell: median step times and the overhead, the median over
+pairs of ``plus / base - 1`` (robust to load changes between pairs on a shared machine). The window average is the
+mean over the three window positions (R grows linearly over the window).
+
+Also reported: the tensor operations one step dispatches (ATen calls counted by a ``TorchDispatchMode``), the
+cost that matters where a step is launch-bound (one kernel launch each on a GPU).
 """
 from __future__ import annotations
 
@@ -16,12 +20,25 @@ import time
 from functools import partial
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class OperationCounter(TorchDispatchMode):
+    """Counts the ATen operations dispatched inside the ``with`` block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gates", default="hash,topk,comet")
-    parser.add_argument("--repeats", type=int, default=40)
+    parser.add_argument("--repeats", type=int, default=60)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = parser.parse_args()
 
@@ -37,10 +54,9 @@ def main() -> None:
     batches = [{k: v.to(device) for k, v in batch.items()} for batch in data.train_dataloader()]
     window = 1000
     where = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU {torch.get_num_threads()} threads"
-    print(f"MovieLens-100K, batch 512, {where}, torch {torch.__version__}; "
-          f"median of {args.repeats} interleaved steps per cell\n")
-    print("| gate | window position (R) | base step (ms) | + step (ms) | overhead |")
-    print("|---|---|---|---|---|")
+    print(f"MovieLens-100K, batch 512, {where}, torch {torch.__version__}; {args.repeats} step pairs per cell\n")
+    print("| gate | position (R) | base step (ms) | + step (ms) | overhead | base ops | + ops |")
+    print("|---|---|---|---|---|---|---|")
     for gate in args.gates.split(","):
         models = {}
         for plus in (False, True):
@@ -65,22 +81,36 @@ def main() -> None:
                 torch.cuda.synchronize()
             return time.perf_counter() - start
 
-        overheads = []
-        for position, at_step in (("start", 1), ("middle", window // 2), ("end", window - 2)):
-            models[True][0].net.local_search.step.fill_(at_step - 1)
+        def operations(plus: bool, batch: dict) -> int:
+            with OperationCounter() as counter:
+                step(plus, batch)
+            return counter.count
+
+        search = models[True][0].net.local_search
+        window_overheads = []
+        for position, at_step in (("start", 1), ("middle", window // 2), ("end", window - 2), ("after", window + 1)):
+            search.step.fill_(at_step - 1)
+            for _ in range(3):  # warm up (and, for "after", pass the transition)
+                for plus in (False, True):
+                    step(plus, batches[0])
+                search.step.fill_(at_step - 1)
             times = {False: [], True: []}
-            for i in range(args.repeats + 5):
+            for i in range(args.repeats):
                 batch = batches[i % len(batches)]
                 for plus in (False, True) if i % 2 == 0 else (True, False):
-                    elapsed = step(plus, batch)
-                    if i >= 5:
-                        times[plus].append(elapsed)
-                models[True][0].net.local_search.step.fill_(at_step - 1)  # stay at this window position
+                    times[plus].append(step(plus, batch))
+                search.step.fill_(at_step - 1)  # stay at this window position
+            ops = {plus: operations(plus, batches[0]) for plus in (False, True)}
+            search.step.fill_(at_step - 1)
+            assert search.frozen == (position == "after")
+            overhead = statistics.median(p / b - 1 for b, p in zip(times[False], times[True]))
+            if position != "after":
+                window_overheads.append(overhead)
             base, plus = statistics.median(times[False]), statistics.median(times[True])
-            overheads.append((plus - base) / base)
-            r = 20 + 130 * at_step // window
-            print(f"| {gate} | {position} ({r}) | {1e3 * base:.1f} | {1e3 * plus:.1f} | {100 * overheads[-1]:+.1f}% |")
-        print(f"| {gate} | window average | | | {100 * sum(overheads) / len(overheads):+.1f}% |")
+            r = "frozen" if position == "after" else 20 + 130 * at_step // window
+            print(f"| {gate} | {position} ({r}) | {1e3 * base:.1f} | {1e3 * plus:.1f} | {100 * overhead:+.1f}% "
+                  f"| {ops[False]} | {ops[True]} |")
+        print(f"| {gate} | window average | | | {100 * sum(window_overheads) / len(window_overheads):+.1f}% | | |")
 
 
 if __name__ == "__main__":

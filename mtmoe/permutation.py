@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from mtmoe.counters import HostCounters
 from mtmoe.errors import UsageError
-from mtmoe.sinkhorn import sinkhorn
+from mtmoe.sinkhorn import sinkhorn, sinkhorn_and_penalty
 
 TAU_START, TAU_END = 1e-3, 1e-7
 ITERATIONS_START, ITERATIONS_END = 20, 150
@@ -48,14 +48,6 @@ def schedule(step: int, window: int) -> tuple[float, int]:
     fraction = min(step / max(window, 1), 1.0)
     tau = 10 ** (math.log10(TAU_START) + (math.log10(TAU_END) - math.log10(TAU_START)) * fraction)
     return tau, int(ITERATIONS_START + (ITERATIONS_END - ITERATIONS_START) * fraction)
-
-
-def permutation_entropy(p: Tensor) -> Tensor:
-    """Column entropy of P plus row entropy of P normalised by its row sums (§4.3), averaged over the matrices."""
-    rows = p / p.sum(-1, keepdim=True)
-    column_entropy = -(p * torch.log(p + 1e-6)).sum((-2, -1))
-    row_entropy = -(rows * torch.log(rows + 1e-6)).sum((-2, -1))
-    return (column_entropy + row_entropy).mean()
 
 
 class LocalSearch(HostCounters):
@@ -96,8 +88,9 @@ class LocalSearch(HostCounters):
         self.register_buffer("window", torch.zeros((), dtype=torch.long))  # E_perm * steps per epoch, set at fit
         self.register_buffer("soft", torch.zeros(m, n_experts, n_experts))  # latest soft matrix (zeros: none yet)
         self.register_buffer("rounded", torch.eye(n_experts).repeat(m, 1, 1))
+        self.register_buffer("rounded_index", torch.arange(n_experts).repeat(m, 1))  # rounded.argmax(-2): w P = w[index]
         self.register_buffer("rounded_at", torch.full((), -1, dtype=torch.long))  # step ``rounded`` belongs to
-        self.last_stats: dict[str, Tensor] = {}
+        self.last_stats: dict[str, float] = {}
 
     def set_window(self, steps_per_epoch: int) -> None:
         self.window.fill_(self.epochs * steps_per_epoch)
@@ -112,41 +105,49 @@ class LocalSearch(HostCounters):
         if int(self.rounded_at) != int(self.step):
             if self.soft.any():  # before any training step there is no soft matrix: keep the identity
                 self.rounded.copy_(round_to_permutation(self.soft))
+                self.rounded_index.copy_(self.rounded.argmax(-2))
             self.rounded_at.fill_(int(self.step))
         return self.rounded
 
-    def matrices(self) -> tuple[Tensor, Tensor]:
-        """The permutation matrices ``[m, n, n]`` for this forward pass and the entropy penalty."""
-        zero = self.log_weights.new_zeros(())
+    def matrices(self) -> tuple[Tensor, Tensor | None]:
+        """The permutation matrices ``[m, n, n]`` for this forward pass (:meth:`hard`'s buffer itself when it is
+        the rounded one) and the entropy penalty (``None`` outside training steps of the window, or with zeta 0)."""
         if not self.training:
             if self.eval_rounded or self.frozen or not self.soft.any():
-                return self.hard(), zero
+                return self.hard(), None
             with torch.no_grad():
-                return sinkhorn(self.log_weights, *schedule(int(self.step), int(self.window))), zero
+                return sinkhorn(self.log_weights, *schedule(int(self.step), int(self.window))), None
         if int(self.window) == 0:
             raise RuntimeError("LocalSearch.set_window(steps_per_epoch) must be called before training")
         if self.frozen:
-            return self.hard(), zero
+            return self.hard(), None
         self.step += 1
         if int(self.step) >= int(self.window):  # transition: round the last soft matrix once and freeze it
-            return self.hard(), zero
+            return self.hard(), None
         tau, iterations = schedule(int(self.step), int(self.window))
-        p = sinkhorn(self.log_weights, tau, iterations)
-        self.soft.copy_(p.detach())
-        self.last_stats = {"tau": torch.tensor(tau), "iterations": torch.tensor(float(iterations))}
-        return p, self.zeta * permutation_entropy(p) if self.zeta > 0 else zero
+        p, penalty = sinkhorn_and_penalty(self.log_weights, tau, iterations, self.zeta)
+        self.soft = p.detach()  # the buffer now refers to this step's matrix (no copy)
+        self.last_stats = {"tau": tau, "iterations": float(iterations)}
+        return p, penalty if self.zeta > 0 else None
 
-    def forward(self, weights: Tensor) -> tuple[Tensor, Tensor]:
-        """Permute all task gates' weights ``[B, T, n]`` at once: ``w P`` (per task ``w_t P_t`` with ``per_task``),
-        rescaled to each gate's own row sums."""
-        p, aux = self.matrices()
+    def forward(self, weights: Tensor) -> tuple[Tensor, Tensor | None]:
+        """Permute all task gates' weights ``[B, T, n]`` at once: ``w P`` (per task ``w_t P_t`` with ``per_task``).
+
+        With the rounded permutation that is a gather of the weights (exact, and the only added operation after the
+        window). With a soft matrix the product is rescaled to each gate's own row sums. Weights are non-negative
+        and every row of a Sinkhorn matrix sums to at least 1/n, so a row of ``w P`` sums to 0 only where ``w``'s
+        does: the 1e-30 added to the sum keeps such rows 0 (with zero gradient) and is below float32's precision
+        for any row of weights summing to more than ~1e-23.
+        """
+        p, penalty = self.matrices()
+        if p is self.rounded:
+            return weights.gather(-1, self.rounded_index.expand(weights.shape)), penalty
         if self.per_task:
             permuted = torch.bmm(weights.transpose(0, 1), p).transpose(0, 1)  # [T, B, n] x [T, n, n]
         else:
             permuted = weights @ p[0]
-        total = permuted.sum(-1, keepdim=True)
-        scale = torch.where(total > 0, weights.sum(-1, keepdim=True) / total.clamp_min(1e-30), torch.ones_like(total))
-        return permuted * scale, aux
+        scale = weights.sum(-1, keepdim=True) / (permuted.sum(-1, keepdim=True) + 1e-30)
+        return permuted * scale, penalty
 
     def assignment(self) -> list[list[int]]:
         """Per permutation matrix: the expert each gate slot feeds (``col_ind``) under the rounded matrix."""
