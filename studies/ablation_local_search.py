@@ -11,9 +11,11 @@ with its sampled negatives has 200k rows too. The paper does not state alpha; it
 
 Seed s initialises base and "+" models identically apart from the permutation (the run seed also draws the Hash-r
 table). Results go to ``<out>/runs.csv`` one row per finished run, so an interrupted study resumes where it stopped
-and ``--seeds`` can be raised later. ``--workers N`` trains N runs at a time in separate processes (on one
-GPU, or splitting the CPU's cores between them); the parent alone writes ``runs.csv``. The table reports mean +- standard error (x 1e-2, as Table 1) and the one-sided
-unpaired Welch t-test of "+" < base (``scipy.stats.ttest_ind(..., alternative="less", equal_var=False)``).
+and ``--seeds`` can be raised later. ``--workers N`` trains N runs at a time in separate processes (on one GPU, or
+splitting the CPU's cores between them; ``--threads`` sets torch's threads per worker); the parent alone writes
+``runs.csv``. Ctrl-C or SIGTERM stops the workers and keeps the finished runs. The table reports mean +- standard
+error (x 1e-2, as Table 1) and the one-sided unpaired Welch t-test of "+" < base
+(``scipy.stats.ttest_ind(..., alternative="less", equal_var=False)``).
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import csv
 import math
 import multiprocessing
 import os
+import signal
 import sys
 import time
 from functools import partial
@@ -129,6 +132,7 @@ def main() -> None:
     parser.add_argument("--root", default=None, help="data root (default: $MTMOE_DATA, else datasets/)")
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--workers", type=int, default=1, help="runs trained at a time, each in its own process")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: cores / workers)")
     parser.add_argument("--out", default="studies/out/ablation_local_search", help="folder for runs.csv and table.md")
     args = parser.parse_args()
     if args.seeds < 1 or args.workers < 1 or args.perm_epochs > args.epochs:
@@ -153,9 +157,10 @@ def main() -> None:
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
-    threads = max(1, (os.cpu_count() or 1) // args.workers)
+    threads = args.threads or max(1, (os.cpu_count() or 1) // args.workers)
     start = time.perf_counter()
     pool = multiprocessing.get_context("spawn").Pool(args.workers, _init_worker, (args.root, threads))
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # ``kill`` stops the workers too, as Ctrl-C does
     try:
         jobs = pool.imap_unordered(_train_in_worker, [(gate, seed, args) for gate, seed in todo])
         for i, row in enumerate(jobs, 1):

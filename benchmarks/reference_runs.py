@@ -1,0 +1,236 @@
+"""One run per gate at the centre of its search space, beside the COMET paper's Tables 2, 3 and 7.
+
+    MTMOE_DATA=../shared/data python benchmarks/reference_runs.py --data books --alphas 0.1,0.9
+    MTMOE_DATA=../shared/data python benchmarks/reference_runs.py --data multimnist --accelerator gpu
+    python benchmarks/reference_runs.py --data books --epochs 15 --gates softmax,comet   # a shorter budget
+
+Other ``--key=value`` arguments go to every ``fit`` as they are (e.g. ``--trainer.limit_train_batches=5``).
+
+Setting (stated in the table's header): each gate's section of ``studies/<data>.yaml`` (the paper's S1.3 search
+spaces) with every searched hyperparameter at the centre of its range: the geometric mean of a log-uniform range
+(two significant digits: lr 1.6e-4 for [5e-5, 5e-4]), the midpoint of a uniform one, the middle integer (lower
+middle) and the middle choice (lower middle); the file's fixed values as they are (batch size, experts, epochs,
+patience). ``--epochs`` replaces the file's ``trainer.max_epochs`` when the paper's budget does not fit the machine.
+Each run is ``python -m mtmoe fit`` with those arguments and seed 0, so the best-validation epoch is restored and
+tested as in a tuning trial.
+
+One run is not the paper's 500-trial search and 100 repetitions: the gap to the paper is a sanity check of the
+pipeline (same loss scale, same ordering where the gaps are large), not a reproduction. Each finished run is a JSON
+file in ``--out`` (written atomically); a rerun skips those, so an interrupted table resumes, and two processes with
+different ``--gates`` can share one folder. The table (Markdown and CSV) is rebuilt from every file present.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from mtmoe.errors import UsageError  # noqa: E402
+from mtmoe.lit.metrics import TASK_METRICS  # noqa: E402
+from mtmoe.tuning.report import write_atomic  # noqa: E402
+from mtmoe.tuning.space import load_space  # noqa: E402
+
+OUT = Path(__file__).resolve().parent / "out" / "reference"
+SHARED_KEYS = {"data.batch_size", "trainer.max_epochs", "early_stopping.patience", "model.n_experts"}  # in headers
+PAPER_GATES = ["softmax", "hash", "hash+", "topk", "topk+", "dselect", "comet", "comet+"]
+
+# The paper's figures (comet-protocol.md §8): Table 2/3 test loss ×1e-2 and n/s, Table 7 task metrics
+# (AUC ×100 and MSE for the recommenders, accuracy ×100 averaged over the tasks for the images). Mean ± SE of the
+# best configurations of 500-trial searches, over 100 repetitions.
+PAPER: dict[tuple[str, float | None], dict[str, dict[str, str]]] = {
+    ("books", 0.1): {
+        "softmax": {"loss": "244.47", "n_s": "9.00", "task1": "56.70", "task2": "2.6470"},
+        "hash": {"loss": "247.43", "n_s": "1.00", "task1": "54.55", "task2": "2.6791"},
+        "hash+": {"loss": "247.33", "n_s": "1.00"},
+        "topk": {"loss": "247.87", "n_s": "4.00", "task1": "55.28", "task2": "2.6783"},
+        "topk+": {"loss": "247.88", "n_s": "4.00"},
+        "dselect": {"loss": "246.43", "n_s": "1.09", "task1": "59.19", "task2": "2.6667"},
+        "comet": {"loss": "240.79", "n_s": "2.81"},
+        "comet+": {"loss": "240.82", "n_s": "3.03", "task1": "68.18", "task2": "2.6063"},
+    },
+    ("books", 0.9): {
+        "softmax": {"loss": "73.88", "n_s": "9.00", "task1": "77.85", "task2": "2.6195"},
+        "hash": {"loss": "75.02", "n_s": "1.00", "task1": "77.32", "task2": "2.7152"},
+        "hash+": {"loss": "75.06", "n_s": "1.00"},
+        "topk": {"loss": "74.78", "n_s": "4.00", "task1": "77.46", "task2": "2.6942"},
+        "topk+": {"loss": "74.86", "n_s": "4.00"},
+        "dselect": {"loss": "75.98", "n_s": "1.07", "task1": "77.07", "task2": "2.7581"},
+        "comet": {"loss": "73.62", "n_s": "2.94"},
+        "comet+": {"loss": "73.55", "n_s": "3.15", "task1": "77.95", "task2": "2.6158"},
+    },
+    ("multimnist", None): {
+        "softmax": {"loss": "6.88", "n_s": "16.00", "task1": "98.01"},
+        "topk": {"loss": "6.84", "n_s": "4.00", "task1": "98.01"},
+        "topk+": {"loss": "6.70", "n_s": "4.00"},
+        "dselect": {"loss": "6.64", "n_s": "3.40", "task1": "98.03"},
+        "comet": {"loss": "6.48", "n_s": "3.49"},
+        "comet+": {"loss": "6.49", "n_s": "3.53", "task1": "98.07"},
+    },
+    ("multifashionmnist", None): {
+        "softmax": {"loss": "34.21", "n_s": "5.00", "task1": "87.99"},
+        "topk": {"loss": "33.82", "n_s": "2.00", "task1": "88.03"},
+        "topk+": {"loss": "33.62", "n_s": "2.00"},
+        "dselect": {"loss": "35.49", "n_s": "1.00", "task1": "87.42"},
+        "comet": {"loss": "33.70", "n_s": "1.49"},
+        "comet+": {"loss": "33.67", "n_s": "1.54", "task1": "88.12"},
+    },
+}
+
+
+def centre(distribution) -> object:
+    """The centre of an Optuna distribution, as the module docstring defines it."""
+    from optuna.distributions import CategoricalDistribution, IntDistribution
+
+    if isinstance(distribution, CategoricalDistribution):
+        return distribution.choices[(len(distribution.choices) - 1) // 2]
+    if isinstance(distribution, IntDistribution):
+        return (distribution.low + distribution.high) // 2
+    if distribution.log:
+        value = math.sqrt(distribution.low * distribution.high)
+        return float(f"{value:.2g}")
+    return (distribution.low + distribution.high) / 2
+
+
+def setting(data: str, gate: str) -> tuple[dict, dict]:
+    """(the study file's fixed values, the searched keys at their centres) for one gate."""
+    space = load_space(data, gate)
+    return space, {key: centre(d) for key, d in space.distributions.items()}
+
+
+def run_one(data: str, gate: str, alpha: float | None, args: argparse.Namespace) -> dict:
+    from mtmoe.tuning.study import cli_args, make_cli, quiet_libraries
+
+    space, params = setting(data, gate)
+    overrides = [f"--trainer.accelerator={args.accelerator}", *args.fit_args]
+    if args.epochs is not None:
+        overrides.append(f"--trainer.max_epochs={args.epochs}")
+    if alpha is not None:
+        overrides.append(f"--model.alpha={alpha}")
+    quiet_libraries()
+    start = time.perf_counter()
+    cli = make_cli(cli_args(space, params, overrides, args.seed, args.out / "logs" / run_name(data, gate, alpha)))
+    cli.fit(cli.model, cli.datamodule)
+    results = cli.results
+    return {
+        "data": data, "gate": gate, "alpha": alpha, "seed": args.seed,
+        "setting": {**space.fixed, **params, **({"trainer.max_epochs": args.epochs} if args.epochs else {}),
+                    **dict(arg.removeprefix("--").split("=", 1) for arg in args.fit_args if "=" in arg)},
+        "epochs_run": results["epochs_run"], "best_epoch": results.get("best_epoch"),
+        "test": results["test"], "seconds": round(time.perf_counter() - start, 1),
+        "device": args.accelerator,
+    }
+
+
+def run_name(data: str, gate: str, alpha: float | None) -> str:
+    return f"{data}-{gate}" + (f"-alpha{alpha:g}" if alpha is not None else "")
+
+
+def task_columns(test: dict) -> list[tuple[str, str, float]]:
+    """(task, metric, value in the paper's units) per task, Table 7's metric: AUC for a binary task (accuracy
+    where there is no AUC), accuracy for a multiclass one, MSE for a rating."""
+    metrics: dict[str, dict[str, float]] = {}
+    for key, value in test.items():
+        task, _, metric = key.partition("/")
+        if metric in TASK_METRICS:
+            metrics.setdefault(task, {})[metric] = value * TASK_METRICS[metric][1]
+    out = []
+    for task, found in metrics.items():
+        metric = next(m for m in ("auroc", "accuracy", "mse") if m in found)
+        out.append((task, metric, found[metric]))
+    return out
+
+
+def table(rows: list[dict]) -> str:
+    """Markdown: ours beside the paper's, per (dataset, alpha)."""
+    lines = []
+    for (data, alpha) in sorted({(r["data"], r["alpha"]) for r in rows}, key=str):
+        group = sorted((r for r in rows if (r["data"], r["alpha"]) == (data, alpha)),
+                       key=lambda r: PAPER_GATES.index(r["gate"]) if r["gate"] in PAPER_GATES else 99)
+        paper = PAPER.get((data, alpha), {})
+        first = group[0]
+        metrics = task_columns(first["test"])
+        image = data not in ("books", "movielens", "movielens-100k", "jester")
+        epochs = first["setting"].get("trainer.max_epochs")
+        lines += [
+            f"**{data}" + (f", alpha {alpha:g}" if alpha is not None else "") + f"**: one run per gate, seed "
+            f"{first['seed']}, the centre of each gate's search space (`studies/{data}.yaml`), up to {epochs} "
+            f"epochs, best-validation epoch tested; {first['device']}. Paper: 500-trial searches, mean of 100 "
+            "repetitions.",
+            "",
+            "| gate | setting | best epoch / run | test loss ×10⁻² | paper | gap | "
+            + " | ".join(f"{t} {TASK_METRICS[m][0]}" for t, m, _ in metrics)
+            + (" | paper accuracy" if image else " | paper task 1 | paper task 2") + " | n/s | paper n/s |",
+            "|---|---|---|---|---|---|" + "---|" * len(metrics) + ("---|" if image else "---|---|") + "---|---|",
+        ]
+        for r in group:
+            ours = 100 * r["test"]["loss"]
+            theirs = paper.get(r["gate"], {})
+            gap = f"{ours - float(theirs['loss']):+.2f}" if "loss" in theirs else ""
+            searched = {k.split(".")[-1]: v for k, v in r["setting"].items() if k not in SHARED_KEYS}
+            cells = [f"{v:.4f}" if m == "mse" else f"{v:.2f}" for _, m, v in task_columns(r["test"])]
+            papers = [theirs.get("task1", "")] if image else [theirs.get("task1", ""), theirs.get("task2", "")]
+            n_s = [v for k, v in r["test"].items() if k.endswith("/experts_per_sample")]
+            lines.append(
+                f"| {r['gate']} | {', '.join(f'{k} {v}' for k, v in searched.items())} "
+                f"| {r['best_epoch']} / {r['epochs_run']} | {ours:.2f} | {theirs.get('loss', '')} | {gap} | "
+                + " | ".join(cells + papers)
+                + f" | {sum(n_s) / len(n_s):.2f} | {theirs.get('n_s', '')} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", required=True, help="a dataset with a study file, e.g. books, multimnist")
+    parser.add_argument("--gates", default=",".join(PAPER_GATES), help="comma-separated (default: the paper's)")
+    parser.add_argument("--alphas", default=None, help="comma-separated task weights alpha (recommenders; "
+                        "default: the model's)")
+    parser.add_argument("--epochs", type=int, default=None, help="replaces the study file's trainer.max_epochs")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu"])
+    parser.add_argument("--out", type=Path, default=OUT, help="folder of per-run JSON files and the table")
+    args, args.fit_args = parser.parse_known_args(argv)
+    alphas = [float(a) for a in args.alphas.split(",")] if args.alphas else [None]
+    gates = args.gates.split(",")
+    try:  # every gate's space loads before any training
+        for gate in gates:
+            setting(args.data, gate)
+    except UsageError as error:
+        parser.exit(2, f"error: {error}\n")
+    args.out.mkdir(parents=True, exist_ok=True)
+    for alpha in alphas:
+        for gate in gates:
+            path = args.out / f"{run_name(args.data, gate, alpha)}.json"
+            if path.exists():
+                continue
+            try:
+                row = run_one(args.data, gate, alpha, args)
+            except UsageError as error:
+                parser.exit(2, f"error: {error}\n")
+            write_atomic(json.dumps(row, indent=2) + "\n", path)
+            print(f"{path.stem}: test loss {100 * row['test']['loss']:.2f}e-2, best epoch {row['best_epoch']}, "
+                  f"{row['seconds']:.0f} s", file=sys.stderr, flush=True)
+    rows = [json.loads(p.read_text()) for p in sorted(args.out.glob(f"{args.data}-*.json"))]
+    markdown = table(rows)
+    write_atomic(markdown, args.out / f"reference-{args.data}.md")
+    flat = [{"gate": r["gate"], "alpha": r["alpha"], "best_epoch": r["best_epoch"], "epochs_run": r["epochs_run"],
+             **{f"test/{k}": v for k, v in r["test"].items()}} for r in rows]
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=sorted({k for f in flat for k in f}, key=str))
+    writer.writeheader()
+    writer.writerows(flat)
+    write_atomic(buffer.getvalue(), args.out / f"reference-{args.data}.csv")
+    print(markdown)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""``benchmarks/reference_runs.py``: the centre of each search space, and a tiny resumable end-to-end run."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "reference_runs.py"
+spec = importlib.util.spec_from_file_location("reference_runs", SCRIPT)
+reference_runs = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(reference_runs)
+
+
+@pytest.mark.parametrize("distribution, expected", [
+    (FloatDistribution(5e-5, 5e-4, log=True), 1.6e-4),  # sqrt(2.5e-8) = 1.58e-4, two significant digits
+    (FloatDistribution(1e-4, 1e-2, log=True), 1e-3),
+    (FloatDistribution(0.0, 1.0), 0.5),
+    (IntDistribution(1, 10), 5),
+    (IntDistribution(1, 3), 2),
+    (CategoricalDistribution([0.1, 0.5, 1, 5, 10]), 1),
+    (CategoricalDistribution([1, 5, 10, 50, 100]), 10),
+    (CategoricalDistribution([2, 4, 8, 16]), 4),  # even: the lower middle
+])
+def test_centre_of_each_distribution(distribution, expected) -> None:
+    assert reference_runs.centre(distribution) == expected
+
+
+def test_books_setting_is_the_study_files() -> None:
+    space, params = reference_runs.setting("books", "comet+")
+    assert space.fixed["data.batch_size"] == 2048 and space.fixed["model.gate.gamma"] == 0.5  # S1.3: fixed for COMET+
+    assert params == {"model.lr": 1.6e-4, "model.gate.entropy_reg": 10, "model.perm_epochs": 5}
+    assert reference_runs.setting("books", "dselect")[1]["model.gate.gamma"] == 1
+
+
+def test_tiny_reference_table_resumes(tiny_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    monkeypatch.setenv("MTMOE_DATA", str(tiny_root))
+    out = tmp_path / "reference"
+    argv = ["--data", "movielens-100k", "--gates", "topk,topk+", "--alphas", "0.1", "--epochs", "2", "--out", str(out),
+            "--model.perm_epochs=1", "--trainer.limit_train_batches=2"]
+    reference_runs.main(argv)
+    files = sorted(p.name for p in out.glob("*.json"))
+    assert files == ["movielens-100k-topk+-alpha0.1.json", "movielens-100k-topk-alpha0.1.json"]
+    row = json.loads((out / files[1]).read_text())
+    assert row["alpha"] == 0.1 and row["setting"]["model.lr"] == 1.6e-4 and row["setting"]["trainer.max_epochs"] == 2
+    assert row["epochs_run"] == 2 and row["best_epoch"] in (0, 1) and row["test"]["loss"] > 0
+    assert json.loads((out / files[0]).read_text())["setting"]["model.perm_epochs"] == "1"  # the fit argument won
+    table = (out / "reference-movielens-100k.md").read_text()
+    assert "**movielens-100k, alpha 0.1**" in table and "up to 2 epochs" in table
+    assert table.index("| topk |") < table.index("| topk+ |")
+    assert "| watch AUC | rating MSE |" in table
+    stamps = {p.name: p.stat().st_mtime_ns for p in out.glob("*.json")}
+    capsys.readouterr()
+    reference_runs.main(argv)  # everything is there: nothing trains again
+    assert {p.name: p.stat().st_mtime_ns for p in out.glob("*.json")} == stamps
+    assert "test loss" not in capsys.readouterr().err
+
+
+def test_unknown_gate_exits_2_with_one_line(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        reference_runs.main(["--data", "books", "--gates", "nonsense"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and "nonsense" in err and len(err.splitlines()) == 1
