@@ -30,6 +30,7 @@ import pandas as pd
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from mtmoe.files import write_atomic  # noqa: E402
 from mtmoe.tuning.bootstrap import (  # noqa: E402
     PAPER_MAX_BUDGET,
     Settings,
@@ -116,8 +117,8 @@ def main() -> None:
     text = "\n".join(lines) + "\n"
     print(text, end="")
     OUT.mkdir(exist_ok=True)
-    (OUT / "bootstrap.md").write_text(text)
-    (OUT / "bootstrap.json").write_text(json.dumps({"setup": header, "rows": rows}, indent=2) + "\n")
+    write_atomic(text, OUT / "bootstrap.md")
+    write_atomic(json.dumps({"setup": header, "rows": rows}, indent=2) + "\n", OUT / "bootstrap.json")
 
 
 if __name__ == "__main__":

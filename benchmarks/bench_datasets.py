@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from mtmoe.files import write_atomic
+
 OUT = Path(__file__).resolve().parent / "out"
 
 
@@ -124,8 +126,8 @@ def main() -> None:
     table = "\n".join(lines)
     print(table)
     OUT.mkdir(exist_ok=True)
-    (OUT / f"datasets-{args.device}.md").write_text(table + "\n")
-    (OUT / f"datasets-{args.device}.json").write_text(json.dumps(rows, indent=2) + "\n")
+    write_atomic(table + "\n", OUT / f"datasets-{args.device}.md")
+    write_atomic(json.dumps(rows, indent=2) + "\n", OUT / f"datasets-{args.device}.json")
 
 
 if __name__ == "__main__":

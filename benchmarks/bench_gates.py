@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from mtmoe.files import write_atomic
+
 OUT = Path(__file__).resolve().parent / "out"
 
 
@@ -175,8 +177,8 @@ def main() -> None:
     print(table)
     OUT.mkdir(exist_ok=True)
     stem = f"gates-{args.device}" if args.data == "movielens-100k" else f"gates-{args.data}-{args.device}"
-    (OUT / f"{stem}.md").write_text(table + "\n")
-    (OUT / f"{stem}.json").write_text(json.dumps(rows, indent=2) + "\n")
+    write_atomic(table + "\n", OUT / f"{stem}.md")
+    write_atomic(json.dumps(rows, indent=2) + "\n", OUT / f"{stem}.json")
 
 
 if __name__ == "__main__":

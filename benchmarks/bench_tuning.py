@@ -39,6 +39,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from mtmoe.files import write_atomic
+
 ROOT = Path(__file__).resolve().parents[1]
 OUT = Path(__file__).resolve().parent / "out"
 PAPER_TRIALS, MAX_EPOCHS, PATIENCE = 500, 100, 25
@@ -198,8 +200,8 @@ def main() -> None:
     table = "\n".join(lines)
     print(table)
     OUT.mkdir(exist_ok=True)
-    (OUT / "tuning.md").write_text(table + "\n")
-    (OUT / "tuning.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    write_atomic(table + "\n", OUT / "tuning.md")
+    write_atomic(json.dumps(report, indent=2, default=str) + "\n", OUT / "tuning.json")
 
 
 if __name__ == "__main__":

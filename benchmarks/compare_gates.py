@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import csv
 import importlib
+import io
 import platform
 import sys
 from functools import partial
@@ -45,6 +46,7 @@ sys.path.insert(0, str(ROOT))
 
 from mtmoe.data import DATASETS  # noqa: E402
 from mtmoe.errors import UsageError  # noqa: E402
+from mtmoe.files import write_atomic  # noqa: E402
 from mtmoe.gates import gate_class, list_gates  # noqa: E402
 from mtmoe.lit.callbacks import EpochTimer, RestoreBestWeights  # noqa: E402
 from mtmoe.lit.metrics import TASK_METRICS  # noqa: E402
@@ -160,11 +162,12 @@ def main(argv: list[str] | None = None) -> None:
     for gate in gates:  # tables rewritten after every gate: an interrupted run keeps what it measured
         rows.append(run_gate(gate, args))
         table = markdown(rows, args, f"{device}, torch {torch.__version__}")
-        stem.with_suffix(".md").write_text(table)
-        with open(stem.with_suffix(".csv"), "w", newline="") as handle:
-            writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+        write_atomic(table, stem.with_suffix(".md"))
+        buffer = io.StringIO()
+        writer = csv.DictWriter(buffer, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+        write_atomic(buffer.getvalue(), stem.with_suffix(".csv"))
     print(table)
     print(f"written to {stem}.md and {stem}.csv", file=sys.stderr)
 

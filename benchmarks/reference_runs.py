@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from mtmoe.errors import UsageError  # noqa: E402
 from mtmoe.lit.metrics import TASK_METRICS  # noqa: E402
-from mtmoe.tuning.report import write_atomic  # noqa: E402
+from mtmoe.files import write_atomic  # noqa: E402
 from mtmoe.tuning.space import load_space  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out" / "reference"

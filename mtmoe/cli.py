@@ -23,6 +23,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from mtmoe.data import DATASETS
 from mtmoe.data.base import InMemoryDataModule
 from mtmoe.errors import UsageError
+from mtmoe.files import write_atomic
 from mtmoe.gates import gate_class, list_gates
 from mtmoe.gates.base import no_plus_variant
 from mtmoe.lit.callbacks import RestoreBestWeights
@@ -86,7 +87,7 @@ class MTMoECLI(LightningCLI):
                                       **model.net.local_search.statistics()}
         self.results = results
         log_dir = Path(self.trainer.log_dir or ".")
-        write_json_atomic(results, log_dir / "results.json")
+        write_atomic(json.dumps(results, indent=2) + "\n", log_dir / "results.json")
         if not self.quiet:
             print(format_results(results))
             print(f"results written to {log_dir / 'results.json'}")
@@ -103,13 +104,6 @@ def format_results(results: dict[str, Any]) -> str:
         cells = [f"{results[s][key]:>10.4f}" if key in results[s] else f"{'':>10}" for s in splits]
         lines.append(f"{key:<{width}}  " + "  ".join(cells))
     return "\n".join(lines)
-
-
-def write_json_atomic(obj: Any, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    tmp.replace(path)
 
 
 def translate_shortcuts(argv: list[str]) -> list[str]:

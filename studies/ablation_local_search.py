@@ -30,6 +30,8 @@ import time
 from functools import partial
 from pathlib import Path
 
+from mtmoe.files import write_atomic
+
 PAPER_TABLE_1 = {  # test loss x 1e-2, mean +- SE over 100 initialisations (MovieLens 200k)
     "hash": "57.434 ± 0.025", "hash+": "*57.000 ± 0.037",
     "topk": "53.345 ± 0.033", "topk+": "*53.140 ± 0.031",
@@ -186,7 +188,7 @@ def main() -> None:
         f"lr {args.lr}, zeta {args.zeta}, alpha {args.alpha}, k = 2, COMET gamma 0.01 / lambda 1"
     )
     print(header + "\n\n" + table)
-    (out / "table.md").write_text(header + "\n\n" + table + "\n")
+    write_atomic(header + "\n\n" + table + "\n", out / "table.md")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import pytest
 from optuna.trial import TrialState
 from scipy.special import comb
 
-from mtmoe.tuning import report as report_module
+from mtmoe import files as files_module
 from mtmoe.tuning.bootstrap import (
     Settings,
     best_rank_distribution,
@@ -357,14 +357,14 @@ def test_outputs_are_replaced_atomically(storage, tmp_path: Path, monkeypatch) -
     before = {path.name: path.read_bytes() for path in out.iterdir()}
     assert set(before) == {"bootstrap.png", "bootstrap.md", "bootstrap.html", "bootstrap_curves.csv",
                            "bootstrap_factors.csv", "bootstrap_ranges.csv"}
-    replace = report_module.os.replace
+    replace = files_module.os.replace
 
     def fail_on_png(source, target):
         if str(target).endswith(".png"):
             raise OSError("disk full")
         replace(source, target)
 
-    monkeypatch.setattr(report_module.os, "replace", fail_on_png)
+    monkeypatch.setattr(files_module.os, "replace", fail_on_png)
     with pytest.raises(OSError, match="disk full"):
         run_bootstrap(url, out, "--draws", "100", "--seed", "9")
     assert {path.name: path.read_bytes() for path in out.iterdir()} == before

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +22,7 @@ import torch
 from torch import Tensor
 
 from mtmoe.errors import UsageError
+from mtmoe.files import atomic_path
 
 Splits = dict[str, dict[str, Tensor]]  # {"train"|"val"|"test": {name: tensor}}
 
@@ -167,26 +167,14 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
-def atomic_save(obj: object, path: Path) -> None:
-    """``torch.save`` to a temporary file in the same folder, then rename: readers never see a half-written file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        torch.save(obj, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def load_or_prepare(cache: Path, prepare: Callable[[], Splits]) -> Splits:
     """The cached splits, else ``prepare()`` them and write the cache atomically (a temporary file, then a rename)."""
     if cache.is_file():
         return torch.load(cache, weights_only=True)
     splits = prepare()
     try:
-        atomic_save(splits, cache)
+        with atomic_path(cache) as tmp:
+            torch.save(splits, tmp)
     except OSError as error:
         raise UsageError(f"cannot write the cache {cache} ({error.strerror or error}): set MTMOE_CACHE "
                          f"or --data.cache_dir to a writable folder") from None

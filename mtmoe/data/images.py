@@ -15,9 +15,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import math
-import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +25,7 @@ from torchvision.datasets import MNIST
 
 from mtmoe.data.base import InMemoryDataModule, Splits, load_or_prepare
 from mtmoe.errors import UsageError
+from mtmoe.files import atomic_path
 
 SPLITS = ("train", "val", "test")
 
@@ -131,15 +130,9 @@ def official_train_val(labels: Tensor, seed: int) -> tuple[Tensor, Tensor]:
 
 
 def _gunzip(source: Path, target: Path) -> None:
-    """Decompress ``source`` to ``target`` through a temporary file in the same folder (readers never see half)."""
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as out, gzip.open(source, "rb") as compressed:
-            shutil.copyfileobj(compressed, out, 1 << 20)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Decompress ``source`` to ``target`` atomically (readers never see half)."""
+    with atomic_path(target) as tmp, open(tmp, "wb") as out, gzip.open(source, "rb") as compressed:
+        shutil.copyfileobj(compressed, out, 1 << 20)
 
 
 def mnist_files(root: Path, dataset: type[MNIST]) -> list[Path]:

@@ -528,7 +528,8 @@ def select(url: str, trials: pd.DataFrame, gates: list[str] | None) -> tuple[pd.
 
 
 def bootstrap(argv: list[str]) -> None:
-    from mtmoe.tuning.report import collect, write_atomic
+    from mtmoe.files import write_atomic
+    from mtmoe.tuning.report import collect
     from mtmoe.tuning.space import STUDIES_DIR
 
     args, settings = parse_bootstrap_args(argv)

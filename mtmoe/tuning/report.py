@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +31,7 @@ import pandas as pd
 from optuna.trial import TrialState
 
 from mtmoe.errors import UsageError
+from mtmoe.files import write_atomic
 from mtmoe.lit.metrics import TASK_METRICS
 from mtmoe.tuning.space import STUDIES_DIR
 
@@ -259,19 +258,6 @@ def markdown(data: str, url: str, table: pd.DataFrame, table7: pd.DataFrame) -> 
         cells = [_pm(r[f"{m} mean"], r[f"{m} se"], 4 if m.endswith("MSE") else 2) for m in metrics]
         lines.append(f"| {r['study']} | {r['gate']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
-
-
-def write_atomic(content: str | bytes, path: Path) -> None:
-    """Write to a temporary file beside ``path``, then rename it over ``path``: never a half-written file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb" if isinstance(content, bytes) else "w") as handle:
-            handle.write(content)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def report(argv: list[str]) -> None:
