@@ -10,11 +10,17 @@ backward, Adam, metrics; validation off) on the last of ``--epochs`` epochs, the
 (marked "extrapolated"); without it the whole epoch is timed. Inference samples/s: eval-mode forward passes over
 (at most ``--batches``) test batches of 1024. Prints a Markdown table and writes it, with a JSON copy, to
 ``benchmarks/out/datasets-<device>.md``.
+
+Where the real files are not at hand, ``--root`` points at files written in the official formats (e.g. by
+``tests/image_fixtures.py``), and ``--train-rows N`` extrapolates the epoch to the real training split's N rows
+when the written split is smaller: a step's time depends on the batch's shape, not on the images' content or the
+split's size (the split must hold at least ``--batches`` full batches).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import resource
 import subprocess
@@ -30,7 +36,8 @@ from mtmoe.files import write_atomic
 OUT = Path(__file__).resolve().parent / "out"
 
 
-def run_one(data_name: str, gate: str, epochs: int, batches: int | None, device: str) -> dict:
+def run_one(data_name: str, gate: str, epochs: int, batches: int | None, device: str, root: str | None,
+            train_rows: int | None) -> dict:
     import importlib
 
     import lightning.pytorch as pl
@@ -41,9 +48,9 @@ def run_one(data_name: str, gate: str, epochs: int, batches: int | None, device:
     from mtmoe.lit.module import MultiTaskMoE
 
     module_name, class_name = DATASETS[data_name].rsplit(".", 1)
-    data = getattr(importlib.import_module(module_name), class_name)()
+    data = getattr(importlib.import_module(module_name), class_name)(**({"root": root} if root else {}))
     data.setup()
-    steps_per_epoch = len(data.train_dataloader())
+    steps_per_epoch = math.ceil(train_rows / data.batch_size) if train_rows else len(data.train_dataloader())
     pl.seed_everything(0, verbose=False)
     model = MultiTaskMoE(gate=partial(gate_class(gate)), info=data.info, lr=1e-4)
     timer = EpochTimer()
@@ -76,7 +83,7 @@ def run_one(data_name: str, gate: str, epochs: int, batches: int | None, device:
     )
     return {
         "data": data_name, "gate": gate, "n_experts": data.info.n_experts, "k": data.info.k,
-        "batch_size": data.batch_size, "train_rows": len(data.splits["train"]["sample_id"]),
+        "batch_size": data.batch_size, "train_rows": train_rows or len(data.splits["train"]["sample_id"]),
         "steps_per_epoch": steps_per_epoch, "timed_steps": steps, "extrapolated": batches is not None,
         "step_ms": 1e3 * step_s, "epoch_s": step_s * steps_per_epoch, "train_samples_per_s": data.batch_size / step_s,
         "inference_samples_per_s": n_eval / inference_s, "peak_memory_mib": peak,
@@ -90,15 +97,23 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--batches", type=int, default=None, help="time N steps an epoch and extrapolate")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--root", default=None, help="data root (default: $MTMOE_DATA)")
+    parser.add_argument("--train-rows", type=int, default=None, help="the real training split's size, when --root "
+                        "holds a smaller one (with --batches)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one dataset in this process
     args = parser.parse_args()
+    if args.train_rows and not args.batches:
+        parser.error("--train-rows needs --batches N (N full batches timed, the epoch extrapolated)")
     if args.one:
-        print(json.dumps(run_one(args.one, args.gate, args.epochs, args.batches, args.device)))
+        print(json.dumps(run_one(args.one, args.gate, args.epochs, args.batches, args.device, args.root,
+                                 args.train_rows)))
         return
     rows = []
     for name in args.data.split(","):
         command = [sys.executable, __file__, "--one", name, "--gate", args.gate, "--epochs", str(args.epochs),
                    "--device", args.device] + (["--batches", str(args.batches)] if args.batches else [])
+        command += (["--root", args.root] if args.root else []) + (
+            ["--train-rows", str(args.train_rows)] if args.train_rows else [])
         proc = subprocess.run(command, capture_output=True, text=True)
         if proc.returncode != 0:
             sys.exit(f"{name}: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else 'failed'}")
@@ -118,8 +133,9 @@ def main() -> None:
     ]
     for r in rows:
         epoch = f"{r['epoch_s']:.1f}" + (" (extrapolated)" if r["extrapolated"] else "")
+        rows_note = f" ({r['train_rows']:,} rows)" if args.train_rows else ""
         lines.append(
-            f"| {r['data']} | {r['n_experts']} | {r['k']} | {r['batch_size']} | {r['steps_per_epoch']} "
+            f"| {r['data']}{rows_note} | {r['n_experts']} | {r['k']} | {r['batch_size']} | {r['steps_per_epoch']} "
             f"| {r['step_ms']:.1f} | {epoch} | {r['train_samples_per_s']:,.0f} | {r['inference_samples_per_s']:,.0f} "
             f"| {r['peak_memory_mib']:.0f} |"
         )
