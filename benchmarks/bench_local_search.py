@@ -1,6 +1,6 @@
 """Overhead of permutation local search per training step, inside the learning window and after it, on MovieLens-100K.
 
-    MTMOE_DATA=../shared/data python benchmarks/bench_local_search.py [--gates topk,comet,hash] [--repeats 60] [--device cuda]
+    MTMOE_DATA=../shared/data python benchmarks/bench_local_search.py [--gates topk,comet,hash] [--device cuda]
 
 For each gate, a base model and its "+" model (same initialisation) train on the same batches; their steps
 (forward, loss, backward, Adam) are timed in adjacent pairs, alternating which goes first, so both see the same

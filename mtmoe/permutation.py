@@ -88,7 +88,7 @@ class LocalSearch(HostCounters):
         self.register_buffer("window", torch.zeros((), dtype=torch.long))  # E_perm * steps per epoch, set at fit
         self.register_buffer("soft", torch.zeros(m, n_experts, n_experts))  # latest soft matrix (zeros: none yet)
         self.register_buffer("rounded", torch.eye(n_experts).repeat(m, 1, 1))
-        self.register_buffer("rounded_index", torch.arange(n_experts).repeat(m, 1))  # rounded.argmax(-2): w P = w[index]
+        self.register_buffer("rounded_index", torch.arange(n_experts).repeat(m, 1))  # rounded.argmax(-2): wP = w[idx]
         self.register_buffer("rounded_at", torch.full((), -1, dtype=torch.long))  # step ``rounded`` belongs to
         self.last_stats: dict[str, float] = {}
 

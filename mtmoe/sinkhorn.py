@@ -97,7 +97,8 @@ def _backward_cpu(g: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> np.ndarr
 
 @numba.njit(cache=True)
 def _entropy_cpu(p: np.ndarray, scale: float) -> tuple[float, np.ndarray]:
-    """``scale * sum_b H(P_b)`` and its gradient w.r.t. ``p`` ``[m, n, n]`` (float64), ``H`` as in :func:`sinkhorn_and_penalty`."""
+    """``scale * sum_b H(P_b)`` and its gradient w.r.t. ``p`` ``[m, n, n]`` (float64); ``H`` as in
+    :func:`sinkhorn_and_penalty`."""
     m, n, _ = p.shape
     grad = np.empty_like(p)
     slope = np.empty(n)
