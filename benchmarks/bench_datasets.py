@@ -51,6 +51,8 @@ def run_one(data_name: str, gate: str, epochs: int, batches: int | None, device:
     data = getattr(importlib.import_module(module_name), class_name)(**({"root": root} if root else {}))
     data.setup()
     steps_per_epoch = math.ceil(train_rows / data.batch_size) if train_rows else len(data.train_dataloader())
+    if batches and len(data.splits["train"]["sample_id"]) < batches * data.batch_size:
+        raise SystemExit(f"{data_name}: the training split holds fewer than --batches {batches} full batches")
     pl.seed_everything(0, verbose=False)
     model = MultiTaskMoE(gate=partial(gate_class(gate)), info=data.info, lr=1e-4)
     timer = EpochTimer()
@@ -102,8 +104,8 @@ def main() -> None:
                         "holds a smaller one (with --batches)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one dataset in this process
     args = parser.parse_args()
-    if args.train_rows and not args.batches:
-        parser.error("--train-rows needs --batches N (N full batches timed, the epoch extrapolated)")
+    if args.train_rows is not None and (args.train_rows < 1 or not args.batches or "," in args.data):
+        parser.error("--train-rows N needs N >= 1, --batches and one dataset in --data")
     if args.one:
         print(json.dumps(run_one(args.one, args.gate, args.epochs, args.batches, args.device, args.root,
                                  args.train_rows)))

@@ -9,8 +9,8 @@ after the window (the frozen permutation). Reported per cell: median step times 
 pairs of ``plus / base - 1`` (robust to load changes between pairs on a shared machine). The window average is the
 mean over the three window positions (R grows linearly over the window).
 
-Also reported: the tensor operations one step dispatches (ATen calls counted by a ``TorchDispatchMode``), the
-cost that matters where a step is launch-bound (one kernel launch each on a GPU).
+Also reported: the compute operations one step dispatches (ATen calls counted by :class:`ComputeOperations`, views
+and host-scalar reads left out), the cost that matters where a step is launch-bound (a kernel launch each on a GPU).
 """
 from __future__ import annotations
 
@@ -23,15 +23,19 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
-class OperationCounter(TorchDispatchMode):
-    """Counts the ATen operations dispatched inside the ``with`` block."""
+class ComputeOperations(TorchDispatchMode):
+    """Counts the ATen operations that compute (a device kernel each) inside the ``with`` block: views and reads of
+    host scalars are left out."""
+
+    SKIPPED = {"_local_scalar_dense", "detach", "view", "_unsafe_view", "expand", "select", "t", "transpose", "alias"}
 
     def __init__(self) -> None:
         super().__init__()
-        self.count = 0
+        self.names: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
+        if func.overloadpacket.__name__ not in self.SKIPPED:
+            self.names.append(func.overloadpacket.__name__)
         return func(*args, **(kwargs or {}))
 
 
@@ -82,9 +86,9 @@ def main() -> None:
             return time.perf_counter() - start
 
         def operations(plus: bool, batch: dict) -> int:
-            with OperationCounter() as counter:
+            with ComputeOperations() as counter:
                 step(plus, batch)
-            return counter.count
+            return len(counter.names)
 
         search = models[True][0].net.local_search
         window_overheads = []

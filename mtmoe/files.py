@@ -1,5 +1,5 @@
-"""Atomic file writes: a temporary file in the target's folder, renamed over the target once complete, so a reader
-(or a rerun after a crash) never sees a half-written cache, report or result."""
+"""Atomic file writes: a temporary file in the target's folder, flushed to disk and renamed over the target once
+complete, so a reader (or a rerun after a crash) never sees a half-written cache, report or result."""
 from __future__ import annotations
 
 import os
@@ -9,15 +9,25 @@ from contextlib import contextmanager
 from pathlib import Path
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 @contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
-    """A temporary path to write ``path``'s content to; renamed to ``path`` on success, removed on any error."""
+    """A temporary path to write ``path``'s content to; on success it gets the permissions a new file would get
+    (``mkstemp`` makes it private), is synced to disk and renamed to ``path``; on any error it is removed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
         yield Path(tmp)
+        os.chmod(tmp, 0o666 & ~_umask())
+        with open(tmp, "rb") as handle:
+            os.fsync(handle.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -25,9 +35,6 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
 
 
 def write_atomic(content: str | bytes, path: str | Path) -> None:
-    """Write ``content`` (text or bytes) to ``path`` atomically."""
+    """Write ``content`` (text as UTF-8, or bytes) to ``path`` atomically."""
     with atomic_path(path) as tmp:
-        if isinstance(content, bytes):
-            tmp.write_bytes(content)
-        else:
-            tmp.write_text(content)
+        tmp.write_bytes(content if isinstance(content, bytes) else content.encode("utf-8"))

@@ -50,6 +50,10 @@ def schedule(step: int, window: int) -> tuple[float, int]:
     return tau, int(ITERATIONS_START + (ITERATIONS_END - ITERATIONS_START) * fraction)
 
 
+def _refresh_rounded_index(search: LocalSearch, incompatible_keys) -> None:
+    search.rounded_index.copy_(search.rounded.argmax(-2))
+
+
 class LocalSearch(HostCounters):
     """Learned expert permutation for ``n_tasks`` task gates (shared by default; ``per_task`` gives one each).
 
@@ -88,8 +92,10 @@ class LocalSearch(HostCounters):
         self.register_buffer("window", torch.zeros((), dtype=torch.long))  # E_perm * steps per epoch, set at fit
         self.register_buffer("soft", torch.zeros(m, n_experts, n_experts))  # latest soft matrix (zeros: none yet)
         self.register_buffer("rounded", torch.eye(n_experts).repeat(m, 1, 1))
-        self.register_buffer("rounded_index", torch.arange(n_experts).repeat(m, 1))  # rounded.argmax(-2): wP = w[idx]
         self.register_buffer("rounded_at", torch.full((), -1, dtype=torch.long))  # step ``rounded`` belongs to
+        # rounded.argmax(-2), so that w P = w[..., index]: derived from ``rounded``, not saved, refreshed on loading
+        self.register_buffer("rounded_index", torch.arange(n_experts).repeat(m, 1), persistent=False)
+        self.register_load_state_dict_post_hook(_refresh_rounded_index)
         self.last_stats: dict[str, float] = {}
 
     def set_window(self, steps_per_epoch: int) -> None:
@@ -126,7 +132,7 @@ class LocalSearch(HostCounters):
             return self.hard(), None
         tau, iterations = schedule(int(self.step), int(self.window))
         p, penalty = sinkhorn_and_penalty(self.log_weights, tau, iterations, self.zeta)
-        self.soft = p.detach()  # the buffer now refers to this step's matrix (no copy)
+        self.soft.copy_(p.detach())
         self.last_stats = {"tau": tau, "iterations": float(iterations)}
         return p, penalty if self.zeta > 0 else None
 

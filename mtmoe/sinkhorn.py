@@ -36,7 +36,7 @@ try:
 except ImportError:  # pragma: no cover - Triton ships with CUDA builds of torch
     triton = None
 
-ENTROPY_EPS = 1e-6  # inside the entropy penalty's logs, log(x + 1e-6) (the official code's; literal in the kernels)
+ENTROPY_EPS = 1e-6  # inside the entropy penalty's logs, log(x + 1e-6) (the official code's)
 
 
 @numba.njit(cache=True)
@@ -128,8 +128,9 @@ def _entropy_cpu(p: np.ndarray, scale: float) -> tuple[float, np.ndarray]:
 if triton is not None:
 
     @triton.jit
-    def _forward_cuda(u_ptr, rows_ptr, cols_ptr, out_ptr, penalty_ptr, d_penalty_ptr, inv_tau, scale, floor,
-                      iterations, n, BLOCK: tl.constexpr, ENTROPY: tl.constexpr):
+    def _forward_cuda(u_ptr, rows_ptr, cols_ptr, out_ptr, penalty_ptr, d_penalty_ptr, inv_tau_hi, inv_tau_lo,
+                      scale_hi, scale_lo, floor, iterations, n, BLOCK: tl.constexpr, ENTROPY: tl.constexpr,
+                      EPS: tl.constexpr):
         """One program per matrix: :func:`_forward_cpu`'s recursion on ``u / tau`` (softmaxes stored as ``[m, R, n,
         n]``), the flushed output, and with ``ENTROPY`` :func:`_entropy_cpu`'s penalty (added to ``penalty_ptr``)
         and gradient."""
@@ -138,7 +139,8 @@ if triton is not None:
         j = tl.arange(0, BLOCK)[None, :]
         inside = (i < n) & (j < n)
         offsets = i * n + j
-        log_p = tl.load(u_ptr + b * n * n + offsets, mask=inside, other=-float("inf")).to(tl.float64) * inv_tau
+        u = tl.load(u_ptr + b * n * n + offsets, mask=inside, other=0.0).to(tl.float64)
+        log_p = tl.where(inside, u * inv_tau_hi + u * inv_tau_lo, -float("inf"))
         cols = tl.zeros((BLOCK, BLOCK), dtype=tl.float64)
         for r in range(iterations):
             saved = (b * iterations + r) * n * n + offsets
@@ -160,22 +162,22 @@ if triton is not None:
         p = tl.where(inside & (cols >= floor), cols, 0.0)
         tl.store(out_ptr + b * n * n + offsets, p.to(out_ptr.dtype.element_ty), mask=inside)
         if ENTROPY:
-            log_p = tl.log(p + 1e-6)
+            log_p = tl.log(p + EPS)
             entropy = -tl.sum(tl.sum(p * log_p, axis=1), axis=0)
-            grad = -(log_p + p / (p + 1e-6))
+            grad = -(log_p + p / (p + EPS))
             row_sum = tl.sum(p, axis=1)
             row_sum = tl.where(row_sum > 0, row_sum, 1.0)
             r = p / row_sum[:, None]
-            log_r = tl.log(r + 1e-6)
+            log_r = tl.log(r + EPS)
             entropy -= tl.sum(tl.sum(r * log_r, axis=1), axis=0)
-            slope = -(log_r + r / (r + 1e-6))
+            slope = -(log_r + r / (r + EPS))
             grad += (slope - tl.sum(slope * r, axis=1)[:, None]) / row_sum[:, None]
-            tl.store(d_penalty_ptr + b * n * n + offsets, scale * grad, mask=inside)
-            tl.atomic_add(penalty_ptr, (scale * entropy).to(penalty_ptr.dtype.element_ty))
+            tl.store(d_penalty_ptr + b * n * n + offsets, grad * scale_hi + grad * scale_lo, mask=inside)
+            tl.atomic_add(penalty_ptr, (entropy * scale_hi + entropy * scale_lo).to(penalty_ptr.dtype.element_ty))
 
     @triton.jit
-    def _backward_cuda(g_ptr, g_penalty_ptr, d_penalty_ptr, rows_ptr, cols_ptr, out_ptr, inv_tau, iterations, n,
-                       BLOCK: tl.constexpr, ENTROPY: tl.constexpr):
+    def _backward_cuda(g_ptr, g_penalty_ptr, d_penalty_ptr, rows_ptr, cols_ptr, out_ptr, inv_tau_hi, inv_tau_lo,
+                       iterations, n, BLOCK: tl.constexpr, ENTROPY: tl.constexpr):
         """One program per matrix: :func:`_backward_cpu`'s vector-Jacobian product of the output's gradient plus
         (with ``ENTROPY``) the penalty's, written to ``out_ptr`` as the gradient w.r.t. ``u``."""
         b = tl.program_id(0)
@@ -193,13 +195,27 @@ if triton is not None:
             saved = (b * iterations + iterations - 1 - k) * n * n + offsets
             g = g - tl.load(cols_ptr + saved, mask=inside, other=0.0) * tl.sum(g, axis=0)[None, :]
             g = g - tl.load(rows_ptr + saved, mask=inside, other=0.0) * tl.sum(g, axis=1)[:, None]
-        tl.store(out_ptr + b * n * n + offsets, (g * inv_tau).to(out_ptr.dtype.element_ty), mask=inside)
+        tl.store(out_ptr + b * n * n + offsets, (g * inv_tau_hi + g * inv_tau_lo).to(out_ptr.dtype.element_ty),
+                 mask=inside)
 
 
 def _floor(dtype: torch.dtype) -> float:
-    """Output entries below this are flushed to 0: products with them stay clear of subnormals down to ``eps``."""
+    """Output entries below this are flushed to 0: products with them stay clear of subnormals down to ``eps``.
+
+    float64 outputs are not flushed (0): their threshold, ~1e-292, is below what the float32 kernel argument holds.
+    """
+    if dtype == torch.float64:
+        return 0.0
     info = torch.finfo(dtype)
     return info.tiny / info.eps
+
+
+def _float32_pair(x: float) -> tuple[float, float]:
+    """``x`` as ``hi + lo``, two float32 values (~48 bits together): Triton passes a Python float to a kernel as
+    float32 (its annotations for float64 arguments pass wrong values before Triton 3.4), so the kernels compute
+    ``v * hi + v * lo`` in float64."""
+    hi = float(np.float32(x))
+    return hi, float(np.float32(x - hi))
 
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's interpreter runs the kernels on CPU tensors
@@ -226,8 +242,9 @@ class LogSinkhorn(torch.autograd.Function):
             cols = torch.empty_like(rows)
             d_penalty = torch.empty(m, n, n, dtype=torch.float64, device=u.device) if ctx.entropy else cols
             out, penalty = torch.empty_like(u), u.new_zeros(())
-            _forward_cuda[(m,)](u, rows, cols, out, penalty, d_penalty, 1.0 / tau, scale, _floor(u.dtype), iterations,
-                                n, BLOCK=max(16, triton.next_power_of_2(n)), ENTROPY=ctx.entropy)
+            _forward_cuda[(m,)](u, rows, cols, out, penalty, d_penalty, *_float32_pair(1.0 / tau),
+                                *_float32_pair(scale), _floor(u.dtype), iterations, n,
+                                BLOCK=max(16, triton.next_power_of_2(n)), ENTROPY=ctx.entropy, EPS=ENTROPY_EPS)
             ctx.save_for_backward(rows, cols, d_penalty)
             return out, penalty
         rows, cols = _forward_cpu(u.detach().cpu().double().numpy() / tau, iterations)
@@ -244,8 +261,9 @@ class LogSinkhorn(torch.autograd.Function):
             rows, cols, d_penalty = ctx.saved_tensors
             m, iterations, n, _ = rows.shape
             out = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
-            _backward_cuda[(m,)](grad.contiguous(), grad_penalty, d_penalty, rows, cols, out, 1.0 / ctx.tau,
-                                 iterations, n, BLOCK=max(16, triton.next_power_of_2(n)), ENTROPY=ctx.entropy)
+            _backward_cuda[(m,)](grad.contiguous(), grad_penalty, d_penalty, rows, cols, out,
+                                 *_float32_pair(1.0 / ctx.tau), iterations, n,
+                                 BLOCK=max(16, triton.next_power_of_2(n)), ENTROPY=ctx.entropy)
             return out, None, None, None
         g = grad.detach().cpu().double().numpy()
         if ctx.entropy:

@@ -137,8 +137,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: cores / workers)")
     parser.add_argument("--out", default="studies/out/ablation_local_search", help="folder for runs.csv and table.md")
     args = parser.parse_args()
-    if args.seeds < 1 or args.workers < 1 or args.perm_epochs > args.epochs:
-        print("error: need --seeds >= 1, --workers >= 1 and --perm-epochs <= --epochs", file=sys.stderr)
+    if args.seeds < 1 or args.workers < 1 or (args.threads is not None and args.threads < 1) \
+            or args.perm_epochs > args.epochs:
+        print("error: need --seeds >= 1, --workers >= 1, --threads >= 1 and --perm-epochs <= --epochs",
+              file=sys.stderr)
         sys.exit(2)
 
     from mtmoe.data import MovieLens100KDataModule
@@ -159,7 +161,7 @@ def main() -> None:
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
-    threads = args.threads or max(1, (os.cpu_count() or 1) // args.workers)
+    threads = args.threads if args.threads is not None else max(1, (os.cpu_count() or 1) // args.workers)
     start = time.perf_counter()
     pool = multiprocessing.get_context("spawn").Pool(args.workers, _init_worker, (args.root, threads))
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # ``kill`` stops the workers too, as Ctrl-C does
@@ -168,11 +170,16 @@ def main() -> None:
         for i, row in enumerate(jobs, 1):
             rows.append(row)
             new_file = not runs_csv.exists()
-            with open(runs_csv, "a", newline="") as handle:
-                writer = csv.DictWriter(handle, fieldnames=FIELDS)
-                if new_file:
-                    writer.writeheader()
-                writer.writerow(row)
+            stops = {signal.SIGINT, signal.SIGTERM}
+            signal.pthread_sigmask(signal.SIG_BLOCK, stops)  # a stop waits until the row is whole
+            try:
+                with open(runs_csv, "a", newline="") as handle:
+                    writer = csv.DictWriter(handle, fieldnames=FIELDS)
+                    if new_file:
+                        writer.writeheader()
+                    writer.writerow(row)
+            finally:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)
             eta = (time.perf_counter() - start) / i * (len(todo) - i)
             print(f"[{i}/{len(todo)}] {row['gate']} seed {row['seed']}: test loss {row['test_loss']:.4f} "
                   f"({row['seconds']} s; ETA {eta / 60:.1f} min)", flush=True)

@@ -26,3 +26,15 @@ def test_a_failed_write_keeps_the_old_file_and_no_temporary(tmp_path: Path) -> N
             raise RuntimeError("killed mid-write")
     assert target.read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["results.json"]
+
+
+def test_written_files_get_the_umask_permissions_and_utf8(tmp_path: Path) -> None:
+    import os
+
+    old = os.umask(0o022)
+    try:
+        write_atomic("loss ×10⁻² ± SE\n", tmp_path / "table.md")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "table.md").stat().st_mode & 0o777 == 0o644
+    assert (tmp_path / "table.md").read_bytes().decode("utf-8") == "loss ×10⁻² ± SE\n"

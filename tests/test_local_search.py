@@ -18,11 +18,11 @@ import sys
 from functools import partial
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from scipy.optimize import linear_sum_assignment
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import mtmoe.permutation as permutation_module
 from conftest import run_cli
@@ -40,7 +40,7 @@ from mtmoe.permutation import (
     round_to_permutation,
     schedule,
 )
-from mtmoe.sinkhorn import LogSinkhorn, sinkhorn, sinkhorn_and_penalty
+from mtmoe.sinkhorn import LogSinkhorn, _float32_pair, sinkhorn, sinkhorn_and_penalty
 
 FAST = ["--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false", "--data.batch_size=64"]
 
@@ -289,7 +289,8 @@ def test_log_sinkhorn_flushes_entries_that_would_be_subnormal_products() -> None
 @pytest.mark.parametrize("n", [2, 5, 16, 33])
 def test_log_sinkhorn_cuda_kernels_equal_the_cpu_loops(dtype: torch.dtype, n: int) -> None:
     """The Triton forward and backward give the CPU loops' results, at every schedule position."""
-    for seed, (tau, iterations) in enumerate([(1.0, 1), (TAU_START, 20), (1e-5, 85), (TAU_END, ITERATIONS_END)]):
+    for seed, (tau, iterations) in enumerate([(1.0, 1), (TAU_START, 20), (10 ** -4.3, 60), (1e-5, 85),
+                                              (TAU_END, ITERATIONS_END)]):  # 1 / 10^-4.3 is not a float32 value
         u = module_init_u(3, n, seed, dtype)
         upstream = torch.randn(3, n, n, dtype=dtype, generator=torch.Generator().manual_seed(seed))
         cpu, gpu = u.clone().requires_grad_(), u.cuda().requires_grad_()
@@ -582,7 +583,7 @@ def test_checkpoint_resume_inside_and_after_the_window(spies: dict[str, Counter]
         (out[:, 0, 1].sum() + aux).backward()
         optimiser.step()
     state = original.state_dict()
-    assert set(state) == {"log_weights", "step", "window", "soft", "rounded", "rounded_index", "rounded_at"}
+    assert set(state) == {"log_weights", "step", "window", "soft", "rounded", "rounded_at"}
     resumed = LocalSearch(6, 2, epochs=2)  # fresh: different U, step 0, no window
     assert not torch.equal(resumed.log_weights, original.log_weights)
     resumed.load_state_dict(state)
@@ -608,6 +609,25 @@ def test_checkpoint_resume_inside_and_after_the_window(spies: dict[str, Counter]
         assert torch.equal(after.matrices()[0], resumed.rounded)
     assert after.frozen and after.assignment() == resumed.assignment() and int(after.step) == 8
     assert spies["assignment"].calls == solves  # the cached rounding came with the checkpoint
+    weights = task_weights()
+    for mode in (False, True):  # the gather index is derived on loading (it is not in the checkpoint)
+        after.train(mode)
+        assert torch.equal(after(weights)[0], weights @ resumed.rounded[0])
+
+
+def test_a_loaded_permutation_is_applied_through_its_gather_index() -> None:
+    """Loading a state (a checkpoint written before the index existed, too) refreshes the index from ``rounded``."""
+    source = LocalSearch(6, 2, epochs=1)
+    q = random_permutation_matrix(6, seed=3)
+    assert not torch.equal(q, torch.eye(6))
+    set_hard_permutation(source, q.unsqueeze(0))
+    source.hard()
+    target = LocalSearch(6, 2, epochs=1)
+    target.load_state_dict(source.state_dict())
+    weights = task_weights()
+    for mode in (False, True):
+        target.train(mode)
+        assert torch.equal(target(weights)[0], weights @ q)
 
 
 def test_usage_errors() -> None:
@@ -667,6 +687,15 @@ def test_sinkhorn_and_penalty_match_autograd_through_the_reference(tau: float, i
     assert float(sinkhorn_and_penalty(mine, tau, iterations, 0.0)[1]) == 0.0
 
 
+@pytest.mark.parametrize("x", [1.0 / 10 ** -4.3, 1.0 / 3.0, 1e-4 / 3, 1e7, math.pi * 1e5])
+def test_float32_pairs_carry_float64_scalars_into_the_kernels(x: float) -> None:
+    """Triton passes Python floats to kernels as float32: 1/tau and zeta/m go as hi + lo, two float32 values."""
+    hi, lo = _float32_pair(x)
+    assert float(np.float32(hi)) == hi and float(np.float32(lo)) == lo
+    assert abs((hi + lo) - x) <= 1e-14 * abs(x)
+    assert hi != x or lo == 0.0
+
+
 TRITON_CHECK = """
 import torch
 import mtmoe.sinkhorn as module
@@ -674,7 +703,7 @@ from mtmoe.sinkhorn import _use_triton, sinkhorn_and_penalty
 torch.manual_seed(0)
 worst = 0.0
 for n, dtype, zeta, (tau, iterations) in [(5, torch.float64, 0.3, (0.05, 3)), (16, torch.float32, 1e-4, (1e-3, 20)),
-                                          (17, torch.float64, 0.0, (1e-5, 40)), (2, torch.float32, 0.5, (1.0, 1))]:
+                                          (17, torch.float64, 0.0, (10 ** -4.3, 40)), (2, torch.float32, 0.5, (1.0, 1))]:
     u = ((torch.rand(2, n, n, dtype=dtype) - 0.5) * 0.1).requires_grad_()
     upstream = torch.randn(2, n, n, dtype=dtype)
     results = []
@@ -795,19 +824,10 @@ def test_permuting_weights_equals_reindexing_experts(gate: str) -> None:
         assert torch.allclose(permuted_gate.weights[:, assignment], base_gate.weights, atol=1e-7, rtol=1e-6)
 
 
-class ComputeOperations(TorchDispatchMode):
-    """Counts the ATen operations that compute (one device kernel each), leaving out views and host-scalar reads."""
-
-    SKIPPED = {"_local_scalar_dense", "detach", "view", "_unsafe_view", "expand", "select", "t", "transpose", "alias"}
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket.__name__ not in self.SKIPPED:
-            self.names.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
+BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_local_search.py"
+_spec = importlib.util.spec_from_file_location("bench_local_search", BENCHMARK)
+bench_local_search = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench_local_search)
 
 
 def test_after_the_window_a_plus_step_adds_only_a_gather() -> None:
@@ -823,7 +843,7 @@ def test_after_the_window_a_plus_step_adds_only_a_gather() -> None:
     counted = {}
     for name, model in (("base", base), ("plus", plus)):
         model.train()
-        with ComputeOperations() as counter:
+        with bench_local_search.ComputeOperations() as counter:
             output = model(batch)
             (sum(p.sum() for p in output.predictions) + output.aux_loss).backward()
         counted[name] = collections.Counter(counter.names)

@@ -42,20 +42,27 @@ def test_tiny_reference_table_resumes(tiny_root: Path, tmp_path: Path, monkeypat
             "--model.perm_epochs=1", "--trainer.limit_train_batches=2"]
     reference_runs.main(argv)
     files = sorted(p.name for p in out.glob("*.json"))
-    assert files == ["movielens-100k-topk+-alpha0.1.json", "movielens-100k-topk-alpha0.1.json"]
+    assert len(files) == 2 and files[0].startswith("movielens-100k-topk+-alpha0.1-")
     row = json.loads((out / files[1]).read_text())
-    assert row["alpha"] == 0.1 and row["setting"]["model.lr"] == 1.6e-4 and row["setting"]["trainer.max_epochs"] == 2
+    assert row["gate"] == "topk" and row["alpha"] == 0.1
+    assert row["setting"]["model.lr"] == 1.6e-4 and row["setting"]["trainer.max_epochs"] == 2
     assert row["epochs_run"] == 2 and row["best_epoch"] in (0, 1) and row["test"]["loss"] > 0
     assert json.loads((out / files[0]).read_text())["setting"]["model.perm_epochs"] == "1"  # the fit argument won
     table = (out / "reference-movielens-100k.md").read_text()
-    assert "**movielens-100k, alpha 0.1**" in table and "up to 2 epochs" in table
+    assert "**movielens-100k, alpha 0.1**" in table and "up to 2 epochs" in table and "positive: ours is worse" in table
     assert table.index("| topk |") < table.index("| topk+ |")
-    assert "| watch AUC | rating MSE |" in table
+    assert "| watch AUC | rating MSE | paper task 1 | paper task 2 |" in table
+    csv_text = (out / "reference-movielens-100k.csv").read_text()
+    assert csv_text.startswith("data,gate,alpha,seed,") and csv_text.count("movielens-100k,topk") == 2
     stamps = {p.name: p.stat().st_mtime_ns for p in out.glob("*.json")}
     capsys.readouterr()
-    reference_runs.main(argv)  # everything is there: nothing trains again
+    reference_runs.main(argv)  # the same values: nothing trains again
     assert {p.name: p.stat().st_mtime_ns for p in out.glob("*.json")} == stamps
     assert "test loss" not in capsys.readouterr().err
+    reference_runs.main([*argv[:2], "--gates", "topk", *argv[4:7], "1", *argv[8:]])  # another budget: a new run
+    assert len(list(out.glob("*.json"))) == 3
+    table = (out / "reference-movielens-100k.md").read_text()
+    assert "up to 1 epochs" in table and "| topk+ |" not in table  # the table is this command's runs
 
 
 def test_unknown_gate_exits_2_with_one_line(capsys) -> None:
