@@ -10,6 +10,14 @@ from pathlib import Path
 
 
 def _umask() -> int:
+    """The process's umask, read without changing it where Linux shows it (``os.umask`` sets it: a race with
+    threads that create files meanwhile)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
     mask = os.umask(0)
     os.umask(mask)
     return mask
