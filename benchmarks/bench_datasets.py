@@ -104,7 +104,7 @@ def main() -> None:
                         "holds a smaller one (with --batches)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one dataset in this process
     args = parser.parse_args()
-    if args.train_rows is not None and (args.train_rows < 1 or not args.batches or "," in args.data):
+    if args.train_rows is not None and (args.train_rows < 1 or not args.batches or "," in (args.one or args.data)):
         parser.error("--train-rows N needs N >= 1, --batches and one dataset in --data")
     if args.one:
         print(json.dumps(run_one(args.one, args.gate, args.epochs, args.batches, args.device, args.root,
