@@ -29,9 +29,7 @@ after another; ``--accelerator gpu`` runs the same code on one GPU.
 from __future__ import annotations
 
 import argparse
-import csv
 import importlib
-import io
 import platform
 import sys
 from functools import partial
@@ -46,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 from mtmoe.data import DATASETS  # noqa: E402
 from mtmoe.errors import UsageError  # noqa: E402
-from mtmoe.files import write_atomic  # noqa: E402
+from mtmoe.files import write_atomic, write_csv_atomic  # noqa: E402
 from mtmoe.gates import gate_class, list_gates  # noqa: E402
 from mtmoe.lit.callbacks import EpochTimer, RestoreBestWeights  # noqa: E402
 from mtmoe.lit.metrics import TASK_METRICS  # noqa: E402
@@ -163,11 +161,7 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(run_gate(gate, args))
         table = markdown(rows, args, f"{device}, torch {torch.__version__}")
         write_atomic(table, stem.with_suffix(".md"))
-        buffer = io.StringIO()
-        writer = csv.DictWriter(buffer, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-        write_atomic(buffer.getvalue(), stem.with_suffix(".csv"))
+        write_csv_atomic(rows, stem.with_suffix(".csv"))
     print(table)
     print(f"written to {stem}.md and {stem}.csv", file=sys.stderr)
 

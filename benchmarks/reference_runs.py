@@ -24,9 +24,7 @@ again) for one table of all.
 from __future__ import annotations
 
 import argparse
-import csv
 import hashlib
-import io
 import json
 import math
 import sys
@@ -38,8 +36,8 @@ sys.path.insert(0, str(ROOT))
 
 from mtmoe.errors import UsageError  # noqa: E402
 from mtmoe.lit.metrics import TASK_METRICS  # noqa: E402
-from mtmoe.files import write_atomic  # noqa: E402
-from mtmoe.tuning.space import load_space  # noqa: E402
+from mtmoe.files import write_atomic, write_csv_atomic  # noqa: E402
+from mtmoe.tuning.space import SearchSpace, load_space  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out" / "reference"
 RECOMMENDERS = ("books", "movielens", "movielens-100k", "jester")
@@ -158,15 +156,14 @@ def centre(distribution) -> object:
     return (distribution.low + distribution.high) / 2
 
 
-def setting(data: str, gate: str) -> tuple[dict, dict]:
+def setting(data: str, gate: str) -> tuple[SearchSpace, dict]:
     """(the study file's fixed values, the searched keys at their centres) for one gate."""
     space = load_space(data, gate)
     return space, {key: centre(d) for key, d in space.distributions.items()}
 
 
-def run_setting(data: str, gate: str, args: argparse.Namespace) -> dict:
-    """Every value a run of ``gate`` is given: the study file's, the centres, ``--epochs`` and the fit arguments."""
-    space, params = setting(data, gate)
+def run_setting(space: SearchSpace, params: dict, args: argparse.Namespace) -> dict:
+    """Every value a run is given: the study file's, the centres, ``--epochs`` and the fit arguments."""
     return {**space.fixed, **params, **({"trainer.max_epochs": args.epochs} if args.epochs else {}),
             **dict(arg.removeprefix("--").split("=", 1) for arg in args.fit_args if "=" in arg)}
 
@@ -177,24 +174,24 @@ def run_file(data: str, gate: str, alpha: float | None, run: dict, seed: int) ->
     return f"{data}-{gate}" + (f"-alpha{alpha:g}" if alpha is not None else "") + f"-{digest.hexdigest()[:8]}.json"
 
 
-def run_one(data: str, gate: str, alpha: float | None, args: argparse.Namespace) -> dict:
+def run_one(space: SearchSpace, params: dict, run: dict, alpha: float | None, path: Path,
+            args: argparse.Namespace) -> dict:
+    """``fit`` with ``space``'s fixed values and ``params`` (``run`` records both and the overrides); logs go
+    beside ``path``."""
     from mtmoe.tuning.study import cli_args, make_cli, quiet_libraries
 
-    space, params = setting(data, gate)
     overrides = [f"--trainer.accelerator={args.accelerator}", *args.fit_args]
     if args.epochs is not None:
         overrides.append(f"--trainer.max_epochs={args.epochs}")
     if alpha is not None:
         overrides.append(f"--model.alpha={alpha}")
     quiet_libraries()
-    run = run_setting(data, gate, args)
-    logs = args.out / "logs" / run_file(data, gate, alpha, run, args.seed).removesuffix(".json")
     start = time.perf_counter()
-    cli = make_cli(cli_args(space, params, overrides, args.seed, logs))
+    cli = make_cli(cli_args(space, params, overrides, args.seed, path.parent / "logs" / path.stem))
     cli.fit(cli.model, cli.datamodule)
     results = cli.results
     return {
-        "data": data, "gate": gate, "alpha": alpha, "seed": args.seed, "setting": run,
+        "data": space.data, "gate": space.gate, "alpha": alpha, "seed": args.seed, "setting": run,
         "epochs_run": results["epochs_run"], "best_epoch": results.get("best_epoch"),
         "test": results["test"], "seconds": round(time.perf_counter() - start, 1),
         "device": args.accelerator,
@@ -279,20 +276,20 @@ def main(argv: list[str] | None = None) -> None:
     reported = [g for g in PAPER_GATES if any(g in PAPER.get((args.data, a), {}) for a in alphas)]
     gates = args.gates.split(",") if args.gates else reported or PAPER_GATES
     try:  # every gate's space loads before any training
-        for gate in gates:
-            setting(args.data, gate)
+        settings = {gate: setting(args.data, gate) for gate in gates}
     except UsageError as error:
         parser.exit(2, f"error: {error}\n")
     args.out.mkdir(parents=True, exist_ok=True)
     paths = []
     for alpha in alphas:
-        for gate in gates:
-            path = args.out / run_file(args.data, gate, alpha, run_setting(args.data, gate, args), args.seed)
+        for gate, (space, params) in settings.items():
+            run = run_setting(space, params, args)
+            path = args.out / run_file(args.data, gate, alpha, run, args.seed)
             paths.append(path)
             if path.exists():
                 continue
             try:
-                row = run_one(args.data, gate, alpha, args)
+                row = run_one(space, params, run, alpha, path, args)
             except UsageError as error:
                 parser.exit(2, f"error: {error}\n")
             write_atomic(json.dumps(row, indent=2) + "\n", path)
@@ -304,11 +301,7 @@ def main(argv: list[str] | None = None) -> None:
     flat = [{"data": r["data"], "gate": r["gate"], "alpha": r["alpha"], "seed": r["seed"],
              "best_epoch": r["best_epoch"], "epochs_run": r["epochs_run"], "device": r["device"],
              **{f"test/{k}": v for k, v in r["test"].items()}} for r in rows]
-    buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=list(dict.fromkeys(k for f in flat for k in f)))
-    writer.writeheader()
-    writer.writerows(flat)
-    write_atomic(buffer.getvalue(), args.out / f"reference-{args.data}.csv")
+    write_csv_atomic(flat, args.out / f"reference-{args.data}.csv")
     print(markdown)
 
 

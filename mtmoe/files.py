@@ -2,6 +2,8 @@
 complete, so a reader (or a rerun after a crash) never sees a half-written cache, report or result."""
 from __future__ import annotations
 
+import csv
+import io
 import os
 import tempfile
 from collections.abc import Iterator
@@ -46,3 +48,12 @@ def write_atomic(content: str | bytes, path: str | Path) -> None:
     """Write ``content`` (text as UTF-8, or bytes) to ``path`` atomically."""
     with atomic_path(path) as tmp:
         tmp.write_bytes(content if isinstance(content, bytes) else content.encode("utf-8"))
+
+
+def write_csv_atomic(rows: list[dict], path: str | Path) -> None:
+    """``rows`` as a CSV file with a header (every key of every row, in order of first appearance), atomically."""
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=list(dict.fromkeys(key for row in rows for key in row)))
+    writer.writeheader()
+    writer.writerows(rows)
+    write_atomic(buffer.getvalue(), path)

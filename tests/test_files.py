@@ -38,3 +38,10 @@ def test_written_files_get_the_umask_permissions_and_utf8(tmp_path: Path) -> Non
         os.umask(old)
     assert (tmp_path / "table.md").stat().st_mode & 0o777 == 0o644
     assert (tmp_path / "table.md").read_bytes().decode("utf-8") == "loss ×10⁻² ± SE\n"
+
+
+def test_write_csv_atomic_takes_every_key_in_order(tmp_path: Path) -> None:
+    from mtmoe.files import write_csv_atomic
+
+    write_csv_atomic([{"gate": "topk", "loss": 0.5}, {"gate": "comet", "auc": 0.9, "loss": 0.4}], tmp_path / "t.csv")
+    assert (tmp_path / "t.csv").read_text().splitlines() == ["gate,loss,auc", "topk,0.5,", "comet,0.4,0.9"]
