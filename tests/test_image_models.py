@@ -269,3 +269,13 @@ def test_image_search_spaces(name, lr, epochs, trials, n_experts, k, comet_plus_
             assert space.fixed["model.gate.k"] == k
         assert ("model.perm_epochs" in space.distributions) == gate.endswith("+")
     assert load_space(name, "comet+", path).fixed["model.gate.gamma"] == comet_plus_gamma
+
+
+def test_cpu_convolutions_get_a_channels_last_weight() -> None:
+    """The speed-up of ``ConvExperts._layout`` depends on a really channels-last weight, also with one input channel
+    (where ``contiguous(memory_format=channels_last)`` is a no-op); values are unchanged."""
+    weight = torch.randn(160, 1, 5, 5)
+    laid_out = ConvExperts._layout(weight)
+    assert laid_out.stride() == (25, 1, 5, 1) and torch.equal(laid_out, weight)
+    x = torch.rand(3, 1, 36, 36)
+    assert torch.nn.functional.conv2d(x, laid_out).stride()[1] == 1  # the convolution's output is NHWC too
