@@ -10,7 +10,9 @@ Setting (stated in the table's header): each gate's section of ``studies/<data>.
 spaces) with every searched hyperparameter at the centre of its range: the geometric mean of a log-uniform range
 (two significant digits: lr 1.6e-4 for [5e-5, 5e-4]), the midpoint of a uniform one, the middle integer (lower
 middle) and the middle choice (lower middle); the file's fixed values as they are (batch size, experts, epochs,
-patience). ``--epochs`` replaces the file's ``trainer.max_epochs`` when the paper's budget does not fit the machine.
+patience). ``--epochs`` replaces the file's ``trainer.max_epochs`` when the paper's budget does not fit the machine,
+and ``--perm-epochs`` the centre of the "+" gates' searched E_perm (5 of 1..10) when it is longer than ``--epochs``
+(``fit`` refuses a window longer than the run); the setting column shows the value.
 Each run is ``python -m mtmoe fit`` with those arguments and seed 0, so the best-validation epoch is restored and
 tested as in a tuning trial.
 
@@ -156,10 +158,18 @@ def centre(distribution) -> object:
     return (distribution.low + distribution.high) / 2
 
 
-def setting(data: str, gate: str) -> tuple[SearchSpace, dict]:
-    """(the study file's fixed values, the searched keys at their centres) for one gate."""
+def setting(data: str, gate: str, perm_epochs: int | None = None) -> tuple[SearchSpace, dict]:
+    """(the study file's fixed values, the searched keys at their centres) for one gate; ``perm_epochs``, when
+    given, replaces the centre of a searched E_perm (it must lie in the searched range)."""
     space = load_space(data, gate)
-    return space, {key: centre(d) for key, d in space.distributions.items()}
+    params = {key: centre(d) for key, d in space.distributions.items()}
+    searched = space.distributions.get("model.perm_epochs")
+    if perm_epochs is not None and searched is not None:
+        if not searched.low <= perm_epochs <= searched.high:
+            raise UsageError(f"--perm-epochs {perm_epochs} is outside {gate}'s searched range "
+                             f"[{searched.low}, {searched.high}] in studies/{data}.yaml; give a value inside it")
+        params["model.perm_epochs"] = perm_epochs
+    return space, params
 
 
 def run_setting(space: SearchSpace, params: dict, args: argparse.Namespace) -> dict:
@@ -265,6 +275,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--alphas", default=None, help="comma-separated task weights alpha (recommenders; "
                         "default: 0.1,0.9, the paper's)")
     parser.add_argument("--epochs", type=int, default=None, help="replaces the study file's trainer.max_epochs")
+    parser.add_argument("--perm-epochs", type=int, default=None, help="replaces the centre of a searched E_perm "
+                        "(a value of its range) when --epochs is shorter than the centre")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu"])
     parser.add_argument("--out", type=Path, default=OUT, help="folder of per-run JSON files and the table")
@@ -276,7 +288,7 @@ def main(argv: list[str] | None = None) -> None:
     reported = [g for g in PAPER_GATES if any(g in PAPER.get((args.data, a), {}) for a in alphas)]
     gates = args.gates.split(",") if args.gates else reported or PAPER_GATES
     try:  # every gate's space loads before any training
-        settings = {gate: setting(args.data, gate) for gate in gates}
+        settings = {gate: setting(args.data, gate, args.perm_epochs) for gate in gates}
     except UsageError as error:
         parser.exit(2, f"error: {error}\n")
     args.out.mkdir(parents=True, exist_ok=True)

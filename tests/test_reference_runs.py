@@ -39,7 +39,7 @@ def test_tiny_reference_table_resumes(tiny_root: Path, tmp_path: Path, monkeypat
     monkeypatch.setenv("MTMOE_DATA", str(tiny_root))
     out = tmp_path / "reference"
     argv = ["--data", "movielens-100k", "--gates", "topk,topk+", "--alphas", "0.1", "--epochs", "2", "--out", str(out),
-            "--model.perm_epochs=1", "--trainer.limit_train_batches=2"]
+            "--perm-epochs", "1", "--trainer.limit_train_batches=2"]
     reference_runs.main(argv)
     files = sorted(p.name for p in out.glob("*.json"))
     assert len(files) == 2 and files[0].startswith("movielens-100k-topk+-alpha0.1-")
@@ -47,7 +47,8 @@ def test_tiny_reference_table_resumes(tiny_root: Path, tmp_path: Path, monkeypat
     assert row["gate"] == "topk" and row["alpha"] == 0.1
     assert row["setting"]["model.lr"] == 1.6e-4 and row["setting"]["trainer.max_epochs"] == 2
     assert row["epochs_run"] == 2 and row["best_epoch"] in (0, 1) and row["test"]["loss"] > 0
-    assert json.loads((out / files[0]).read_text())["setting"]["model.perm_epochs"] == "1"  # the fit argument won
+    assert "model.perm_epochs" not in row["setting"]  # --perm-epochs leaves the gate without local search alone
+    assert json.loads((out / files[0]).read_text())["setting"]["model.perm_epochs"] == 1
     table = (out / "reference-movielens-100k.md").read_text()
     assert "**movielens-100k, alpha 0.1**" in table and "up to 2 epochs" in table and "positive: ours is worse" in table
     assert table.index("| topk |") < table.index("| topk+ |")
@@ -63,6 +64,14 @@ def test_tiny_reference_table_resumes(tiny_root: Path, tmp_path: Path, monkeypat
     assert len(list(out.glob("*.json"))) == 3
     table = (out / "reference-movielens-100k.md").read_text()
     assert "up to 1 epochs" in table and "| topk+ |" not in table  # the table is this command's runs
+
+
+def test_perm_epochs_outside_the_searched_range_exits_2(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        reference_runs.main(["--data", "books", "--gates", "comet+", "--epochs", "3", "--perm-epochs", "11"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "--perm-epochs 11" in err and "[1, 10]" in err and len(err.splitlines()) == 1
 
 
 def test_unknown_gate_exits_2_with_one_line(capsys) -> None:
