@@ -236,9 +236,10 @@ def table(rows: list[dict]) -> str:
         lines += [
             f"**{data}" + (f", alpha {alpha:g}" if alpha is not None else "") + "**: one run per gate, seed "
             f"{', '.join(sorted({str(r['seed']) for r in group}))}, the centre of each gate's search space "
-            f"(`studies/{data}.yaml`), up to {' or '.join(epochs)} epochs, the best-validation epoch tested; "
-            f"{', '.join(sorted({r['device'] for r in group}))}. Paper: the best configurations of 500-trial "
-            "searches, mean of 100 repetitions. Gap: ours minus the paper's (positive: ours is worse).",
+            f"(`studies/{data}.yaml`), up to {' or '.join(epochs)} epoch{'' if epochs == ['1'] else 's'}, the "
+            f"best-validation epoch tested; {', '.join(sorted({r['device'] for r in group}))}. Paper: the best "
+            "configurations of 500-trial searches, mean of 100 repetitions. Gap: ours minus the paper's (positive: "
+            "ours is worse).",
             "",
             "| gate | setting | best epoch / run | test loss ×10⁻² | paper | gap | "
             + " | ".join(f"{t} {TASK_METRICS[m][0]}" for t, m, _ in metrics)

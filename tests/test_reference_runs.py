@@ -63,7 +63,7 @@ def test_tiny_reference_table_resumes(tiny_root: Path, tmp_path: Path, monkeypat
     reference_runs.main([*argv[:2], "--gates", "topk", *argv[4:7], "1", *argv[8:]])  # another budget: a new run
     assert len(list(out.glob("*.json"))) == 3
     table = (out / "reference-movielens-100k.md").read_text()
-    assert "up to 1 epochs" in table and "| topk+ |" not in table  # the table is this command's runs
+    assert "up to 1 epoch," in table and "| topk+ |" not in table  # the table is this command's runs
 
 
 def test_perm_epochs_outside_the_searched_range_exits_2(capsys) -> None:
