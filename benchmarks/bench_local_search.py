@@ -50,7 +50,8 @@ def main() -> None:
 
     from mtmoe.data import MovieLens100KDataModule
     from mtmoe.gates import gate_class
-    from mtmoe.lit.module import MultiTaskMoE, task_loss
+    from mtmoe.lit.module import MultiTaskMoE
+    from mtmoe.losses import task_loss
 
     data = MovieLens100KDataModule(batch_size=512)
     data.setup()

@@ -65,23 +65,32 @@ class MMoE(nn.Module):
         self.local_search = local_search
 
     def forward(self, batch: dict[str, Tensor]) -> MMoEOutput:
-        h = self.bottom(batch)
-        expert_outputs = self.experts(h)  # [B, n, d]
-        routing = RoutingInput(x=h.flatten(1), sample_id=batch.get("sample_id"), expert_outputs=expert_outputs)
-        gate_outputs = [gate(routing) for gate in self.gates]
+        expert_outputs, gate_outputs = self.route(batch)
         weights = torch.stack([g.weights for g in gate_outputs], dim=1)  # [B, T, n]
         local_search_aux = None
         if self.local_search is not None:
             weights, local_search_aux = self.local_search(weights)
             for t, gate_output in enumerate(gate_outputs):
                 gate_output.weights = weights[:, t]
+        scales = [gate_output.output_scale for gate_output in gate_outputs]
+        return MMoEOutput(self.mix(expert_outputs, weights, scales), gate_outputs, local_search_aux)
+
+    def route(self, batch: dict[str, Tensor]) -> tuple[Tensor, list[GateOutput]]:
+        """The experts' outputs ``[B, n, ...]`` and every task gate's output, before local search."""
+        h = self.bottom(batch)
+        expert_outputs = self.experts(h)  # [B, n, d]
+        routing = RoutingInput(x=h.flatten(1), sample_id=batch.get("sample_id"), expert_outputs=expert_outputs)
+        return expert_outputs, [gate(routing) for gate in self.gates]
+
+    def mix(self, expert_outputs: Tensor, weights: Tensor, output_scales: list[Tensor | None]) -> list[Tensor]:
+        """Each task's prediction from the experts' outputs and the (permuted) weights ``[B, T, n]``."""
         mixed = torch.bmm(weights, expert_outputs.flatten(2))  # [B, T, d]: all tasks in one batched matmul
         predictions = []
-        for t, (tower, gate_output) in enumerate(zip(self.towers, gate_outputs)):
+        for t, (tower, scale) in enumerate(zip(self.towers, output_scales)):
             z = mixed[:, t].view(-1, *expert_outputs.shape[2:])
-            out = tower(z if gate_output.output_scale is None else z * gate_output.output_scale)
+            out = tower(z if scale is None else z * scale)
             predictions.append(out.squeeze(-1) if out.shape[-1] == 1 else out)
-        return MMoEOutput(predictions, gate_outputs, local_search_aux)
+        return predictions
 
 
 def build_mmoe(

@@ -16,7 +16,8 @@ from mtmoe.data import MovieLens100KDataModule
 from mtmoe.data.base import TaskSpec
 from mtmoe.gates import gate_class, list_gates
 from mtmoe.lit.callbacks import RestoreBestWeights
-from mtmoe.lit.module import MultiTaskMoE, task_loss
+from mtmoe.lit.module import MultiTaskMoE
+from mtmoe.losses import task_loss
 
 from conftest import REAL_DATA, run_cli
 

@@ -29,7 +29,10 @@ Adaptations to per-sample routing with one gate per task [A] (routing-methods.md
   step and an MMoE has one MoE layer. The coin of training forward pass ``t`` is a pure function of ``(seed, t)``
   (a precomputed Bernoulli schedule in effect, CSv2 §2.3.2; CSv2's cap A_max on concurrent layers is moot with one
   layer), ``seed`` defaults to the run seed, and the step counter is a buffer, so the schedule survives checkpoints
-  and every task gate of a model sees the same draws. Steps count training forward passes (micro-batches).
+  and every task gate of a model sees the same draws. Steps count training forward passes (micro-batches). The
+  coin is drawn on the gate's device by a counter-based hash (:func:`uniform_hash`) and both kinds of step are
+  computed, one selected by ``torch.where``: no host synchronisation, and the gate runs unchanged under
+  ``torch.func.vmap`` (trial packs, where every trial draws its own coins).
 * The competition is task-agnostic: on a competition step every task gate outputs the same competition weights
   (the papers' mechanism, routing-methods.md §4.6 option (a)). ``competition_output=False`` keeps each task's router
   weights in the output and uses the competition only as the distillation target (option (b), not in the papers).
@@ -56,12 +59,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from mtmoe.counters import HostCounters
 from mtmoe.errors import UsageError
 from mtmoe.gates.base import (
     Gate, GateDims, GateOutput, RoutingInput, check_non_negative, check_probability, resolve_k, topk_softmax,
@@ -71,7 +72,25 @@ from mtmoe.gates.registry import register_gate
 from mtmoe.gates.softmax import keras_dense
 
 
-class CompetitionGate(HostCounters, Gate):
+_MIX = 0x45D9F3B  # the multiplier of a well-tested 32-bit integer hash (products stay below 2^59 in int64)
+_LOW32 = 0xFFFFFFFF
+
+
+def _mix32(x: Tensor) -> Tensor:
+    """An avalanching permutation of 32-bit values held in int64 tensors."""
+    x = (((x >> 16) ^ x) * _MIX) & _LOW32
+    x = (((x >> 16) ^ x) * _MIX) & _LOW32
+    return (x >> 16) ^ x
+
+
+def uniform_hash(seed: Tensor, step: Tensor) -> Tensor:
+    """A float64 uniform in [0, 1) that is a pure function of the int64 tensors ``seed`` (>= 0) and ``step``
+    (>= 0): a counter-based draw, computed where the tensors are, that vmaps and never reads a value on the host."""
+    key = _mix32(_mix32(seed & _LOW32) ^ ((seed >> 32) & _LOW32))
+    return _mix32(_mix32((key + step) & _LOW32) ^ 0x9E3779B9).double() / 2.0**32
+
+
+class CompetitionGate(Gate):
     """What both versions share: the Top-K router's routing, the competition schedule and the forward pass.
 
     Subclasses define ``router`` (a module: routing features -> N logits), ``affinity(outputs [B, N, D]) -> s [B, N]``,
@@ -79,7 +98,6 @@ class CompetitionGate(HostCounters, Gate):
     """
 
     needs_expert_outputs = True
-    host_buffers = ("seed", "step")  # the coin is drawn from them in Python every training step
     permutable = False
 
     def __init__(
@@ -104,37 +122,45 @@ class CompetitionGate(HostCounters, Gate):
     def max_active(self) -> int:
         return self.k
 
-    def warming_up(self, step: int) -> bool:
-        return False
+    def warming_up(self, step: Tensor) -> Tensor:
+        return torch.zeros_like(step, dtype=torch.bool)
 
-    def competes(self) -> bool:
-        """Advance the step counter and draw this training step's coin (a function of ``(seed, step)``)."""
-        step = int(self.step)
+    def competes(self) -> Tensor:
+        """This training step's coin (a 0-d bool tensor, a function of ``(seed, step)``); advances the step counter."""
+        step = self.step.clone()
         self.step += 1
-        if self.warming_up(step) or self.competition_prob == 0.0:
-            return False
-        return bool(np.random.default_rng((int(self.seed), step)).random() < self.competition_prob)
+        return (uniform_hash(self.seed, step) < self.competition_prob) & ~self.warming_up(step)
 
     def normal_step_loss(self, logits: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         return self.zero(logits), {}
 
     def forward(self, routing: RoutingInput) -> GateOutput:
+        """In training, both a normal and a competition step are computed and the coin selects one (the other's
+        losses and weights get zero gradient): ``stats["competition"]`` is the coin, the other statistics are those
+        of the step taken, 0 for the other kind's."""
         logits = self.router(routing.x)
         router_weights, router_index = topk_softmax(logits, self.k)
         if not self.training:
             return GateOutput(router_weights, self.zero(logits))
-        if not self.competes():
-            aux, stats = self.normal_step_loss(logits)
-            return GateOutput(router_weights, aux, {"competition": logits.new_zeros(()), **stats})
         if routing.expert_outputs is None:
             raise ValueError(f"{type(self).__name__} needs RoutingInput.expert_outputs")
+        compete = self.competes()
+        normal_aux, normal_stats = self.normal_step_loss(logits)
         outputs = routing.expert_outputs.flatten(2)
         scores = self.affinity(outputs)
         weights, winners = self.competition_weights(scores)
-        aux, stats = self.competition_loss(logits, router_weights, weights, scores, winners, outputs)
-        agreement = (router_index.unsqueeze(-1) == winners.unsqueeze(-2)).any(-1).float().mean()
-        stats = {"competition": logits.new_ones(()), "router_agreement": agreement, **stats}
-        return GateOutput(weights if self.competition_output else router_weights, aux, stats)
+        competition_aux, competition_stats = self.competition_loss(logits, router_weights, weights, scores, winners,
+                                                                   outputs)
+        agreement = (router_index.unsqueeze(-1) == winners.unsqueeze(-2)).any(-1).to(logits.dtype).mean()
+        zero = self.zero(logits)
+        stats = {"competition": compete.to(logits.dtype),
+                 **{key: torch.where(compete, zero, value) for key, value in normal_stats.items()},
+                 **{key: torch.where(compete, value, zero)
+                    for key, value in {"router_agreement": agreement, **competition_stats}.items()}}
+        aux = torch.where(compete, competition_aux, normal_aux)
+        if self.competition_output:
+            router_weights = torch.where(compete, weights, router_weights)
+        return GateOutput(router_weights, aux, stats)
 
 
 @register_gate("competesmoe")
@@ -182,8 +208,6 @@ class CompeteSMoEV2Gate(CompetitionGate):
     setup's balance coefficient 0.01 (Table 19).
     """
 
-    host_buffers = (*CompetitionGate.host_buffers, "warmup_steps")
-
     hyperparameters = ("k", "competition_prob", "distill_coef", "winner_weight", "diversity_coef")
 
     def __init__(
@@ -215,8 +239,8 @@ class CompeteSMoEV2Gate(CompetitionGate):
     def set_training_steps(self, total: int | None) -> None:
         self.warmup_steps.fill_(0 if total is None else round(self.warmup * total))
 
-    def warming_up(self, step: int) -> bool:
-        return step < int(self.warmup_steps)
+    def warming_up(self, step: Tensor) -> Tensor:
+        return step < self.warmup_steps
 
     def affinity(self, outputs: Tensor) -> Tensor:
         return F.softplus(outputs).mean(dim=-1)

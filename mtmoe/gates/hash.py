@@ -34,5 +34,5 @@ class HashGate(Gate):
         if routing.sample_id is None:
             raise ValueError("HashGate needs RoutingInput.sample_id")
         experts = self.table[routing.sample_id].unsqueeze(1)
-        weights = routing.x.new_zeros(len(experts), self.n_experts).scatter_(1, experts, 1.0)  # one-hot, no host sync
+        weights = torch.zeros_like(routing.x[:, :1]).expand(-1, self.n_experts).scatter(1, experts, 1.0)  # no host sync
         return GateOutput(weights, self.zero(routing.x))

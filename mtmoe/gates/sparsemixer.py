@@ -45,11 +45,20 @@ from mtmoe.gates.softmax import keras_dense
 
 
 class SparseMixerWeight(torch.autograd.Function):
-    """Forward ``c * pi_D``; backward ``2 * grad`` to ``pi_D`` whatever ``c`` (the authors' ``SparseMixerCore``)."""
+    """Forward ``c * pi_D``; backward ``2 * grad`` to ``pi_D`` whatever ``c`` (the authors' ``SparseMixerCore``).
+
+    Written in torch operations with a separate ``setup_context``, so ``torch.func.vmap`` derives its batching rule
+    (trial packs)."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, probability: Tensor, scale: Tensor) -> Tensor:
+    def forward(probability: Tensor, scale: Tensor) -> Tensor:
         return probability * scale
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        pass
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:

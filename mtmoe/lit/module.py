@@ -18,7 +18,6 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info
 import torch
 from torch import Tensor, nn
-from torch.nn import functional as F
 from torchmetrics import MeanMetric, MeanSquaredError, MetricCollection
 from torchmetrics.classification import BinaryAccuracy, BinaryAUROC, MulticlassAccuracy
 
@@ -26,47 +25,10 @@ from mtmoe.data.base import DatasetInfo, TaskSpec
 from mtmoe.errors import UsageError
 from mtmoe.gates.base import Gate, GateDims
 from mtmoe.lit.metrics import RoutingStats
+from mtmoe.losses import multitask_loss, task_rows, task_weights
 from mtmoe.mmoe import MMoE, MMoEOutput, build_mmoe
 
 STAGES = ("train", "val", "test")
-
-
-def task_weights(info: DatasetInfo, alpha: float | None) -> list[float]:
-    """``(alpha, 1 - alpha)`` for two-task recommenders (default alpha = 0.9), equal weights otherwise."""
-    if alpha is not None and not 0.0 <= alpha <= 1.0:
-        raise UsageError(f"alpha must be in [0, 1], got {alpha}")
-    if info.task_weighting == "alpha":
-        alpha = 0.9 if alpha is None else alpha
-        return [alpha, 1.0 - alpha]
-    if alpha is not None:
-        raise UsageError(f"alpha applies to the two-task recommenders only; {info.name} weights its tasks equally")
-    return [1.0 / len(info.tasks)] * len(info.tasks)
-
-
-def task_rows(task: TaskSpec, prediction: Tensor, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
-    """The predictions and targets of the rows a task sees (its explicit mask, for masked tasks)."""
-    target = batch[task.name]
-    if task.masked:
-        mask = batch[f"{task.name}_mask"]
-        return prediction[mask], target[mask]
-    return prediction, target
-
-
-def rows_loss(task: TaskSpec, prediction: Tensor, target: Tensor) -> Tensor:
-    """Mean loss of one task over its rows; a batch with no such row contributes 0 (not NaN)."""
-    if target.shape[0] == 0:
-        return prediction.sum() * 0.0
-    if task.kind == "binary":
-        return F.binary_cross_entropy_with_logits(prediction, target.float())
-    if task.kind == "regression":
-        return F.mse_loss(prediction, target.float())
-    return F.cross_entropy(prediction, target.long())
-
-
-def task_loss(task: TaskSpec, prediction: Tensor, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
-    """Mean loss of one task over the rows it sees, and the number of those rows."""
-    prediction, target = task_rows(task, prediction, batch)
-    return rows_loss(task, prediction, target), prediction.new_tensor(target.shape[0])
 
 
 def task_metrics(task: TaskSpec) -> MetricCollection:
@@ -157,15 +119,15 @@ class MultiTaskMoE(pl.LightningModule):
     def _step(self, batch: dict[str, Tensor], stage: str) -> Tensor:
         output = self.net(batch)
         batch_size = next(iter(batch.values())).shape[0]
-        loss = output.predictions[0].new_zeros(())
-        for weight, task, prediction, gate_output in zip(self.weights, self.info.tasks, output.predictions, output.gates):
-            prediction, target = task_rows(task, prediction, batch)  # masked once, for the loss and metrics
-            value = rows_loss(task, prediction, target)
-            loss = loss + weight * value
+        loss, task_losses, counts = multitask_loss(self.info.tasks, self.weights, output.predictions, batch)
+        for task, prediction, gate_output, value, count in zip(
+            self.info.tasks, output.predictions, output.gates, task_losses, counts
+        ):
             metrics = getattr(self, f"{stage}_metrics")[task.name]
-            metrics["loss"].update(value.detach(), target.shape[0])
+            metrics["loss"].update(value.detach(), count)
             metrics["routing"].update(gate_output.weights)
             if stage != "train":
+                prediction, target = task_rows(task, prediction, batch)  # the rows the task's metrics see
                 if task.kind == "binary":
                     prediction = prediction.sigmoid()
                     target = target.long()
