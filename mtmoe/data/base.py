@@ -63,10 +63,16 @@ class DatasetInfo:
     overlay_shift: int = 0  # > 0: ``image`` holds two layers, summed at offsets 0 and this shift (MultiMNIST)
 
 
+def shuffled_order(n_rows: int, seed: int, epoch: int) -> Tensor:
+    """The training order of an epoch: a permutation drawn on the CPU from ``torch.Generator(seed + epoch)``, so it
+    is reproducible, differs between epochs, and is the same on every device (trial packs draw theirs with it)."""
+    return torch.randperm(n_rows, generator=torch.Generator().manual_seed(seed + epoch))
+
+
 class IndexBatches:
     """An epoch-by-epoch iterable of dict batches cut from in-memory tensors by (shuffled) index.
 
-    Shuffling uses ``torch.Generator(seed + epoch)``, so the order is reproducible and differs between epochs.
+    Shuffling uses :func:`shuffled_order`, so the order is reproducible and differs between epochs.
     """
 
     def __init__(self, tensors: dict[str, Tensor], batch_size: int, shuffle: bool, seed: int = 0) -> None:
@@ -82,8 +88,7 @@ class IndexBatches:
 
     def __iter__(self) -> Iterator[dict[str, Tensor]]:
         if self.shuffle:
-            order = torch.randperm(self.n_rows, generator=torch.Generator().manual_seed(self.seed + self.epoch))
-            order = order.to(next(iter(self.tensors.values())).device)  # the same order on any device
+            order = shuffled_order(self.n_rows, self.seed, self.epoch).to(next(iter(self.tensors.values())).device)
             self.epoch += 1
             for start in range(0, self.n_rows, self.batch_size):
                 index = order[start : start + self.batch_size]
@@ -101,7 +106,8 @@ class InMemoryDataModule(pl.LightningDataModule):
         cache_dir: where prepared splits are cached (default: ``$MTMOE_CACHE``, else ``~/.cache/mtmoe``).
         batch_size: training batch size (the paper's per dataset, S1.3).
         eval_batch_size: validation/test batch size (default: ``batch_size``).
-        seed: seed of the training shuffle.
+        seed: seed of the training shuffle (default: the run's seed, ``--seed_everything``, so the trials of a study
+            each draw their own batches).
         download: fetch missing raw files from the official source (with checksum and a progress bar).
         data_on_device: when training on a GPU, copy the splits to it once at setup and cut batches there (no
             host-to-device copy per step); False keeps them in host memory and Lightning copies each batch.
@@ -113,7 +119,7 @@ class InMemoryDataModule(pl.LightningDataModule):
         cache_dir: str | None = None,
         batch_size: int = 512,
         eval_batch_size: int | None = None,
-        seed: int = 0,
+        seed: int | None = None,
         download: bool = True,
         data_on_device: bool = True,
     ) -> None:
@@ -123,7 +129,8 @@ class InMemoryDataModule(pl.LightningDataModule):
         self.root = Path(root or os.environ.get("MTMOE_DATA") or PROJECT_DATASETS)
         self.cache_dir = Path(cache_dir or os.environ.get("MTMOE_CACHE") or Path.home() / ".cache" / "mtmoe")
         self.batch_size, self.eval_batch_size = batch_size, eval_batch_size or batch_size
-        self.seed, self.download, self.data_on_device = seed, download, data_on_device
+        self.seed = torch.initial_seed() if seed is None else seed
+        self.download, self.data_on_device = download, data_on_device
         self.splits: dict[str, dict[str, Tensor]] | None = None
 
     @property

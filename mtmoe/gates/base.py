@@ -83,6 +83,10 @@ class Gate(nn.Module):
     batch_dependent: bool = False
     #: Hyperparameters a search space may tune for this gate (names of ``__init__`` keyword arguments).
     hyperparameters: ClassVar[tuple[str, ...]] = ()
+    #: Float hyperparameters kept as attributes of the same name and used only in tensor arithmetic, so that the
+    #: trials of a pack (``mtmoe.pack``) may each have their own (a ``[P]`` tensor under ``vmap``); any other
+    #: argument that differs between two trials puts them in separate packs.
+    scalar_hyperparameters: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, dims: GateDims) -> None:
         super().__init__()

@@ -52,6 +52,7 @@ def path_index(n: int) -> Tensor:
 @register_gate("comet")
 class COMETGate(Gate):
     hyperparameters = ("k", "gamma", "entropy_reg")
+    scalar_hyperparameters = ("gamma", "entropy_reg")
 
     def __init__(
         self,

@@ -171,6 +171,7 @@ class CompeteSMoEGate(CompetitionGate):
     """
 
     hyperparameters = ("k", "competition_prob", "router_loss_coef")
+    scalar_hyperparameters = ("competition_prob", "router_loss_coef")
 
     def __init__(
         self,
@@ -209,6 +210,7 @@ class CompeteSMoEV2Gate(CompetitionGate):
     """
 
     hyperparameters = ("k", "competition_prob", "distill_coef", "winner_weight", "diversity_coef")
+    scalar_hyperparameters = ("competition_prob", "distill_coef", "winner_weight", "diversity_coef")
 
     def __init__(
         self,

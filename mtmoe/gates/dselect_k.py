@@ -38,6 +38,7 @@ def binary_codes(n: int) -> Tensor:
 @register_gate("dselect")
 class DSelectKGate(Gate):
     hyperparameters = ("k", "gamma", "entropy_reg")
+    scalar_hyperparameters = ("gamma", "entropy_reg", "zeta")
 
     def __init__(
         self,

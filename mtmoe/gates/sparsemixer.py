@@ -75,6 +75,7 @@ def sampling_mask(logits: Tensor, r: float) -> Tensor:
 class SparseMixerGate(Gate):
     simplex = False
     hyperparameters = ("midpoint_prob",)
+    scalar_hyperparameters = ("midpoint_prob", "jitter")
 
     def __init__(
         self,

@@ -41,6 +41,7 @@ class USMoEGate(Gate):
     simplex = False
     batch_dependent = True
     hyperparameters = ("k", "alpha", "rescale_expert_choice")
+    scalar_hyperparameters = ("alpha",)
 
     def __init__(
         self,
