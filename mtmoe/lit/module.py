@@ -150,13 +150,11 @@ class MultiTaskMoE(pl.LightningModule):
     def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         self._step(batch, "test")
 
-    def _log_epoch(self, stage: str) -> None:
-        """Compute, log and reset the epoch's metrics; keep val/test results (vectors included) for reports."""
+    def epoch_results(self, stage: str) -> dict[str, float | list[float]]:
+        """Compute and reset the metrics ``stage``'s steps accumulated (vectors included): what reports show."""
         batch_loss = getattr(self, f"{stage}_batch_loss")
         results: dict[str, float | list[float]] = {"loss": float(batch_loss.compute())}
         batch_loss.reset()
-        if not math.isfinite(results["loss"]) and self.diverged is None and not self.trainer.sanity_checking:
-            self.diverged = f"{stage} loss {results['loss']} at epoch {self.current_epoch}"
         for task in self.info.tasks:
             collection = getattr(self, f"{stage}_metrics")[task.name]
             for name, metric in collection.items():
@@ -167,6 +165,21 @@ class MultiTaskMoE(pl.LightningModule):
                     results[f"{task.name}/{key}"] = v.tolist() if v.numel() > 1 else float(v)
             collection.reset()
         results["loss_dataset"] = sum(w * results[f"{t.name}/loss"] for w, t in zip(self.weights, self.info.tasks))
+        return results
+
+    @torch.no_grad()
+    def evaluate(self, batches, stage: str) -> dict[str, float | list[float]]:
+        """``stage``'s results on ``batches`` in eval mode, without a Trainer (trial packs test this way)."""
+        self.eval()
+        for batch in batches:
+            self._step(batch, stage)
+        return self.epoch_results(stage)
+
+    def _log_epoch(self, stage: str) -> None:
+        """Compute, log and reset the epoch's metrics; keep val/test results for reports."""
+        results = self.epoch_results(stage)
+        if not math.isfinite(results["loss"]) and self.diverged is None and not self.trainer.sanity_checking:
+            self.diverged = f"{stage} loss {results['loss']} at epoch {self.current_epoch}"
         scalars = {}
         for key, value in results.items():
             for i, v in enumerate(value) if isinstance(value, list) else [(None, value)]:
