@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 from scipy.optimize import linear_sum_assignment
 from torch import Tensor, nn
@@ -34,10 +35,14 @@ TAU_START, TAU_END = 1e-3, 1e-7
 ITERATIONS_START, ITERATIONS_END = 20, 150
 
 
-def round_to_permutation(p: Tensor) -> Tensor:
-    """Nearest permutation matrix by linear assignment (eq. 5): ``linear_sum_assignment(-P)``, ``I[col_ind]``."""
+def round_to_permutation(p: Tensor) -> Tensor | None:
+    """Nearest permutation matrix by linear assignment (eq. 5): ``linear_sum_assignment(-P)``, ``I[col_ind]``;
+    ``None`` for a matrix with non-finite entries (a diverged run: there is nothing to round)."""
+    matrices = p.detach().double().cpu().numpy()
+    if not np.isfinite(matrices).all():
+        return None
     out = torch.zeros_like(p)
-    for m, matrix in enumerate(p.detach().double().cpu().numpy()):
+    for m, matrix in enumerate(matrices):
         rows, cols = linear_sum_assignment(-matrix)
         out[m, torch.as_tensor(rows), torch.as_tensor(cols)] = 1.0
     return out
@@ -109,8 +114,9 @@ class LocalSearch(HostCounters):
     def hard(self) -> Tensor:
         """The rounded permutation of the latest soft matrix, solved once per training step (cached)."""
         if int(self.rounded_at) != int(self.step):
-            if self.soft.any():  # before any training step there is no soft matrix: keep the identity
-                self.rounded.copy_(round_to_permutation(self.soft))
+            rounded = round_to_permutation(self.soft) if self.soft.any() else None  # no soft matrix yet: identity
+            if rounded is not None:  # (a diverged, non-finite one keeps the last rounding)
+                self.rounded.copy_(rounded)
                 self.rounded_index.copy_(self.rounded.argmax(-2))
             self.rounded_at.fill_(int(self.step))
         return self.rounded

@@ -193,7 +193,7 @@ class PackTrainer:
                 continue
             epoch = trial.epochs_run
             trial.epochs_run += 1
-            for stage, value in (("train", train_loss[slot]), ("val", val_loss[slot])):
+            for stage, value in (("val", val_loss[slot]), ("train", train_loss[slot])):  # Lightning's hook order
                 if not math.isfinite(value) and trial.diverged is None:
                     trial.diverged = f"{stage} loss {value} at epoch {epoch}"
             if trial.diverged is None and val_loss[slot] < trial.best_score:
