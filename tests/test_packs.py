@@ -260,7 +260,8 @@ def test_a_packed_fit_reports_what_fit_reports_alone(tiny_root, tmp_path, gate: 
         assert got["val"]["loss"] == pytest.approx(expected["best_val_loss"], rel=1e-5)  # the best weights' val
         n_test = len(data.splits["test"]["watch"])
         for key, value in expected["test"].items():
-            # a prediction at the 0.5 threshold may flip with rounding: accuracies within two test rows
-            tolerance = 2.5 / n_test if "accuracy" in key else 1e-6
+            # this barely trained model's predictions sit close together: rounding may flip one at the 0.5 threshold
+            # (accuracy: within two test rows) or swap two close ones (AUC: within 1e-3)
+            tolerance = 2.5 / n_test if "accuracy" in key else 1e-3 if "auroc" in key else 1e-6
             assert got["test"][key] == pytest.approx(value, rel=1e-4, abs=tolerance), (i, key)
     assert any(d is not None for _, d in alone) and sum(d is None for _, d in alone) >= 2
