@@ -66,22 +66,30 @@ class DatasetInfo:
 class IndexBatches:
     """An epoch-by-epoch iterable of dict batches cut from in-memory tensors by (shuffled) index.
 
-    Shuffling uses ``torch.Generator(seed + epoch)``, so the order is reproducible and differs between epochs.
+    Shuffling uses ``torch.Generator(seed + epoch)``, so the order is reproducible and differs between epochs. The
+    epoch is ``current_epoch()`` when given (the trainer's, so a run resumed from a checkpoint draws the orders the
+    uninterrupted run draws), else the number of passes made so far.
     """
 
-    def __init__(self, tensors: dict[str, Tensor], batch_size: int, shuffle: bool, seed: int = 0) -> None:
+    def __init__(
+        self, tensors: dict[str, Tensor], batch_size: int, shuffle: bool, seed: int = 0,
+        current_epoch: Callable[[], int] | None = None,
+    ) -> None:
         sizes = {len(t) for t in tensors.values()}
         if len(sizes) != 1:
             raise ValueError(f"tensors of different lengths: {sizes}")
         self.tensors, self.batch_size, self.shuffle, self.seed = tensors, batch_size, shuffle, seed
         self.n_rows = sizes.pop()
         self.epoch = 0
+        self.current_epoch = current_epoch
 
     def __len__(self) -> int:
         return -(-self.n_rows // self.batch_size)
 
     def __iter__(self) -> Iterator[dict[str, Tensor]]:
         if self.shuffle:
+            if self.current_epoch is not None:
+                self.epoch = self.current_epoch()
             order = torch.randperm(self.n_rows, generator=torch.Generator().manual_seed(self.seed + self.epoch))
             order = order.to(next(iter(self.tensors.values())).device)  # the same order on any device
             self.epoch += 1
@@ -147,7 +155,9 @@ class InMemoryDataModule(pl.LightningDataModule):
     def _batches(self, split: str, train: bool) -> IndexBatches:
         self.setup()
         size = self.batch_size if train else self.eval_batch_size
-        return IndexBatches(self.splits[split], size, shuffle=train, seed=self.seed)
+        trainer = self.trainer
+        epoch = (lambda: trainer.current_epoch) if trainer is not None else None
+        return IndexBatches(self.splits[split], size, shuffle=train, seed=self.seed, current_epoch=epoch)
 
     def train_dataloader(self) -> IndexBatches:
         return self._batches("train", train=True)
