@@ -10,7 +10,6 @@ never inferred from target values).
 """
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -22,7 +21,6 @@ import torch
 from torch import Tensor
 
 from mtmoe.errors import UsageError
-from mtmoe.files import atomic_path
 
 Splits = dict[str, dict[str, Tensor]]  # {"train"|"val"|"test": {name: tensor}}
 
@@ -111,6 +109,8 @@ class InMemoryDataModule(pl.LightningDataModule):
         eval_batch_size: validation/test batch size (default: ``batch_size``).
         seed: seed of the training shuffle.
         download: fetch missing raw files from the official source (with checksum and a progress bar).
+        verify: refuse raw files whose size or sha256 differs from ``datasets/manifest.json``'s (a truncated or
+            modified copy); False uses them as they are (default: ``$MTMOE_VERIFY``, else true).
         data_on_device: when training on a GPU, copy the splits to it once at setup and cut batches there (no
             host-to-device copy per step); False keeps them in host memory and Lightning copies each batch.
     """
@@ -123,6 +123,7 @@ class InMemoryDataModule(pl.LightningDataModule):
         eval_batch_size: int | None = None,
         seed: int = 0,
         download: bool = True,
+        verify: bool | None = None,
         data_on_device: bool = True,
     ) -> None:
         super().__init__()
@@ -132,6 +133,7 @@ class InMemoryDataModule(pl.LightningDataModule):
         self.cache_dir = Path(cache_dir or os.environ.get("MTMOE_CACHE") or Path.home() / ".cache" / "mtmoe")
         self.batch_size, self.eval_batch_size = batch_size, eval_batch_size or batch_size
         self.seed, self.download, self.data_on_device = seed, download, data_on_device
+        self.verify = env_flag("MTMOE_VERIFY", default=True) if verify is None else verify
         self.splits: dict[str, dict[str, Tensor]] | None = None
 
     @property
@@ -169,23 +171,11 @@ class InMemoryDataModule(pl.LightningDataModule):
         return self._batches("test", train=False)
 
 
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while block := handle.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def load_or_prepare(cache: Path, prepare: Callable[[], Splits]) -> Splits:
-    """The cached splits, else ``prepare()`` them and write the cache atomically (a temporary file, then a rename)."""
-    if cache.is_file():
-        return torch.load(cache, weights_only=True)
-    splits = prepare()
-    try:
-        with atomic_path(cache) as tmp:
-            torch.save(splits, tmp)
-    except OSError as error:
-        raise UsageError(f"cannot write the cache {cache} ({error.strerror or error}): set MTMOE_CACHE "
-                         f"or --data.cache_dir to a writable folder") from None
-    return splits
+def env_flag(name: str, default: bool) -> bool:
+    """The boolean environment variable ``name`` (true/false, 1/0, yes/no, on/off), ``default`` when unset."""
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return default
+    if value not in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+        raise UsageError(f"{name} must be true or false, got {os.environ[name]!r}")
+    return value in ("true", "1", "yes", "on")
