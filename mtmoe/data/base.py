@@ -133,7 +133,7 @@ class InMemoryDataModule(pl.LightningDataModule):
         self.cache_dir = Path(cache_dir or os.environ.get("MTMOE_CACHE") or Path.home() / ".cache" / "mtmoe")
         self.batch_size, self.eval_batch_size = batch_size, eval_batch_size or batch_size
         self.seed, self.download, self.data_on_device = seed, download, data_on_device
-        self.verify = env_flag("MTMOE_VERIFY", default=True) if verify is None else verify
+        self.verify = verify
         self.splits: dict[str, dict[str, Tensor]] | None = None
 
     @property
@@ -169,13 +169,3 @@ class InMemoryDataModule(pl.LightningDataModule):
 
     def test_dataloader(self) -> IndexBatches:
         return self._batches("test", train=False)
-
-
-def env_flag(name: str, default: bool) -> bool:
-    """The boolean environment variable ``name`` (true/false, 1/0, yes/no, on/off), ``default`` when unset."""
-    value = os.environ.get(name, "").strip().lower()
-    if not value:
-        return default
-    if value not in ("true", "1", "yes", "on", "false", "0", "no", "off"):
-        raise UsageError(f"{name} must be true or false, got {os.environ[name]!r}")
-    return value in ("true", "1", "yes", "on")

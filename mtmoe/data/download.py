@@ -40,14 +40,15 @@ def manifest_entry(name: str) -> dict:
 
 
 def ensure_files(
-    root: Path, name: str, download: bool, verify: bool = True, cache_dir: Path | None = None
+    root: Path, name: str, download: bool, verify: bool | None = True, cache_dir: Path | None = None
 ) -> Path:
     """Make sure dataset ``name``'s files exist under ``root`` and return the path of its main (first) file.
 
     Present files are used without network access. Missing ones are fetched from the manifest's URL when
     ``download`` is true (verified, then extracted atomically); otherwise a one-line :class:`UsageError` says
-    which file is missing and where it goes. With ``verify``, a file whose size or sha256 differs from the
-    manifest's is a one-line :class:`UsageError` (sha256s remembered in ``cache_dir``, see :func:`raw_sha256`).
+    which file is missing and where it goes. With ``verify`` (None: ``$MTMOE_VERIFY``, else true), a file whose
+    size or sha256 differs from the manifest's is a one-line :class:`UsageError` (sha256s remembered in
+    ``cache_dir``, see :func:`raw_sha256`).
     """
     entry = manifest_entry(name)
     root = Path(root)
@@ -62,10 +63,22 @@ def ensure_files(
             raise UsageError(f"missing {missing[0]}: {hint} (or pass --data.download true)")
         _fetch(entry, root, hint)
         _check_extracted(entry, root, missing)
+    if verify is None:
+        verify = env_flag("MTMOE_VERIFY", default=True)
     if verify:
         for path, expected in zip(paths, entry["files"].values()):
             _verify(path, expected, cache_dir)
     return paths[0]
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """The boolean environment variable ``name`` (true/false, 1/0, yes/no, on/off), ``default`` when unset."""
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return default
+    if value not in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+        raise UsageError(f"{name} must be true or false, got {os.environ[name]!r}")
+    return value in ("true", "1", "yes", "on")
 
 
 def _verify(path: Path, expected: dict, cache_dir: Path | None) -> None:
