@@ -35,8 +35,8 @@ TEMPORARY_NAME = re.compile(r"\..+\.[a-z0-9_]{8}\.tmp")  # mkstemp's names in at
 
 
 def _try_lock(fd: int, block: bool) -> bool:
-    """Take an exclusive ``flock`` on ``fd``; False if another process holds one (or, without blocking, the
-    filesystem cannot lock)."""
+    """Take an exclusive ``flock`` on ``fd``; False if another process holds one (without ``block``) or the
+    filesystem cannot lock."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | (0 if block else fcntl.LOCK_NB))
     except OSError:

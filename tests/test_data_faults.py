@@ -63,7 +63,7 @@ def test_a_file_of_the_right_size_and_other_content_is_refused(tmp_path: Path) -
     assert not list((tmp_path / "cache").glob("*.pt"))
 
 
-def test_the_sha256_is_computed_once_and_remembered(tiny_root: Path, monkeypatch) -> None:
+def test_the_sha256_is_computed_once_and_remembered(tiny_root: Path, monkeypatch, capsys) -> None:
     path = tiny_root / U_DATA
     entry = {"url": "file:///nowhere.zip", "md5": "0" * 32,
              "files": {"ml-100k/u.data": {"size": path.stat().st_size, "sha256": download.sha256_file(path)}}}
@@ -78,10 +78,15 @@ def test_the_sha256_is_computed_once_and_remembered(tiny_root: Path, monkeypatch
     assert hashed == [path]
     load()
     assert hashed == [path]  # the second run reads no raw byte to verify it or to name its cache
+    record = Path(os.environ["MTMOE_CACHE"]) / "raw-sha256.json"
+    record.write_text("{not json")
+    load()
+    assert hashed == [path, path]
+    assert one_line(capsys, "warning: ").startswith(f"warning: ignoring the unreadable {record}")
     path.write_bytes(path.read_bytes().replace(b"\t5\t", b"\t4\t", 1))  # same size, other content
     with pytest.raises(UsageError, match="is not the official file"):
         load()
-    assert hashed == [path, path]
+    assert hashed == [path, path, path]
 
 
 def test_mtmoe_verify_is_the_default_of_the_flag(tiny_root: Path, monkeypatch, capsys) -> None:

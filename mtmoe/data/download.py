@@ -104,13 +104,13 @@ def raw_sha256(path: Path, cache_dir: Path | None) -> str:
     status = path.stat()
     key, stamp = str(path.resolve()), [status.st_size, status.st_mtime_ns, status.st_ctime_ns, status.st_ino]
     record = Path(cache_dir) / DIGESTS_FILE
-    remembered = _read_digests(record).get(key)
+    digests = _read_digests(record)
+    remembered = digests.get(key)
     if isinstance(remembered, dict) and remembered.get("stat") == stamp:
         return remembered["sha256"]
     digest = sha256_file(path)
-    digests = {**_read_digests(record), key: {"stat": stamp, "sha256": digest}}  # with what others added meanwhile
-    try:
-        write_atomic(json.dumps(digests, indent=1) + "\n", record)
+    try:  # a concurrent run's new entry may be lost: it is only computed again
+        write_atomic(json.dumps({**digests, key: {"stat": stamp, "sha256": digest}}, indent=1) + "\n", record)
     except OSError:  # a read-only cache folder: hash again next time
         pass
     return digest
