@@ -62,9 +62,10 @@ class PackedModel:
         example: a module of the pack's structure (its values are not used).
         capacity: P, the number of slots.
         device: where the stacked tensors live.
+        compile: compile the vmapped stages with ``torch.compile`` (fused element-wise kernels).
     """
 
-    def __init__(self, example: MultiTaskMoE, capacity: int, device: torch.device | str) -> None:
+    def __init__(self, example: MultiTaskMoE, capacity: int, device: torch.device | str, compile: bool = False) -> None:
         self.info, self.capacity = example.info, capacity
         self.stack = TrialStack(example.net, capacity, device, own=("local_search.",))
         self.template = _Stages(copy.deepcopy(example.net).to("meta"), example.info.tasks)
@@ -74,6 +75,7 @@ class PackedModel:
         self.task_weights = torch.zeros(capacity, len(example.info.tasks), device=device)
         self.modules: list[MultiTaskMoE | None] = [None] * capacity
         self.has_local_search = example.net.local_search is not None
+        self.compile, self._functions = compile, {}
 
     def load(self, slot: int, module: MultiTaskMoE) -> None:
         """Put a trial's freshly built module into ``slot``: the stack takes its values, it keeps views."""
@@ -132,17 +134,23 @@ class PackedModel:
                 if module is not None:
                     module.net.local_search.train(training)
         params, buffers = self.stack.params, self.stack.buffers
-        batch_dim = None if shared_batch else 0
-        expert_outputs, weights, aux, scales = vmap(
-            self._route, in_dims=(0, 0, 0, batch_dim), randomness="different"
-        )(params, buffers, self.scalars, batch)
+        expert_outputs, weights, aux, scales = self._vmapped("route", shared_batch)(params, buffers, self.scalars, batch)
         if self.has_local_search:
             weights, penalties = self._local_search(weights)
             aux = aux + penalties
-        loss, task_losses = vmap(
-            self._mix, in_dims=(0, 0, 0, 0, 0, batch_dim, 0), randomness="different"
-        )(params, buffers, expert_outputs, weights, scales, batch, self.task_weights)
+        loss, task_losses = self._vmapped("mix", shared_batch)(params, buffers, expert_outputs, weights, scales, batch,
+                                                               self.task_weights)
         return loss, task_losses, aux
+
+    def _vmapped(self, stage: str, shared_batch: bool):
+        """``vmap`` of a stage over the trials (compiled with ``torch.compile`` when the pack is)."""
+        key = (stage, shared_batch)
+        if key not in self._functions:
+            batch_dim = None if shared_batch else 0
+            in_dims = (0, 0, 0, batch_dim) if stage == "route" else (0, 0, 0, 0, 0, batch_dim, 0)
+            function = vmap(self._route if stage == "route" else self._mix, in_dims=in_dims, randomness="different")
+            self._functions[key] = torch.compile(function, dynamic=False) if self.compile else function
+        return self._functions[key]
 
     def unused_parameters(self) -> dict[int, list[str]]:
         """Per slot, the parameters its last training step did not use (a frozen permutation's matrix): Adam leaves
