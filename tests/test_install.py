@@ -57,29 +57,40 @@ def package_files(site_packages: Path) -> set[Path]:
             if "__pycache__" not in p.parts}
 
 
-@pytest.mark.slow
-def test_wheel_in_a_fresh_environment_runs_from_anywhere(tmp_path: Path) -> None:
-    if not (REAL_DATA / "ml-100k" / "u.data").is_file():
-        pytest.skip("../shared/data/ml-100k is not beside the project")
-    env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "VIRTUAL_ENV")}
-
-    # a wheel from a clean copy of the sources (setuptools would package a stale build/ folder of the checkout)
-    source = tmp_path / "source"
+def build_wheel(out: Path, env: dict[str, str]) -> Path:
+    """The wheel of this checkout, built from a clean copy of its sources (setuptools would package a stale
+    ``build/`` folder of the checkout)."""
+    source = out / "source"
     shutil.copytree(CHECKOUT / "mtmoe", source / "mtmoe", ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(CHECKOUT / name, source / name)
-    run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", tmp_path / "dist", source],
-        tmp_path, env)
-    (wheel,) = (tmp_path / "dist").glob("mtmoe-*.whl")
+    run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", out / "dist", source], out, env)
+    (wheel,) = (out / "dist").glob("mtmoe-*.whl")
+    return wheel
+
+
+@pytest.fixture
+def venv(tmp_path: Path):
+    """A fresh virtual environment, removed afterwards (about 6 GB with torch's CUDA libraries: too much to leave
+    among the temporary folders pytest keeps)."""
+    path = tmp_path / "venv"
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_wheel_in_a_fresh_environment_runs_from_anywhere(tmp_path: Path, venv: Path) -> None:
+    if not (REAL_DATA / "ml-100k" / "u.data").is_file():
+        pytest.skip("../shared/data/ml-100k is not beside the project")
+    env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    wheel = build_wheel(tmp_path, env)
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {"mtmoe/data/manifest.json", "mtmoe/tuning/spaces/movielens-100k.yaml", "mtmoe/lit/module.py"} <= names
-
-    venv = tmp_path / "venv"
     run([sys.executable, "-m", "venv", venv], tmp_path, env)
     python = venv / "bin" / "python"
     run([python, "-m", "pip", "install", "--quiet", wheel], tmp_path, env)
-    site_packages = Path(run([python, "-c", "import mtmoe, pathlib; print(pathlib.Path(mtmoe.__file__).parents[1])"],
-                             tmp_path, env).strip())
+    where = "import mtmoe, pathlib; print(pathlib.Path(mtmoe.__file__).parents[1])"
+    site_packages = Path(run([python, "-c", where], tmp_path, env).strip())
     assert site_packages.is_relative_to(venv) and (site_packages / "mtmoe" / "run.py").is_file()
     installed = package_files(site_packages)
 
@@ -96,12 +107,11 @@ def test_wheel_in_a_fresh_environment_runs_from_anywhere(tmp_path: Path) -> None
         work, env)
     assert (work / "studies" / "optuna.db").is_file()
     assert len(list((work / "studies" / "runs").rglob("results.json"))) == 3
-    assert "| movielens-100k/topk | topk |" in run([python, "-m", "mtmoe", "report", "--data", "movielens-100k"],
-                                                  work, env)
+    report = run([python, "-m", "mtmoe", "report", "--data", "movielens-100k"], work, env)
+    assert "| movielens-100k/topk | topk |" in report
     run([python, "-m", "mtmoe", "bootstrap", "--data", "movielens-100k"], work, env)
-    reports = work / "studies" / "reports" / "movielens-100k"
-    assert {p.name for p in reports.iterdir()} == {
+    assert {p.name for p in (work / "studies" / "reports" / "movielens-100k").iterdir()} == {
         "report.md", "table_2_3.csv", "table_7.csv", "bootstrap.png", "bootstrap.md", "bootstrap.html",
         "bootstrap_curves.csv", "bootstrap_factors.csv", "bootstrap_ranges.csv"}
-    assert {p.name for p in work.iterdir()} == {"runs", "studies"}
-    assert package_files(site_packages) == installed
+    assert {p.name for p in work.iterdir()} == {"runs", "studies"}  # nothing else in the current directory
+    assert package_files(site_packages) == installed  # nothing written into the installed package
