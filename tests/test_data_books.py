@@ -101,7 +101,7 @@ def test_unstratified_split_has_the_same_sizes(tmp_path: Path, tiny_books: Books
                             download=False).load_splits()
     assert [len(plain[s]["user"]) for s in plain] == [len(stratified[s]["user"]) for s in stratified]
     assert not torch.equal(plain["test"]["user"], stratified["test"]["user"])
-    assert len(list(tiny_books.cache_dir.iterdir())) == 2  # one cache entry per split variant
+    assert len(list(tiny_books.cache_dir.glob("*.pt"))) == 2  # one cache entry per split variant
 
 
 def test_info_is_the_papers_architecture(tmp_path: Path) -> None:
@@ -116,7 +116,7 @@ def test_info_is_the_papers_architecture(tmp_path: Path) -> None:
 
 def test_cache_written_reused_and_atomic(tiny_books: BooksDataModule, monkeypatch: pytest.MonkeyPatch) -> None:
     first = tiny_books.load_splits()
-    [cached] = list(tiny_books.cache_dir.iterdir())
+    [cached] = list(tiny_books.cache_dir.glob("*.pt"))
     assert cached.name.startswith("books-") and cached.name.endswith("-seed0-stratified-v1.pt")
 
     def no_reading(path: Path) -> None:

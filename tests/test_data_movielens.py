@@ -165,7 +165,7 @@ def test_cache_written_reused_and_atomic(
     module: MovieLens1MDataModule, tmp_path: Path, table: np.ndarray, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     first = module.load_splits()
-    cached = list((tmp_path / "cache").iterdir())
+    cached = list((tmp_path / "cache").glob("*.pt"))
     assert len(cached) == 1 and cached[0].name.startswith("movielens-1m-") and cached[0].name.endswith("-seed0-v1.pt")
 
     def no_reading(path: Path) -> Ratings:
@@ -180,7 +180,7 @@ def test_cache_written_reused_and_atomic(
     write_ml1m(tmp_path / "data", table[:-1])  # changed raw file: new cache entry
     MovieLens1MDataModule(root=module.root, cache_dir=module.cache_dir, download=False).load_splits()
     names = sorted(p.name for p in (tmp_path / "cache").iterdir())
-    assert len(names) == 2 and not any(".tmp" in name for name in names)
+    assert len(names) == 3 and "raw-sha256.json" in names and not any(".tmp" in name for name in names)
 
 
 def test_missing_file_without_download(tmp_path: Path) -> None:
@@ -287,7 +287,7 @@ def test_offline_and_unwritable_root(tmp_path: Path, toy_archive: dict) -> None:
 @pytest.mark.slow
 @pytest.mark.skipif(not (REAL_DATA / "ml-100k" / "u.data").is_file(), reason="shared ml-100k not present")
 def test_real_movielens_100k(tmp_path: Path) -> None:
-    data = MovieLens100KDataModule(root=str(REAL_DATA), cache_dir=str(tmp_path), download=False)
+    data = MovieLens100KDataModule(root=str(REAL_DATA), cache_dir=str(tmp_path), download=False, verify=True)
     rows = concat(data.load_splits())
     positive = rows["watch"] == 1
     assert positive.sum() == 100_000 and len(np.unique(rows["user"])) == 943

@@ -10,7 +10,6 @@ never inferred from target values).
 """
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,29 +20,36 @@ from torch import Tensor
 
 from mtmoe.dataset_info import DatasetInfo, TaskSpec  # noqa: F401  (re-exported: the model's view of a dataset)
 from mtmoe.errors import UsageError
-from mtmoe.files import atomic_path
 
 Splits = dict[str, dict[str, Tensor]]  # {"train"|"val"|"test": {name: tensor}}
 
 class IndexBatches:
     """An epoch-by-epoch iterable of dict batches cut from in-memory tensors by (shuffled) index.
 
-    Shuffling uses ``torch.Generator(seed + epoch)``, so the order is reproducible and differs between epochs.
+    Shuffling uses ``torch.Generator(seed + epoch)``, so the order is reproducible and differs between epochs. The
+    epoch is ``current_epoch()`` when given (the trainer's, so a run resumed from a checkpoint draws the orders the
+    uninterrupted run draws), else the number of passes made so far.
     """
 
-    def __init__(self, tensors: dict[str, Tensor], batch_size: int, shuffle: bool, seed: int = 0) -> None:
+    def __init__(
+        self, tensors: dict[str, Tensor], batch_size: int, shuffle: bool, seed: int = 0,
+        current_epoch: Callable[[], int] | None = None,
+    ) -> None:
         sizes = {len(t) for t in tensors.values()}
         if len(sizes) != 1:
             raise ValueError(f"tensors of different lengths: {sizes}")
         self.tensors, self.batch_size, self.shuffle, self.seed = tensors, batch_size, shuffle, seed
         self.n_rows = sizes.pop()
         self.epoch = 0
+        self.current_epoch = current_epoch
 
     def __len__(self) -> int:
         return -(-self.n_rows // self.batch_size)
 
     def __iter__(self) -> Iterator[dict[str, Tensor]]:
         if self.shuffle:
+            if self.current_epoch is not None:
+                self.epoch = self.current_epoch()
             order = torch.randperm(self.n_rows, generator=torch.Generator().manual_seed(self.seed + self.epoch))
             order = order.to(next(iter(self.tensors.values())).device)  # the same order on any device
             self.epoch += 1
@@ -66,6 +72,8 @@ class InMemoryDataModule(pl.LightningDataModule):
         eval_batch_size: validation/test batch size (default: ``batch_size``).
         seed: seed of the training shuffle.
         download: fetch missing raw files from the official source (with checksum and a progress bar).
+        verify: refuse raw files whose size or sha256 differs from the manifest's (``mtmoe/data/manifest.json``; a
+            truncated or modified copy); False uses them as they are (default: ``$MTMOE_VERIFY``, else true).
         data_on_device: when training on a GPU, copy the splits to it once at setup and cut batches there (no
             host-to-device copy per step); False keeps them in host memory and Lightning copies each batch.
     """
@@ -78,6 +86,7 @@ class InMemoryDataModule(pl.LightningDataModule):
         eval_batch_size: int | None = None,
         seed: int = 0,
         download: bool = True,
+        verify: bool | None = None,
         data_on_device: bool = True,
     ) -> None:
         super().__init__()
@@ -87,6 +96,7 @@ class InMemoryDataModule(pl.LightningDataModule):
         self.cache_dir = Path(cache_dir or os.environ.get("MTMOE_CACHE") or Path.home() / ".cache" / "mtmoe")
         self.batch_size, self.eval_batch_size = batch_size, eval_batch_size or batch_size
         self.seed, self.download, self.data_on_device = seed, download, data_on_device
+        self.verify = verify
         self.splits: dict[str, dict[str, Tensor]] | None = None
 
     @property
@@ -110,7 +120,9 @@ class InMemoryDataModule(pl.LightningDataModule):
     def _batches(self, split: str, train: bool) -> IndexBatches:
         self.setup()
         size = self.batch_size if train else self.eval_batch_size
-        return IndexBatches(self.splits[split], size, shuffle=train, seed=self.seed)
+        trainer = self.trainer
+        epoch = (lambda: trainer.current_epoch) if trainer is not None else None
+        return IndexBatches(self.splits[split], size, shuffle=train, seed=self.seed, current_epoch=epoch)
 
     def train_dataloader(self) -> IndexBatches:
         return self._batches("train", train=True)
@@ -120,25 +132,3 @@ class InMemoryDataModule(pl.LightningDataModule):
 
     def test_dataloader(self) -> IndexBatches:
         return self._batches("test", train=False)
-
-
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while block := handle.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def load_or_prepare(cache: Path, prepare: Callable[[], Splits]) -> Splits:
-    """The cached splits, else ``prepare()`` them and write the cache atomically (a temporary file, then a rename)."""
-    if cache.is_file():
-        return torch.load(cache, weights_only=True)
-    splits = prepare()
-    try:
-        with atomic_path(cache) as tmp:
-            torch.save(splits, tmp)
-    except OSError as error:
-        raise UsageError(f"cannot write the cache {cache} ({error.strerror or error}): set MTMOE_CACHE "
-                         f"or --data.cache_dir to a writable folder") from None
-    return splits

@@ -16,8 +16,9 @@ from typing import NamedTuple
 import numpy as np
 import pandas as pd
 
-from mtmoe.data.base import DatasetInfo, InMemoryDataModule, Splits, load_or_prepare, sha256_file
-from mtmoe.data.download import ensure_files
+from mtmoe.data.base import DatasetInfo, InMemoryDataModule, Splits
+from mtmoe.data.cache import load_or_prepare
+from mtmoe.data.download import ensure_files, raw_sha256
 from mtmoe.data.recsys import rating_splits, rating_tasks
 from mtmoe.errors import UsageError
 
@@ -118,9 +119,9 @@ class BooksDataModule(InMemoryDataModule):
         )
 
     def load_splits(self) -> Splits:
-        path = ensure_files(self.root, "book-crossing", self.download)
+        path = ensure_files(self.root, "book-crossing", self.download, self.verify, self.cache_dir)
         split = "stratified" if self.stratify else "random"
-        cache = self.cache_dir / f"books-{sha256_file(path)[:16]}-seed{self.split_seed}-{split}-v1.pt"
+        cache = self.cache_dir / f"books-{raw_sha256(path, self.cache_dir)[:16]}-seed{self.split_seed}-{split}-v1.pt"
 
         def prepare() -> Splits:
             ratings = read_book_ratings(path)

@@ -1,11 +1,12 @@
 """Raw data files: use what lies under the data root, else fetch the official archive (checksum, progress bar).
 
 Driven by ``manifest.json`` (package data): per dataset the archive ``url``, its ``sha256`` or ``md5``, and the ``files``
-it must provide (paths relative to the data root, main file first), each with its ``size`` in bytes where known.
-Two optional keys say where a download goes: ``"unpack_into": "FOLDER"`` extracts the archive into that folder of
-the root (archives without a top-level folder); ``"unpack": false`` keeps the verified archive itself as the main
-file (read in place). Files already on disk are used as they are, without any network access
-(``datasets/README.md``).
+it must provide (paths relative to the data root, main file first), each with its ``size`` in bytes and its
+``sha256`` where known. Two optional keys say where a download goes: ``"unpack_into": "FOLDER"`` extracts the
+archive into that folder of the root (archives without a top-level folder); ``"unpack": false`` keeps the verified
+archive itself as the main file (read in place). Files already on disk are used without any network access, once
+their size and sha256 match the manifest's (``verify=False`` uses them as they are; ``datasets/README.md``). A
+file's sha256 is computed once and remembered in the cache folder, keyed on its size, times and inode.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import http.client
 import json
 import os
 import shutil
+import sys
 import tempfile
 import urllib.error
 import urllib.parse
@@ -24,6 +26,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from mtmoe.errors import UsageError
+from mtmoe.files import write_atomic
 
 MANIFEST = resources.files("mtmoe.data") / "manifest.json"
 
@@ -36,12 +39,16 @@ def manifest_entry(name: str) -> dict:
     return entries[name]
 
 
-def ensure_files(root: Path, name: str, download: bool) -> Path:
+def ensure_files(
+    root: Path, name: str, download: bool, verify: bool | None = True, cache_dir: Path | None = None
+) -> Path:
     """Make sure dataset ``name``'s files exist under ``root`` and return the path of its main (first) file.
 
     Present files are used without network access. Missing ones are fetched from the manifest's URL when
     ``download`` is true (verified, then extracted atomically); otherwise a one-line :class:`UsageError` says
-    which file is missing and where it goes.
+    which file is missing and where it goes. With ``verify`` (None: ``$MTMOE_VERIFY``, else true), a file whose
+    size or sha256 differs from the manifest's is a one-line :class:`UsageError` (sha256s remembered in
+    ``cache_dir``, see :func:`raw_sha256`).
     """
     entry = manifest_entry(name)
     root = Path(root)
@@ -56,7 +63,77 @@ def ensure_files(root: Path, name: str, download: bool) -> Path:
             raise UsageError(f"missing {missing[0]}: {hint} (or pass --data.download true)")
         _fetch(entry, root, hint)
         _check_extracted(entry, root, missing)
+    if verify is None:
+        verify = env_flag("MTMOE_VERIFY", default=True)
+    if verify:
+        for path, expected in zip(paths, entry["files"].values()):
+            _verify(path, expected, cache_dir)
     return paths[0]
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """The boolean environment variable ``name`` (true/false, 1/0, yes/no, on/off), ``default`` when unset."""
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return default
+    if value not in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+        raise UsageError(f"{name} must be true or false, got {os.environ[name]!r}")
+    return value in ("true", "1", "yes", "on")
+
+
+def _verify(path: Path, expected: dict, cache_dir: Path | None) -> None:
+    """A :class:`UsageError` naming ``path`` if its size or sha256 is not the manifest's ``expected`` one."""
+    fix = ("delete it and rerun with --data.download true to fetch the official file, or pass --data.verify false "
+           "to use it as it is")
+    size = path.stat().st_size
+    if "size" in expected and size != expected["size"]:
+        raise UsageError(f"{path} has {size:,} bytes where the official file has {expected['size']:,} (truncated "
+                         f"or modified?): {fix}")
+    if "sha256" in expected and (digest := raw_sha256(path, cache_dir)) != expected["sha256"]:
+        raise UsageError(f"{path} is not the official file (sha256 {digest}, expected {expected['sha256']}): {fix}")
+
+
+DIGESTS_FILE = "raw-sha256.json"  # in the cache folder: {path: {"stat": [size, mtime, ctime, inode], "sha256"}}
+
+
+def raw_sha256(path: Path, cache_dir: Path | None) -> str:
+    """``path``'s sha256, computed once and remembered in ``cache_dir`` while its size, modification and change
+    times and inode stay the same (any write changes the change time), so later runs read nothing."""
+    if cache_dir is None:
+        return sha256_file(path)
+    status = path.stat()
+    key, stamp = str(path.resolve()), [status.st_size, status.st_mtime_ns, status.st_ctime_ns, status.st_ino]
+    record = Path(cache_dir) / DIGESTS_FILE
+    digests = _read_digests(record)
+    remembered = digests.get(key)
+    if isinstance(remembered, dict) and remembered.get("stat") == stamp:
+        return remembered["sha256"]
+    digest = sha256_file(path)
+    try:  # a concurrent run's new entry may be lost: it is only computed again
+        write_atomic(json.dumps({**digests, key: {"stat": stamp, "sha256": digest}}, indent=1) + "\n", record)
+    except OSError:  # a read-only cache folder: hash again next time
+        pass
+    return digest
+
+
+def _read_digests(record: Path) -> dict:
+    """The remembered sha256s; an unreadable record is reported and starts afresh."""
+    try:
+        digests = json.loads(record.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as error:
+        print(f"warning: ignoring the unreadable {record} ({error}); it is rebuilt", file=sys.stderr)
+        return {}
+    return digests if isinstance(digests, dict) else {}
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _fetch(entry: dict, root: Path, hint: str) -> None:
@@ -134,6 +211,3 @@ def _check_extracted(entry: dict, root: Path, expected: list[Path]) -> None:
     for path in expected:
         if not path.is_file():
             raise UsageError(f"the archive {entry['url']} did not provide {path.relative_to(root)}")
-        size = entry["files"][path.relative_to(root).as_posix()].get("size")
-        if size is not None and path.stat().st_size != size:
-            raise UsageError(f"{path} has {path.stat().st_size} bytes, the manifest expects {size}")

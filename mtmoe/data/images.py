@@ -12,10 +12,12 @@ network access; only when neither is present is torchvision asked to download (m
 """
 from __future__ import annotations
 
+import contextlib
 import gzip
 import hashlib
 import math
 import shutil
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -23,9 +25,10 @@ import torch
 from torch import Tensor
 from torchvision.datasets import MNIST
 
-from mtmoe.data.base import InMemoryDataModule, Splits, load_or_prepare
+from mtmoe.data.base import InMemoryDataModule, Splits
+from mtmoe.data.cache import load_or_prepare
 from mtmoe.errors import UsageError
-from mtmoe.files import atomic_path
+from mtmoe.files import atomic_path, remove_orphans
 
 SPLITS = ("train", "val", "test")
 
@@ -129,10 +132,34 @@ def official_train_val(labels: Tensor, seed: int) -> tuple[Tensor, Tensor]:
     return torch.from_numpy(train), torch.from_numpy(val)
 
 
-def _gunzip(source: Path, target: Path) -> None:
-    """Decompress ``source`` to ``target`` atomically (readers never see half)."""
-    with atomic_path(target) as tmp, open(tmp, "wb") as out, gzip.open(source, "rb") as compressed:
-        shutil.copyfileobj(compressed, out, 1 << 20)
+def _gunzip_all(paths: list[Path]) -> None:
+    """Decompress each ``<path>.gz`` next to it, all or none: on any error no extracted file is left, and the
+    :class:`UsageError` names the ``.gz`` that failed."""
+    with contextlib.ExitStack() as extracted:  # every rename happens once all are decompressed
+        for path in paths:
+            source = path.with_name(path.name + ".gz")
+            tmp = extracted.enter_context(atomic_path(path))
+            try:
+                with open(tmp, "wb") as out, gzip.open(source, "rb") as compressed:
+                    shutil.copyfileobj(compressed, out, 1 << 20)
+            except (EOFError, zlib.error, gzip.BadGzipFile) as error:
+                raise UsageError(f"{source} is not a complete gzip file ({error or 'truncated'}): delete it and rerun "
+                                 f"with --data.download true, or put the extracted {path.name} beside it") from None
+
+
+def check_idx(path: Path) -> None:
+    """A :class:`UsageError` naming ``path`` unless it is an IDX file of uint8 data (magic ``0 0 8 ndim``,
+    big-endian int32 sizes) exactly as long as its header says: a truncated copy is caught before reading."""
+    size = path.stat().st_size
+    with open(path, "rb") as handle:
+        magic = handle.read(4)
+        ndim = magic[3] if len(magic) == 4 and magic[:3] == b"\0\0\x08" else 0
+        dims = np.frombuffer(handle.read(4 * ndim), dtype=">i4") if ndim else np.array([], dtype=">i4")
+    expected = 4 + 4 * ndim + int(np.prod(dims, dtype=np.int64))
+    if not ndim or len(dims) != ndim or size != expected:
+        what = f"{size:,} bytes where its header says {expected:,}" if ndim and len(dims) == ndim else "no IDX header"
+        raise UsageError(f"{path} is not a complete uint8 IDX file ({what}): truncated or modified? Delete it and "
+                         f"rerun (with --data.download true if its .gz is not beside it)")
 
 
 def mnist_files(root: Path, dataset: type[MNIST]) -> list[Path]:
@@ -150,23 +177,25 @@ def ensure_mnist(root: Path, dataset: type[MNIST], download: bool) -> list[Path]
     raw = files[0].parent
     hint = (f"put {', '.join(p.name for p in files)} (gunzipped from {dataset.mirrors[0]}) in {raw}, "
             f"where torchvision.datasets.{dataset.__name__}(root={root}) reads them")
+    remove_orphans(raw)
     try:
         if all(path.with_name(path.name + ".gz").is_file() for path in missing):
-            for path in missing:
-                _gunzip(path.with_name(path.name + ".gz"), path)
+            _gunzip_all(missing)
         elif download:
             dataset(str(root), train=True, download=True)
         else:
             raise UsageError(f"missing {missing[0]}: {hint} (or pass --data.download true)")
-    except (OSError, EOFError, RuntimeError) as error:  # unwritable root, bad .gz, offline (URLError is an OSError)
-        reason = " ".join(str(getattr(error, "reason", None) or error).split())[:200]
-        raise UsageError(f"could not get {missing[0]} ({reason}); {hint}") from None
+    except (OSError, RuntimeError) as error:  # unwritable root, offline (URLError is an OSError)
+        reason = " ".join(str(getattr(error, "reason", None) or getattr(error, "strerror", None) or error).split())
+        raise UsageError(f"could not get {missing[0].name} ({reason[:200]}); {hint}") from None
     return files
 
 
 def read_mnist(root: Path, dataset: type[MNIST], download: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Training and test images (uint8 ``[N, 28, 28]``) and labels (int64) read by torchvision's ``dataset``."""
     files = ensure_mnist(root, dataset, download)
+    for path in files:
+        check_idx(path)
     try:
         train, test = dataset(str(root), train=True), dataset(str(root), train=False)
     except (RuntimeError, AssertionError, ValueError) as error:

@@ -21,8 +21,9 @@ import pandas as pd
 import torch
 from python_calamine import CalamineError
 
-from mtmoe.data.base import DatasetInfo, InMemoryDataModule, Splits, load_or_prepare, sha256_file
-from mtmoe.data.download import ensure_files
+from mtmoe.data.base import DatasetInfo, InMemoryDataModule, Splits
+from mtmoe.data.cache import load_or_prepare
+from mtmoe.data.download import ensure_files, raw_sha256
 from mtmoe.data.recsys import rating_splits, rating_tasks
 from mtmoe.errors import UsageError
 
@@ -138,7 +139,7 @@ class JesterDataModule(InMemoryDataModule):
         paths, missing = [], []
         for name in MANIFEST_NAMES:
             try:
-                paths.append(ensure_files(self.root, name, self.download))
+                paths.append(ensure_files(self.root, name, self.download, self.verify, self.cache_dir))
             except UsageError as error:
                 if self.download:
                     raise
@@ -149,7 +150,7 @@ class JesterDataModule(InMemoryDataModule):
 
     def load_splits(self) -> Splits:
         paths = self.raw_files()
-        digest = "".join(sha256_file(path)[:8] for path in paths)
+        digest = "".join(raw_sha256(path, self.cache_dir)[:8] for path in paths)
         split = "stratified" if self.stratify else "random"
         cache = self.cache_dir / f"jester-{digest}-seed{self.split_seed}-{split}-v1.pt"
         splits = load_or_prepare(cache, lambda: prepare_jester(read_jester(paths), self.split_seed, self.stratify))

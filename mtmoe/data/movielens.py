@@ -15,8 +15,9 @@ import pandas as pd
 import torch
 from torch import Tensor
 
-from mtmoe.data.base import DatasetInfo, InMemoryDataModule, TaskSpec, load_or_prepare, sha256_file
-from mtmoe.data.download import ensure_files
+from mtmoe.data.base import DatasetInfo, InMemoryDataModule, TaskSpec
+from mtmoe.data.cache import load_or_prepare
+from mtmoe.data.download import ensure_files, raw_sha256
 from mtmoe.errors import UsageError
 
 TASKS = (TaskSpec("watch", "binary"), TaskSpec("rating", "regression", masked=True))
@@ -173,12 +174,14 @@ class MovieLensDataModule(InMemoryDataModule):
 
     def load_splits(self) -> dict[str, dict[str, Tensor]]:
         variant = _VARIANTS[self.variant]
-        path = ensure_files(self.root, variant.manifest_name, self.download)
-        cache = self.cache_dir / f"movielens-{self.variant}-{sha256_file(path)[:16]}-seed{self.negative_seed}-v1.pt"
+        path = ensure_files(self.root, variant.manifest_name, self.download, self.verify, self.cache_dir)
+        digest = raw_sha256(path, self.cache_dir)[:16]
+        cache = self.cache_dir / f"movielens-{self.variant}-{digest}-seed{self.negative_seed}-v1.pt"
 
         def prepare() -> dict[str, dict[str, Tensor]]:
+            ratings = read_ratings(path)  # its errors name the file
             try:
-                return prepare_movielens(read_ratings(path), variant.n_users, variant.n_items, self.negative_seed)
+                return prepare_movielens(ratings, variant.n_users, variant.n_items, self.negative_seed)
             except UsageError as error:
                 raise UsageError(f"{path}: {error}") from None
 
