@@ -61,7 +61,7 @@ def throughput(gate: str, trials: int, workers: int, storage: str | None, overri
     wall = time.perf_counter() - start
     if proc.returncode != 0:
         sys.exit(f"tune failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    from mtmoe.tuning.study import storage_for
+    from mtmoe.tuning.storage import storage_for
 
     done = [t for t in optuna.load_study(study_name=name, storage=storage_for(url)).get_trials(deepcopy=False)
             if t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL) and t.datetime_complete]
@@ -76,23 +76,25 @@ def throughput(gate: str, trials: int, workers: int, storage: str | None, overri
 
 def warm_data_cache(gate: str, data_root: str | None) -> None:
     """Prepare MovieLens-100K's cached splits once, so that no timed study pays for it in its first trial."""
+    from mtmoe.run import build_run
     from mtmoe.tuning.space import load_space
-    from mtmoe.tuning.study import cli_args, make_cli, plan_configurations, quiet_libraries
+    from mtmoe.tuning.study import cli_args, plan_configurations, quiet_libraries
 
     quiet_libraries()
     space = load_space("movielens-100k", gate)
     with tempfile.TemporaryDirectory() as scratch:
-        cli = make_cli(cli_args(space, plan_configurations(space, 1, 0)[0],
-                                [f"--data.root={data_root}"] if data_root else [], 0, Path(scratch)))
-        cli.datamodule.prepare_data()
-        cli.datamodule.setup("fit")
+        run = build_run(cli_args(space, plan_configurations(space, 1, 0)[0],
+                                 [f"--data.root={data_root}"] if data_root else [], 0, Path(scratch)))
+        run.datamodule.prepare_data()
+        run.datamodule.setup("fit")
 
 
 def epoch_cost(gate: str, epochs: int, data_root: str | None) -> dict:
     """In this process: one configuration of the gate's space at the paper's settings, ``epochs`` epochs, timed."""
     from mtmoe.lit.callbacks import EpochTimer  # an epoch ends after its validation
+    from mtmoe.run import build_run
     from mtmoe.tuning.space import load_space
-    from mtmoe.tuning.study import cli_args, make_cli, plan_configurations, quiet_libraries
+    from mtmoe.tuning.study import cli_args, plan_configurations, quiet_libraries
 
     quiet_libraries()
     space = load_space("movielens-100k", gate)
@@ -102,16 +104,16 @@ def epoch_cost(gate: str, epochs: int, data_root: str | None) -> dict:
     overrides += [f"--data.root={data_root}"] if data_root else []
     with tempfile.TemporaryDirectory() as scratch:
         start = time.perf_counter()
-        cli = make_cli(cli_args(space, params, overrides, 0, Path(scratch)))
+        run = build_run(cli_args(space, params, overrides, 0, Path(scratch)))
         timer = EpochTimer()
-        cli.trainer.callbacks.append(timer)
-        cli.fit(cli.model, cli.datamodule)
+        run.trainer.callbacks.append(timer)
+        run.fit()
         total = time.perf_counter() - start
     timed = timer.seconds[1:] or timer.seconds
     epoch = sum(timed) / len(timed)
     return {"gate": gate, "epochs": len(timer.seconds), "epoch_s": epoch, "first_epoch_s": timer.seconds[0],
             "trial_s": total, "fixed_s": max(0.0, total - sum(timer.seconds)),
-            "train_rows": len(cli.datamodule.splits["train"]["user"]) if hasattr(cli.datamodule, "splits") else None}
+            "train_rows": len(run.datamodule.splits["train"]["user"]) if hasattr(run.datamodule, "splits") else None}
 
 
 def study_hours(row: dict, epochs: int, workers: int) -> float:

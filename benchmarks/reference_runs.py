@@ -6,9 +6,9 @@
 
 Other ``--key=value`` arguments go to every ``fit`` as they are (e.g. ``--trainer.limit_train_batches=5``).
 
-Setting (stated in the table's header): each gate's section of ``studies/<data>.yaml`` (the paper's S1.3 search
-spaces) with every searched hyperparameter at the centre of its range: the geometric mean of a log-uniform range
-(two significant digits: lr 1.6e-4 for [5e-5, 5e-4]), the midpoint of a uniform one, the middle integer (lower
+Setting (stated in the table's header): each gate's section of ``mtmoe/tuning/spaces/<data>.yaml`` (the paper's S1.3
+search spaces) with every searched hyperparameter at the centre of its range: the geometric mean of a log-uniform
+range (two significant digits: lr 1.6e-4 for [5e-5, 5e-4]), the midpoint of a uniform one, the middle integer (lower
 middle) and the middle choice (lower middle); the file's fixed values as they are (batch size, experts, epochs,
 patience). ``--epochs`` replaces the file's ``trainer.max_epochs`` when the paper's budget does not fit the machine,
 and ``--perm-epochs`` the centre of the "+" gates' searched E_perm (5 of 1..10) when it is longer than ``--epochs``
@@ -167,7 +167,8 @@ def setting(data: str, gate: str, perm_epochs: int | None = None) -> tuple[Searc
     if perm_epochs is not None and searched is not None:
         if not searched.low <= perm_epochs <= searched.high:
             raise UsageError(f"--perm-epochs {perm_epochs} is outside {gate}'s searched range "
-                             f"[{searched.low}, {searched.high}] in studies/{data}.yaml; give a value inside it")
+                             f"[{searched.low}, {searched.high}] in mtmoe/tuning/spaces/{data}.yaml; give a value "
+                             "inside it")
         params["model.perm_epochs"] = perm_epochs
     return space, params
 
@@ -188,7 +189,8 @@ def run_one(space: SearchSpace, params: dict, run: dict, alpha: float | None, pa
             args: argparse.Namespace) -> dict:
     """``fit`` with ``space``'s fixed values and ``params`` (``run`` records both and the overrides); logs go
     beside ``path``."""
-    from mtmoe.tuning.study import cli_args, make_cli, quiet_libraries
+    from mtmoe.run import build_run
+    from mtmoe.tuning.study import cli_args, quiet_libraries
 
     overrides = [f"--trainer.accelerator={args.accelerator}", *args.fit_args]
     if args.epochs is not None:
@@ -197,9 +199,7 @@ def run_one(space: SearchSpace, params: dict, run: dict, alpha: float | None, pa
         overrides.append(f"--model.alpha={alpha}")
     quiet_libraries()
     start = time.perf_counter()
-    cli = make_cli(cli_args(space, params, overrides, args.seed, path.parent / "logs" / path.stem))
-    cli.fit(cli.model, cli.datamodule)
-    results = cli.results
+    results = build_run(cli_args(space, params, overrides, args.seed, path.parent / "logs" / path.stem)).fit()
     return {
         "data": space.data, "gate": space.gate, "alpha": alpha, "seed": args.seed, "setting": run,
         "epochs_run": results["epochs_run"], "best_epoch": results.get("best_epoch"),
@@ -236,8 +236,9 @@ def table(rows: list[dict]) -> str:
         lines += [
             f"**{data}" + (f", alpha {alpha:g}" if alpha is not None else "") + "**: one run per gate, seed "
             f"{', '.join(sorted({str(r['seed']) for r in group}))}, the centre of each gate's search space "
-            f"(`studies/{data}.yaml`), up to {' or '.join(epochs)} epoch{'' if epochs == ['1'] else 's'}, the "
-            f"best-validation epoch tested; {', '.join(sorted({r['device'] for r in group}))}. Paper: the best "
+            f"(`mtmoe/tuning/spaces/{data}.yaml`), up to {' or '.join(epochs)} "
+            f"epoch{'' if epochs == ['1'] else 's'}, the best-validation epoch tested; "
+            f"{', '.join(sorted({r['device'] for r in group}))}. Paper: the best "
             "configurations of 500-trial searches, mean of 100 repetitions. Gap: ours minus the paper's (positive: "
             "ours is worse).",
             "",

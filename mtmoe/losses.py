@@ -13,7 +13,7 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from mtmoe.errors import UsageError
-from mtmoe.data.base import DatasetInfo, TaskSpec
+from mtmoe.dataset_info import DatasetInfo, TaskSpec
 
 
 def task_weights(info: DatasetInfo, alpha: float | None) -> list[float]:

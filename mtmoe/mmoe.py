@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from mtmoe.data.base import DatasetInfo
+from mtmoe.dataset_info import DatasetInfo
 from mtmoe.errors import UsageError
 from mtmoe.experts import ConvExperts, DenseExperts, EmbeddingBottom, ImageBottom, Tower
 from mtmoe.gates.base import Gate, GateDims, GateOutput, RoutingInput, no_plus_variant

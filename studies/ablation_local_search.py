@@ -131,7 +131,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=2.5e-5)
     parser.add_argument("--zeta", type=float, default=1e-5)
     parser.add_argument("--alpha", type=float, default=0.9)
-    parser.add_argument("--root", default=None, help="data root (default: $MTMOE_DATA, else datasets/)")
+    parser.add_argument("--root", default=None, help="data root (default: $MTMOE_DATA, else ~/.cache/mtmoe/data)")
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--workers", type=int, default=1, help="runs trained at a time, each in its own process")
     parser.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: cores / workers)")

@@ -27,12 +27,12 @@ from mtmoe.tuning.bootstrap import (
     factor_range,
     monte_carlo,
     panel_factors,
-    plot,
     ranked_test_losses,
     reduction_factors,
     summarize,
     tuning_curves,
 )
+from mtmoe.tuning.bootstrap_report import plot
 
 from conftest import run_cli
 

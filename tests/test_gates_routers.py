@@ -12,12 +12,12 @@ import pytest
 import torch
 from torch import nn
 
-from mtmoe.cli import translate_shortcuts
 from mtmoe.errors import UsageError
 from mtmoe.gates import GateDims, RoutingInput, create_gate
 from mtmoe.gates.sparsemixer import SparseMixerWeight, sampling_mask
 from mtmoe.mmoe import MMoE
 from mtmoe.permutation import LocalSearch
+from mtmoe.run import translate_shortcuts
 
 
 def make(name: str, n: int, p: int = 3, k: int = 2, seed: int = 0, **hp):

@@ -23,7 +23,7 @@ from mtmoe.experts import ConvExperts, GroupedLinear
 from mtmoe.gates import gate_class, list_gates
 from mtmoe.lit.module import MultiTaskMoE
 from mtmoe.mmoe import build_mmoe
-from mtmoe.tuning.space import STUDIES_DIR, load_space
+from mtmoe.tuning.space import SPACES_DIR, load_space
 
 MODULES = {
     "multimnist": MultiMNISTDataModule, "multifashionmnist": MultiFashionMNISTDataModule,
@@ -255,7 +255,7 @@ def test_trains_on_gpu_with_uint8_batches(datamodules) -> None:
 def test_image_search_spaces(name, lr, epochs, trials, n_experts, k, comet_plus_gamma) -> None:
     import yaml
 
-    path = STUDIES_DIR / f"{name}.yaml"
+    path = SPACES_DIR / f"{name}.yaml"
     gates = yaml.safe_load(path.read_text())["gates"]
     assert {g.removesuffix("+") for g in gates} == set(list_gates())
     for gate in gates:

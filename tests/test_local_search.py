@@ -1067,7 +1067,7 @@ def test_cli_fit_comet_plus_reports_the_frozen_permutation(tiny_root: Path, caps
 
 
 def test_plus_shortcut_keeps_an_explicit_window_in_any_order() -> None:
-    from mtmoe.cli import translate_shortcuts
+    from mtmoe.run import translate_shortcuts
 
     for argv in (["--model.perm_epochs=3", "--gate", "comet+"], ["--gate", "comet+", "--model.perm_epochs=3"]):
         translated = translate_shortcuts(argv)

@@ -17,7 +17,7 @@ import torch
 
 from torch.func import functional_call, vmap
 
-from mtmoe.data.base import DatasetInfo, TaskSpec
+from mtmoe.dataset_info import DatasetInfo, TaskSpec
 from mtmoe.experts import DenseExperts
 from mtmoe.gates import gate_class, list_gates
 from mtmoe.lit.module import MultiTaskMoE
@@ -228,7 +228,7 @@ def test_a_packed_fit_reports_what_fit_reports_alone(tiny_root, tmp_path, gate: 
     epochs, best epoch, objective and best weights' test metrics of its own ``fit``, and the diverging one fails
     without disturbing the others."""
     from mtmoe.pack.train import PackTrainer, PackTrial
-    from mtmoe.tuning.study import make_cli
+    from mtmoe.run import build_run
 
     def configuration(i: int) -> list[str]:
         seed, lr, extra = CONFIGURATIONS[i]
@@ -237,14 +237,13 @@ def test_a_packed_fit_reports_what_fit_reports_alone(tiny_root, tmp_path, gate: 
 
     alone = []
     for i in range(len(CONFIGURATIONS)):
-        cli = make_cli(configuration(i))
-        cli.fit(cli.model, cli.datamodule)
-        alone.append((cli.results, cli.model.diverged))
+        run = build_run(configuration(i))
+        alone.append((run.fit(), run.model.diverged))
     queue, results = [], {}
     for i in range(len(CONFIGURATIONS)):
-        cli = make_cli(configuration(i))
-        queue.append(PackTrial(i, cli.model, cli.datamodule.seed, cli.trainer.max_epochs, 2))
-    data = cli.datamodule
+        run = build_run(configuration(i))
+        queue.append(PackTrial(i, run.model, run.datamodule.seed, run.trainer.max_epochs, 2))
+    data = run.datamodule
     data.setup()
     PackTrainer(data.splits, 64, 64, capacity=2).run(lambda: queue.pop(0) if queue else None,
                                                      lambda result: results.__setitem__(result.key, result))

@@ -79,6 +79,28 @@ def test_fit_is_reproducible_with_a_seed(tiny_root: Path) -> None:
     assert losses[0] == losses[1]
 
 
+def test_build_run_gives_the_objects_of_fit_untrained_and_fits_them_as_the_command(tiny_root: Path) -> None:
+    """``mtmoe.run.build_run``: the parsed configuration, DataModule, LightningModule and Trainer of ``fit``
+    arguments, seeded and not trained; ``run.fit()`` then gives what ``python -m mtmoe fit`` gives."""
+    from mtmoe.run import build_run
+
+    args = ["--gate", "comet", "--data", "movielens-100k", f"--data.root={tiny_root}", "--trainer.max_epochs=1",
+            "--seed_everything=7", "--model.lr=2e-3", *FAST]
+    run, again = build_run([*args, "--trainer.logger.init_args.name=built"]), build_run(args)
+    assert run.config.seed_everything == 7 and run.config.model.lr == 2e-3 and run.config.trainer.max_epochs == 1
+    assert isinstance(run.datamodule, MovieLens100KDataModule) and run.datamodule.batch_size == 64
+    assert run.model.net.gates[0].registry_name == "comet" and run.trainer.max_epochs == 1
+    assert run.trainer.global_step == 0 and run.datamodule.splits is None and not Path("runs").exists()
+    initial = again.model.state_dict()
+    assert all(torch.equal(value, initial[key]) for key, value in run.model.state_dict().items())
+
+    results = run.fit()
+    assert results == json.loads(next(Path("runs/built").rglob("results.json")).read_text())
+    assert run_cli(["fit", *args, "--trainer.logger.init_args.name=command"]) == 0
+    command = json.loads(next(Path("runs/command").rglob("results.json")).read_text())
+    assert results["test"]["loss"] == command["test"]["loss"] and results["best_epoch"] == command["best_epoch"]
+
+
 def test_validate_and_test_from_checkpoint(tiny_root: Path) -> None:
     common = ["--gate", "topk", "--data", "movielens-100k", f"--data.root={tiny_root}", *FAST]
     assert run_cli(["fit", *common, "--trainer.max_epochs=1"]) == 0

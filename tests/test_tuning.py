@@ -32,9 +32,10 @@ from optuna.trial import TrialState
 from scipy.stats import ttest_ind
 
 from mtmoe.errors import UsageError
-from mtmoe.tuning import report as report_module
-from mtmoe.tuning.space import STUDIES_DIR, load_space
-from mtmoe.tuning.study import plan_configurations, storage_for
+from mtmoe.tuning import trials as trials_module
+from mtmoe.tuning.space import SPACES_DIR, load_space
+from mtmoe.tuning.storage import storage_for
+from mtmoe.tuning.study import plan_configurations
 
 from conftest import REAL_DATA, run_cli, write_u_data
 from pg import free_port
@@ -44,7 +45,7 @@ TINY = ["--trainer.max_epochs=1", "--trainer.limit_train_batches=5", "--trainer.
 # A trial of a few seconds (3 epochs of ~60 steps of 8 rows), long enough to be caught RUNNING and signalled.
 SLOW = ["--trainer.max_epochs=3", "--trainer.limit_val_batches=2", "--trainer.limit_test_batches=2",
         "--data.batch_size=8"]
-SPACE_FILES = sorted(STUDIES_DIR.glob("*.yaml"))
+SPACE_FILES = sorted(SPACES_DIR.glob("*.yaml"))
 # The other papers' routers (not in the COMET paper): their own hyperparameters are the same in every file.
 ROUTERS = ("competesmoe", "competesmoe-v2", "sparsemixer", "expertchoice", "usmoe")
 optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -207,7 +208,7 @@ def test_router_sections_take_movielens_hyperparameters_with_the_files_lr_and_k(
     assert topk.fixed["model.gate.k"] == info.k
     for gate in routers_and_plus():
         space = load_space(path.stem, gate, path)
-        reference = load_space("movielens", gate, STUDIES_DIR / "movielens.yaml")
+        reference = load_space("movielens", gate, SPACES_DIR / "movielens.yaml")
         assert own_settings(space) == own_settings(reference), gate
         assert space.distributions["model.lr"] == topk.distributions["model.lr"], gate
         if gate.removesuffix("+") == "expertchoice":
@@ -294,7 +295,7 @@ def test_bad_search_space_names_the_problem(tmp_path: Path, old: str, new: str, 
 
 
 def test_plan_is_reproducible_and_inside_the_space() -> None:
-    space = load_space("movielens-100k", "comet+", STUDIES_DIR / "movielens-100k.yaml")
+    space = load_space("movielens-100k", "comet+", SPACES_DIR / "movielens-100k.yaml")
     first, again, other = (plan_configurations(space, 20, seed) for seed in (0, 0, 1))
     assert first == again and first != other and len(first) == 20
     for configuration in first + other:
@@ -416,7 +417,7 @@ def test_diverged_trial_is_failed_with_reason_and_not_retried(tiny_root: Path, t
     assert len(trials_of(url, "movielens-100k/topk")) == 3
 
     # in the report it counts among the n with objective +inf: never selected while a finite trial is left
-    rows = report_module.trial_rows("s", {"gate": "topk"}, trials)
+    rows = trials_module.trial_rows("s", {"gate": "topk"}, trials)
     assert len(rows) == 3 and [r["objective"] for r in rows if r["diverged"]] == [math.inf]
 
 

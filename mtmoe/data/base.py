@@ -12,54 +12,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
+from mtmoe.dataset_info import DatasetInfo, TaskSpec  # noqa: F401  (re-exported: the model's view of a dataset)
 from mtmoe.errors import UsageError
 
 Splits = dict[str, dict[str, Tensor]]  # {"train"|"val"|"test": {name: tensor}}
-
-PROJECT_DATASETS = Path(__file__).resolve().parents[2] / "datasets"
-
-
-@dataclass(frozen=True)
-class TaskSpec:
-    name: str  # key of the target in the batch
-    kind: Literal["binary", "regression", "multiclass"]
-    n_classes: int = 1
-    masked: bool = False  # the batch carries a bool ``<name>_mask``
-
-
-@dataclass(frozen=True)
-class DatasetInfo:
-    """Static description of a dataset and the paper's architecture for it (Supplement S1.2).
-
-    Available right after the DataModule's ``__init__`` (no data is read), so the CLI can link it to the model.
-    """
-
-    name: str
-    tasks: tuple[TaskSpec, ...]
-    n_ids: int  # number of distinct ``sample_id`` values
-    n_users: int = 0  # embedding table sizes (recommenders)
-    n_items: int = 0
-    image_shape: tuple[int, ...] | None = None  # images: the model's input [C, H, W] (the gates route on it flat)
-    n_experts: int = 16
-    k: int = 2
-    embedding_dim: int = 128
-    expert_units: int = 256
-    tower_units: int = 256
-    expert_dropout: float = 0.5
-    task_weighting: Literal["alpha", "equal"] = "alpha"  # alpha: (alpha, 1 - alpha) for two tasks
-    conv_layers: tuple[tuple[int, int], ...] = ()  # images: (kernel, filters) of each conv -> ReLU -> max-pool block
-    expert_layers: int = 1  # dense layers of ``expert_units`` in an expert (after the convolutions, for images)
-    tower_layers: int = 1  # hidden dense layers of ``tower_units`` in a tower
-    overlay_shift: int = 0  # > 0: ``image`` holds two layers, summed at offsets 0 and this shift (MultiMNIST)
-
 
 def shuffled_order(n_rows: int, seed: int, epoch: int) -> Tensor:
     """The training order of an epoch: a permutation drawn on the CPU from ``torch.Generator(seed + epoch)``, so it
@@ -108,15 +70,16 @@ class InMemoryDataModule(pl.LightningDataModule):
     """Base DataModule: subclasses implement ``info`` and ``load_splits`` (train/val/test dicts of tensors).
 
     Args:
-        root: data root holding the raw files (default: ``$MTMOE_DATA``, else the project's ``datasets/``).
+        root: data root holding the raw files, downloads go there (default: ``$MTMOE_DATA``, else
+            ``~/.cache/mtmoe/data``).
         cache_dir: where prepared splits are cached (default: ``$MTMOE_CACHE``, else ``~/.cache/mtmoe``).
         batch_size: training batch size (the paper's per dataset, S1.3).
         eval_batch_size: validation/test batch size (default: ``batch_size``).
         seed: seed of the training shuffle (default: the run's seed, ``--seed_everything``, so the trials of a study
             each draw their own batches).
         download: fetch missing raw files from the official source (with checksum and a progress bar).
-        verify: refuse raw files whose size or sha256 differs from ``datasets/manifest.json``'s (a truncated or
-            modified copy); False uses them as they are (default: ``$MTMOE_VERIFY``, else true).
+        verify: refuse raw files whose size or sha256 differs from the manifest's (``mtmoe/data/manifest.json``; a
+            truncated or modified copy); False uses them as they are (default: ``$MTMOE_VERIFY``, else true).
         data_on_device: when training on a GPU, copy the splits to it once at setup and cut batches there (no
             host-to-device copy per step); False keeps them in host memory and Lightning copies each batch.
     """
@@ -135,7 +98,7 @@ class InMemoryDataModule(pl.LightningDataModule):
         super().__init__()
         if batch_size < 1:
             raise UsageError(f"batch_size must be >= 1, got {batch_size}")
-        self.root = Path(root or os.environ.get("MTMOE_DATA") or PROJECT_DATASETS)
+        self.root = Path(root or os.environ.get("MTMOE_DATA") or Path.home() / ".cache" / "mtmoe" / "data")
         self.cache_dir = Path(cache_dir or os.environ.get("MTMOE_CACHE") or Path.home() / ".cache" / "mtmoe")
         self.batch_size, self.eval_batch_size = batch_size, eval_batch_size or batch_size
         self.seed = torch.initial_seed() if seed is None else seed

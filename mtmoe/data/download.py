@@ -1,6 +1,6 @@
 """Raw data files: use what lies under the data root, else fetch the official archive (checksum, progress bar).
 
-Driven by ``datasets/manifest.json``: per dataset the archive ``url``, its ``sha256`` or ``md5``, and the ``files``
+Driven by ``manifest.json`` (package data): per dataset the archive ``url``, its ``sha256`` or ``md5``, and the ``files``
 it must provide (paths relative to the data root, main file first), each with its ``size`` in bytes and its
 ``sha256`` where known. Two optional keys say where a download goes: ``"unpack_into": "FOLDER"`` extracts the
 archive into that folder of the root (archives without a top-level folder); ``"unpack": false`` keeps the verified
@@ -20,15 +20,15 @@ import tempfile
 import urllib.error
 import urllib.parse
 import urllib.request
+from importlib import resources
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from mtmoe.data.base import PROJECT_DATASETS
 from mtmoe.errors import UsageError
 from mtmoe.files import write_atomic
 
-MANIFEST = PROJECT_DATASETS / "manifest.json"
+MANIFEST = resources.files("mtmoe.data") / "manifest.json"
 
 
 def manifest_entry(name: str) -> dict:

@@ -30,7 +30,7 @@ class Ratings(NamedTuple):
 
 
 class _Variant(NamedTuple):
-    manifest_name: str  # entry of datasets/manifest.json
+    manifest_name: str  # entry of mtmoe/data/manifest.json
     name: str  # DatasetInfo.name
     n_users: int
     n_items: int

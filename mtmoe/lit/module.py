@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from torchmetrics import MeanMetric, MeanSquaredError, MetricCollection
 from torchmetrics.classification import BinaryAccuracy, BinaryAUROC, MulticlassAccuracy
 
-from mtmoe.data.base import DatasetInfo, TaskSpec
+from mtmoe.dataset_info import DatasetInfo, TaskSpec
 from mtmoe.errors import UsageError
 from mtmoe.gates.base import Gate, GateDims
 from mtmoe.lit.metrics import RoutingStats

@@ -1,7 +1,7 @@
 """``python -m mtmoe report --data movielens``: the paper's Tables 2-3 and Table 7 from the tuning studies.
 
-For every study of the dataset in the storage (study user attributes ``data`` and ``gate``, written by ``tune``;
-one row per study name, so ``.../alpha=0.1`` and ``.../alpha=0.9`` are separate rows, compared within their alpha):
+For every study of the dataset in the storage (the trial table, :mod:`mtmoe.tuning.trials`: one row per study
+name, so ``.../alpha=0.1`` and ``.../alpha=0.9`` are separate rows, compared within their alpha):
 
 * the **top 5% of trials by validation objective** (``ceil(0.05 * n)``, at least 1) of the ``n`` evaluated
   configurations. A diverged trial (failed with a ``fail_reason``) counts among the ``n`` with objective ``+inf``,
@@ -17,141 +17,26 @@ one row per study name, so ``.../alpha=0.1`` and ``.../alpha=0.9`` are separate 
 * **Table 7**: per-task test metrics of the same selected trials, mean ± SE: AUC and accuracy ×100, MSE as is.
 
 Printed, and written atomically as Markdown (``report.md``) and CSV (``table_2_3.csv``, ``table_7.csv``) into
-``--out`` (default ``studies/reports/<data>/``).
+``--out`` (default ``studies/reports/<data>/`` under the current directory).
 """
 from __future__ import annotations
 
 import argparse
 import math
-from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pandas as pd
-from optuna.trial import TrialState
 
-from mtmoe.errors import UsageError
 from mtmoe.files import write_atomic
 from mtmoe.lit.metrics import TASK_METRICS
-from mtmoe.tuning.space import STUDIES_DIR
+from mtmoe.tuning.trials import as_text, collect, output_dir, parse_strict, studies_parser
 
 TOP_FRACTION = 0.05
 SIGNIFICANCE = 0.05
 
 
-class OneLineParser(argparse.ArgumentParser):
-    """Every parse error (a missing required flag too, which ``exit_on_error=False`` does not cover before Python
-    3.12) is a one-line UsageError."""
-
-    def error(self, message: str):
-        raise UsageError(f"{self.prog.rpartition(' ')[2]}: {message}")
-
-
-def studies_parser(command: str) -> argparse.ArgumentParser:
-    """``--data``, ``--storage``, ``--out``: how the commands that read the tuning studies (``report``,
-    ``bootstrap``) find them and where they write."""
-    parser = OneLineParser(prog=f"python -m mtmoe {command}", exit_on_error=False)
-    parser.add_argument("--data", required=True, help="dataset (the studies' 'data' attribute)")
-    parser.add_argument("--storage", default=None, help="RDB URL or journal:PATH (default: studies/optuna.db)")
-    parser.add_argument("--out", default=None, help="output folder (default: studies/reports/<data>/)")
-    return parser
-
-
-def parse_strict(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
-    """Parse ``argv``; a bad or unknown flag is a one-line UsageError."""
-    try:
-        args, extra = parser.parse_known_args(argv)
-    except argparse.ArgumentError as error:
-        raise UsageError(str(error)) from None
-    if extra:
-        raise UsageError(f"{parser.prog.rpartition(' ')[2]}: unrecognised arguments: {' '.join(extra)}")
-    return args
-
-
 def parse_report_args(argv: list[str]) -> argparse.Namespace:
     return parse_strict(studies_parser("report"), argv)
-
-
-def open_storage(url: str | None):
-    """The tuning storage, read-only in spirit: a missing SQLite file is an error, never created."""
-    from mtmoe.tuning.study import storage_for
-
-    url = url or f"sqlite:///{STUDIES_DIR / 'optuna.db'}"
-    if url.startswith("sqlite:///"):
-        path = Path(url.removeprefix("sqlite:///"))
-        if not path.is_file():
-            raise UsageError(f"no study storage at {path} (run `python -m mtmoe tune` first, or pass --storage)")
-    elif url.startswith("journal:") and not Path(url.removeprefix("journal:")).is_file():
-        raise UsageError(f"no journal file {url.removeprefix('journal:')} (run tune first, or pass --storage)")
-    return url, storage_for(url)
-
-
-def trial_rows(study_name: str, attrs: dict[str, Any], trials: list) -> list[dict[str, Any]]:
-    """One row per evaluated configuration: complete trials, and diverged ones with objective +inf."""
-    rows: dict[int, dict[str, Any]] = {}
-    for trial in sorted(trials, key=lambda t: t.number):
-        user = trial.user_attrs
-        if "config_id" not in user:
-            continue
-        if trial.state == TrialState.COMPLETE and trial.value is not None:
-            diverged, objective = False, float(trial.value)
-        elif trial.state == TrialState.FAIL and str(user.get("fail_reason", "")).startswith("diverged"):
-            diverged, objective = True, math.inf
-        else:  # lost (crash, Ctrl-C), waiting, running, skipped duplicates: not a result
-            continue
-        config_id = int(user["config_id"])
-        if config_id in rows and not rows[config_id]["diverged"]:
-            continue  # a configuration counts once (its first complete evaluation)
-        tasks = sorted({k.split("/")[1] for k in user if k.startswith("test/") and k.endswith("/experts_per_sample")})
-        per_task_ns = [user[f"test/{t}/experts_per_sample"] for t in tasks]
-        row = {
-            "study": study_name, "gate": attrs.get("gate"), "alpha": attrs.get("alpha", _alpha_of(study_name)),
-            "config_id": config_id, "trial": trial.number, "diverged": diverged, "objective": objective,
-            "test_loss": _number(user.get("test_loss")),
-            "n_s": float(np.mean([_number(v) for v in per_task_ns])) if per_task_ns else math.nan,
-        }
-        for key, value in user.items():
-            parts = key.split("/")
-            if len(parts) == 3 and parts[0] == "test" and parts[2] in TASK_METRICS:
-                row[f"{parts[1]}/{parts[2]}"] = _number(value)
-        rows[config_id] = row
-    return list(rows.values())
-
-
-def _number(value: Any) -> float:
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return math.nan
-
-
-def _text(value: Any) -> str:
-    return "" if value is None or (isinstance(value, float) and math.isnan(value)) else str(value)
-
-
-def _alpha_of(study_name: str) -> str | None:
-    _, _, alpha = study_name.partition("/alpha=")
-    return alpha or None
-
-
-def collect(url: str | None, data: str) -> tuple[str, pd.DataFrame]:
-    """All evaluated configurations of the dataset's studies, one row each."""
-    import optuna
-
-    url, storage = open_storage(url)
-    rows: list[dict[str, Any]] = []
-    names = []
-    for summary in optuna.get_all_study_summaries(storage, include_best_trial=False):
-        if summary.user_attrs.get("data") != data or "gate" not in summary.user_attrs:
-            continue
-        names.append(summary.study_name)
-        study = optuna.load_study(study_name=summary.study_name, storage=storage)
-        rows += trial_rows(summary.study_name, summary.user_attrs, study.get_trials(deepcopy=False))
-    if not names:
-        raise UsageError(f"no studies for dataset {data!r} in {url} (run `python -m mtmoe tune --data {data}` first)")
-    if not rows:
-        raise UsageError(f"the studies of {data!r} in {url} ({', '.join(sorted(names))}) have no finished trials yet")
-    return url, pd.DataFrame(rows)
 
 
 def top_trials(trials: pd.DataFrame) -> pd.DataFrame:
@@ -194,7 +79,7 @@ def aggregate(trials: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
             "n_s_mean": ns_mean, "n_s_se": ns_se,
         })
     table = pd.DataFrame(rows)
-    table["alpha_key"] = [_text(a) for a in table.alpha]  # not astype(str): pandas 3 keeps None missing
+    table["alpha_key"] = [as_text(a) for a in table.alpha]  # not astype(str): pandas 3 keeps None missing
     baselines, p_values = [], []
     for row in table.itertuples():
         candidates = table[(table.alpha_key == row.alpha_key) & (table.study != row.study)
@@ -248,9 +133,9 @@ def markdown(data: str, url: str, table: pd.DataFrame, table7: pd.DataFrame) -> 
     for r in table.itertuples():
         star = "*" if r.significant else ""
         p = "n/a" if math.isnan(r.p_value) else f"{r.p_value:.3g}"
-        lines.append(f"| {r.study} | {r.gate} | {_text(r.alpha)} | {r.trials} | {r.diverged} "
+        lines.append(f"| {r.study} | {r.gate} | {as_text(r.alpha)} | {r.trials} | {r.diverged} "
                      f"| {r.selected} | {star}{_pm(r.test_loss_x100_mean, r.test_loss_x100_se, 2)} "
-                     f"| {_pm(r.n_s_mean, r.n_s_se, 2)} | {_text(r.baseline) or '-'} | {p} |")
+                     f"| {_pm(r.n_s_mean, r.n_s_se, 2)} | {as_text(r.baseline) or '-'} | {p} |")
     metrics = [c.removesuffix(" mean") for c in table7.columns if c.endswith(" mean")]
     lines += ["", "## Table 7: per-task test metrics (AUC and accuracy ×100, MSE as is)", "",
               "| Study | Gate | " + " | ".join(metrics) + " |", "|---|---|" + "---|" * len(metrics)]
@@ -265,7 +150,7 @@ def report(argv: list[str]) -> None:
     url, trials = collect(args.storage, args.data)
     table, table7 = aggregate(trials)
     text = markdown(args.data, url, table, table7)
-    out = Path(args.out) if args.out else STUDIES_DIR / "reports" / args.data
+    out = output_dir(args.out, args.data)
     write_atomic(text, out / "report.md")
     write_atomic(table.to_csv(index=False), out / "table_2_3.csv")
     write_atomic(table7.to_csv(index=False), out / "table_7.csv")

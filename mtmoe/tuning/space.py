@@ -1,4 +1,5 @@
-"""Search spaces: ``studies/<dataset>.yaml``, one section per gate, transcribed from Supplement S1.3.
+"""Search spaces: ``spaces/<dataset>.yaml`` beside this module (package data, read with :mod:`importlib.resources`),
+one section per gate, transcribed from Supplement S1.3. ``tune --space FILE`` reads another file.
 
 Format (keys are the CLI's dotted config keys, so a configuration is a list of ``--key=value`` arguments)::
 
@@ -24,15 +25,19 @@ import hashlib
 import inspect
 import json
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
 
 from mtmoe.errors import UsageError
 
-STUDIES_DIR = Path(__file__).resolve().parents[2] / "studies"
+if TYPE_CHECKING:
+    from importlib.resources.abc import Traversable
+
+SPACES_DIR = resources.files("mtmoe.tuning") / "spaces"
 DISTRIBUTIONS = ("log_uniform", "uniform", "int", "choice")
 
 
@@ -120,15 +125,16 @@ def _distribution(key: str, spec: Any, where: str) -> BaseDistribution | None:
     return FloatDistribution(float(low), float(high), log=kind == "log_uniform")
 
 
-def space_file(data: str) -> Path:
-    return STUDIES_DIR / f"{data}.yaml"
+def space_file(data: str) -> Traversable:
+    """The packaged search-space file of dataset ``data``."""
+    return SPACES_DIR / f"{data}.yaml"
 
 
 def load_space(data: str, gate: str, path: str | Path | None = None) -> SearchSpace:
-    """Read and validate ``gate``'s section of the dataset's search-space file."""
+    """Read and validate ``gate``'s section of the dataset's search-space file (default: the packaged one)."""
     path = Path(path) if path is not None else space_file(data)
     if not path.is_file():
-        raise UsageError(f"no search-space file {path} for dataset {data!r} (expected studies/<dataset>.yaml)")
+        raise UsageError(f"no search-space file {path} for dataset {data!r}")
     try:
         document = yaml.safe_load(path.read_text())
     except yaml.YAMLError as error:

@@ -4,10 +4,10 @@
   study and enqueued with ``config_id`` and ``config_hash`` user attributes: two runs with the same seed evaluate
   the same configurations, in any number of workers, and workers pop distinct enqueued trials (ecosystem.md §3.2).
   Trial ``config_id`` is trained with ``--seed_everything = seed + config_id``.
-* **Storage.** Default: SQLite under ``studies/`` (one worker). ``--storage postgresql://...`` (heartbeats: a
-  worker killed mid-trial has its trial failed after the grace period and its configuration re-enqueued) or
-  ``--storage journal:PATH`` (Optuna's JournalStorage, no server, no heartbeats) for many workers and machines;
-  ``--workers N`` starts N local worker processes.
+* **Storage** (:mod:`mtmoe.tuning.storage`). Default: SQLite ``studies/optuna.db`` under the current directory
+  (one worker). ``--storage postgresql://...`` (heartbeats: a worker killed mid-trial has its trial failed after
+  the grace period and its configuration re-enqueued) or ``--storage journal:PATH`` (Optuna's JournalStorage, no
+  server, no heartbeats) for many workers and machines; ``--workers N`` starts N local worker processes.
 * **Trials.** The objective is the validation task loss at the early-stopping best epoch; test loss, per-task
   metrics, n/s, routing statistics, epochs, wall time, seed and the configuration hash are user attributes. No
   pruning. A diverged trial (NaN or infinite loss) is failed with a ``fail_reason`` and not retried; a trial lost to
@@ -35,9 +35,9 @@ import optuna
 from optuna.trial import TrialState
 
 from mtmoe.errors import UsageError
-from mtmoe.tuning.space import STUDIES_DIR, SearchSpace, load_space
-
-HEARTBEAT_INTERVAL, GRACE_PERIOD = 10, 30  # seconds; MTMOE_HEARTBEAT_INTERVAL / MTMOE_HEARTBEAT_GRACE override
+from mtmoe.run import build_run, translate_shortcuts
+from mtmoe.tuning.space import SearchSpace, load_space
+from mtmoe.tuning.storage import STUDIES_DIR, default_storage_url, has_heartbeat, heartbeat_settings, storage_for
 
 
 class TrialInterrupted(KeyboardInterrupt):
@@ -51,18 +51,6 @@ class _OneLineInterrupts(logging.Filter):
         if record.exc_info and isinstance(record.exc_info[1], KeyboardInterrupt):
             record.exc_info, record.exc_text = None, None
         return True
-
-
-def heartbeat_settings() -> tuple[int, int]:
-    """(interval, grace period) in seconds of RDB heartbeats; the environment may shorten them (tests)."""
-    try:
-        interval = int(os.environ.get("MTMOE_HEARTBEAT_INTERVAL", HEARTBEAT_INTERVAL))
-        grace = int(os.environ.get("MTMOE_HEARTBEAT_GRACE", GRACE_PERIOD))
-    except ValueError as error:
-        raise UsageError(f"MTMOE_HEARTBEAT_INTERVAL/MTMOE_HEARTBEAT_GRACE must be integers: {error}") from None
-    if not 1 <= interval < grace:
-        raise UsageError(f"heartbeat: need 1 <= MTMOE_HEARTBEAT_INTERVAL ({interval}) < MTMOE_HEARTBEAT_GRACE ({grace})")
-    return interval, grace
 
 
 def plan_configurations(space: SearchSpace, n: int, seed: int) -> list[dict[str, Any]]:
@@ -93,19 +81,6 @@ def cli_args(space: SearchSpace, params: dict[str, Any], overrides: list[str], s
     return args + overrides
 
 
-def make_cli(args: list[str]):
-    """Instantiate (but do not run) the LightningCLI for ``fit`` arguments; ``cli.fit(...)`` then runs them."""
-    from mtmoe.cli import MTMoECLI, lightning_cli_kwargs, translate_shortcuts
-
-    saved_argv, sys.argv = sys.argv, sys.argv[:1]
-    try:
-        cli = MTMoECLI(**lightning_cli_kwargs(translate_shortcuts(args)), run=False)
-    finally:
-        sys.argv = saved_argv
-    cli.quiet = True
-    return cli
-
-
 def suggest(trial: optuna.Trial, key: str, distribution: optuna.distributions.BaseDistribution) -> Any:
     """Ask ``trial`` for ``key``: an enqueued trial returns its planned value."""
     if isinstance(distribution, optuna.distributions.CategoricalDistribution):
@@ -113,41 +88,6 @@ def suggest(trial: optuna.Trial, key: str, distribution: optuna.distributions.Ba
     if isinstance(distribution, optuna.distributions.IntDistribution):
         return trial.suggest_int(key, distribution.low, distribution.high)
     return trial.suggest_float(key, distribution.low, distribution.high, log=distribution.log)
-
-
-def rdb_url(url: str) -> str:
-    """``postgresql://`` with the installed driver: SQLAlchemy >= 2.1 defaults to psycopg 3, the project installs
-    psycopg2 (``psycopg2-binary``), so a plain URL would fail with "Failed to import DB access module"."""
-    if url.startswith("postgresql://"):
-        import importlib.util
-
-        if importlib.util.find_spec("psycopg") is None and importlib.util.find_spec("psycopg2") is not None:
-            return "postgresql+psycopg2://" + url.removeprefix("postgresql://")
-    return url
-
-
-def storage_for(url: str):
-    """An Optuna storage: RDB URL (with heartbeats), ``journal:PATH``; unreachable -> one-line UsageError."""
-    try:
-        if url.startswith("journal:"):
-            from optuna.storages.journal import JournalFileBackend
-
-            return optuna.storages.JournalStorage(JournalFileBackend(url.removeprefix("journal:")))
-        interval, grace = heartbeat_settings()
-        with warnings.catch_warnings():  # heartbeats are "experimental": not worth a warning on every command
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            return optuna.storages.RDBStorage(
-                rdb_url(url),
-                engine_kwargs={"pool_pre_ping": True} if not url.startswith("sqlite") else None,
-                heartbeat_interval=interval,
-                grace_period=grace,
-                heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=3),
-            )
-    except UsageError:
-        raise
-    except Exception as error:  # sqlalchemy/driver errors: say what could not be reached
-        reason = " ".join(str(error).split())[:300]
-        raise UsageError(f"cannot open the study storage {url!r}: {reason}") from None
 
 
 class Objective:
@@ -170,11 +110,11 @@ class Objective:
         seed = self.seed + int(config_id)
         start = time.perf_counter()
         try:
-            cli = make_cli(cli_args(self.space, params, self.overrides, seed, self.log_dir / f"config-{config_id:04d}"))
-            cli.fit(cli.model, cli.datamodule)
+            args = cli_args(self.space, params, self.overrides, seed, self.log_dir / f"config-{config_id:04d}")
+            run = build_run(args)
+            results = run.fit()
         except (KeyboardInterrupt, SystemExit) as interrupt:  # Lightning answers Ctrl-C with sys.exit(1)
             raise TrialInterrupted(f"trial {trial.number} (config_id {config_id}) interrupted") from interrupt
-        results = cli.results or {}
         trial.set_user_attr("seed", seed)
         trial.set_user_attr("wall_time_s", round(time.perf_counter() - start, 2))
         trial.set_user_attr("epochs_run", results.get("epochs_run"))
@@ -183,8 +123,8 @@ class Objective:
             trial.set_user_attr(f"test/{key}", value)
         trial.set_user_attr("test_loss", results.get("test", {}).get("loss"))
         objective = results.get("best_val_loss", math.inf)
-        if cli.model.diverged is not None or not math.isfinite(objective):
-            trial.set_user_attr("fail_reason", f"diverged: {cli.model.diverged or 'no finite validation loss'}")
+        if run.model.diverged is not None or not math.isfinite(objective):
+            trial.set_user_attr("fail_reason", f"diverged: {run.model.diverged or 'no finite validation loss'}")
             return math.nan  # Optuna records the trial as FAILED; it counts among the N, with objective +inf
         return objective
 
@@ -377,27 +317,19 @@ def prepare_study(url: str, study_name: str, space: SearchSpace, seed: int, conf
     enqueue_missing(study, space, configurations)
 
 
-def has_heartbeat(storage: Any) -> bool:
-    """RDB storages (SQLite, PostgreSQL) record heartbeats here; JournalStorage cannot."""
-    return isinstance(storage, optuna.storages.RDBStorage) and storage.get_heartbeat_interval() is not None
-
-
-def default_storage() -> str:
-    STUDIES_DIR.mkdir(exist_ok=True)
-    return f"sqlite:///{STUDIES_DIR / 'optuna.db'}"
-
-
 def parse_tune_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(prog="python -m mtmoe tune", exit_on_error=False, add_help=True)
     parser.add_argument("--gate", required=True)
     parser.add_argument("--data", required=True)
     parser.add_argument("--trials", type=int, default=None, help="configurations (default: the space file's)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the configurations and of the trials")
-    parser.add_argument("--storage", default=None, help="RDB URL or journal:PATH (default: SQLite under studies/)")
+    parser.add_argument("--storage", default=None,
+                        help="RDB URL or journal:PATH (default: SQLite studies/optuna.db under the current directory)")
     parser.add_argument("--workers", type=int, default=1, help="local worker processes")
     parser.add_argument("--study-name", default=None, help="default: <data>/<gate>[/alpha=<alpha>]")
-    parser.add_argument("--space", default=None, help="search-space file (default: studies/<data>.yaml)")
-    parser.add_argument("--log-dir", default=None, help="per-trial logs (default: studies/runs)")
+    parser.add_argument("--space", default=None, help="search-space file (default: the packaged spaces/<data>.yaml)")
+    parser.add_argument("--log-dir", default=None,
+                        help="per-trial logs (default: studies/runs/ under the current directory)")
     try:
         return parser.parse_known_args(argv)
     except argparse.ArgumentError as error:
@@ -420,8 +352,8 @@ def check_overrides(space: SearchSpace, configurations: list[dict], overrides: l
     window longer than the run fail here, before the storage is touched, not in the middle of the study."""
     longest = max(range(len(configurations)), key=lambda i: configurations[i].get("model.perm_epochs") or 0)
     with tempfile.TemporaryDirectory() as scratch:
-        cli = make_cli(cli_args(space, configurations[longest], overrides, seed, Path(scratch)))
-        search, max_epochs = cli.model.net.local_search, cli.trainer.max_epochs
+        run = build_run(cli_args(space, configurations[longest], overrides, seed, Path(scratch)))
+        search, max_epochs = run.model.net.local_search, run.trainer.max_epochs
         if search is not None and max_epochs not in (None, -1) and search.epochs > max_epochs:
             raise UsageError(
                 f"configuration {longest} has perm_epochs={search.epochs}, longer than the run "
@@ -443,8 +375,6 @@ def tune(argv: list[str]) -> None:
 def _tune(argv: list[str]) -> None:
     quiet_libraries()
     args, overrides = parse_tune_args(argv)
-    from mtmoe.cli import translate_shortcuts
-
     translate_shortcuts(["--gate", args.gate, "--data", args.data])  # unknown names fail here, storage untouched
     space = load_space(args.data, args.gate, args.space)
     trials = space.trials if args.trials is None else args.trials
@@ -453,7 +383,9 @@ def _tune(argv: list[str]) -> None:
     if args.workers < 1:
         raise UsageError(f"--workers must be >= 1, got {args.workers}")
     space = SearchSpace(space.data, space.gate, trials, space.fixed, space.distributions)
-    url = args.storage or default_storage()
+    if args.storage is None:
+        STUDIES_DIR.mkdir(exist_ok=True)
+    url = args.storage or default_storage_url()
     if url.startswith("sqlite") and args.workers > 1:
         raise UsageError("SQLite serialises writers: use --storage postgresql://... or journal:PATH for --workers > 1")
     alpha = _option_value(overrides, "model.alpha")

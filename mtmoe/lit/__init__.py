@@ -1,0 +1,1 @@
+"""The Lightning layer: the LightningModule around :class:`mtmoe.mmoe.MMoE`, its metrics and callbacks."""

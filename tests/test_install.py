@@ -1,0 +1,117 @@
+"""The package as a user gets it: where its files are read from and where its commands write.
+
+The slow test builds a wheel from this checkout, installs it into a fresh virtual environment and runs, from a
+folder outside the checkout, a tiny ``fit``, ``tune``, ``report`` and ``bootstrap`` on the real MovieLens-100K:
+their outputs appear where README.md says (under the current directory), and nothing is written into the installed
+package. Most of its 2-3 minutes is pip installing torch and the other dependencies into the new environment.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from conftest import REAL_DATA
+
+CHECKOUT = Path(__file__).resolve().parents[1]
+TINY = ["--trainer.max_epochs=1", "--trainer.limit_train_batches=20", "--trainer.limit_val_batches=5",
+        "--trainer.limit_test_batches=5"]
+
+
+def test_data_root_defaults_to_mtmoe_data_else_the_user_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    from mtmoe.data import MovieLens100KDataModule
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("MTMOE_DATA", raising=False)
+    assert MovieLens100KDataModule().root == tmp_path / ".cache" / "mtmoe" / "data"
+    monkeypatch.setenv("MTMOE_DATA", str(tmp_path / "elsewhere"))
+    assert MovieLens100KDataModule().root == tmp_path / "elsewhere"
+
+
+def test_search_spaces_and_manifest_are_package_data() -> None:
+    from mtmoe.data import download
+    from mtmoe.tuning.space import SPACES_DIR, space_file
+
+    assert space_file("movielens").is_file() and "ml-100k" in json.loads(download.MANIFEST.read_text())
+    assert {path.name for path in SPACES_DIR.iterdir()} >= {"movielens.yaml", "movielens-100k.yaml", "books.yaml"}
+
+
+def run(command: list, cwd: Path, env: dict[str, str], timeout: int = 600) -> str:
+    start = time.perf_counter()
+    result = subprocess.run([str(c) for c in command], cwd=cwd, env=env, capture_output=True, text=True,
+                            timeout=timeout)
+    print(f"{time.perf_counter() - start:6.1f} s  {' '.join(str(c) for c in command[:4])}")
+    assert result.returncode == 0, f"{command}\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+    return result.stdout
+
+
+def package_files(site_packages: Path) -> set[Path]:
+    return {p.relative_to(site_packages) for p in (site_packages / "mtmoe").rglob("*")
+            if "__pycache__" not in p.parts}
+
+
+def build_wheel(out: Path, env: dict[str, str]) -> Path:
+    """The wheel of this checkout, built from a clean copy of its sources (setuptools would package a stale
+    ``build/`` folder of the checkout)."""
+    source = out / "source"
+    shutil.copytree(CHECKOUT / "mtmoe", source / "mtmoe", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(CHECKOUT / name, source / name)
+    run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", out / "dist", source], out, env)
+    (wheel,) = (out / "dist").glob("mtmoe-*.whl")
+    return wheel
+
+
+@pytest.fixture
+def venv(tmp_path: Path):
+    """A fresh virtual environment, removed afterwards (about 6 GB with torch's CUDA libraries: too much to leave
+    among the temporary folders pytest keeps)."""
+    path = tmp_path / "venv"
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_wheel_in_a_fresh_environment_runs_from_anywhere(tmp_path: Path, venv: Path) -> None:
+    if not (REAL_DATA / "ml-100k" / "u.data").is_file():
+        pytest.skip("../shared/data/ml-100k is not beside the project")
+    env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    wheel = build_wheel(tmp_path, env)
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {"mtmoe/data/manifest.json", "mtmoe/tuning/spaces/movielens-100k.yaml", "mtmoe/lit/module.py"} <= names
+    run([sys.executable, "-m", "venv", venv], tmp_path, env)
+    python = venv / "bin" / "python"
+    run([python, "-m", "pip", "install", "--quiet", wheel], tmp_path, env)
+    where = "import mtmoe, pathlib; print(pathlib.Path(mtmoe.__file__).parents[1])"
+    site_packages = Path(run([python, "-c", where], tmp_path, env).strip())
+    assert site_packages.is_relative_to(venv) and (site_packages / "mtmoe" / "run.py").is_file()
+    installed = package_files(site_packages)
+
+    # a user's project folder, outside the checkout; caches and HOME in the test's folder
+    work = tmp_path / "project"
+    work.mkdir()
+    env.update(PATH=f"{venv / 'bin'}{os.pathsep}{env['PATH']}", HOME=str(tmp_path / "home"),
+               MTMOE_DATA=str(REAL_DATA), MTMOE_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
+    assert "comet" in run(["mtmoe", "gates"], work, env)
+    run([python, "-m", "mtmoe", "fit", "--gate", "topk", "--data", "movielens-100k", *TINY], work, env)
+    results = json.loads((work / "runs" / "lightning_logs" / "version_0" / "results.json").read_text())
+    assert results["gate"] == "topk" and results["test"]["loss"] > 0
+    run([python, "-m", "mtmoe", "tune", "--gate", "topk", "--data", "movielens-100k", "--trials", "3", *TINY],
+        work, env)
+    assert (work / "studies" / "optuna.db").is_file()
+    assert len(list((work / "studies" / "runs").rglob("results.json"))) == 3
+    report = run([python, "-m", "mtmoe", "report", "--data", "movielens-100k"], work, env)
+    assert "| movielens-100k/topk | topk |" in report
+    run([python, "-m", "mtmoe", "bootstrap", "--data", "movielens-100k"], work, env)
+    assert {p.name for p in (work / "studies" / "reports" / "movielens-100k").iterdir()} == {
+        "report.md", "table_2_3.csv", "table_7.csv", "bootstrap.png", "bootstrap.md", "bootstrap.html",
+        "bootstrap_curves.csv", "bootstrap_factors.csv", "bootstrap_ranges.csv"}
+    assert {p.name for p in work.iterdir()} == {"runs", "studies"}  # nothing else in the current directory
+    assert package_files(site_packages) == installed  # nothing written into the installed package
