@@ -34,7 +34,7 @@ from mtmoe.gates import gate_class
 from mtmoe.pack.train import PackTrainer, PackTrial, TrialResult
 from mtmoe.run import build_run
 from mtmoe.tuning.space import SearchSpace
-from mtmoe.tuning.storage import has_heartbeat, heartbeat_settings
+from mtmoe.tuning.storage import heartbeat_settings
 
 #: Settings each trial of a pack may have its own value of (besides a gate's ``scalar_hyperparameters``).
 PER_TRIAL_KEYS = frozenset({"model.lr", "model.adam_eps", "model.alpha", "model.perm_epochs", "model.zeta",
@@ -61,7 +61,9 @@ class Heartbeats:
         self.storage, self.ids, self.lock = storage, set(), threading.Lock()
         self.stopped = threading.Event()
         self.interval = heartbeat_settings()[0]
-        self.thread = threading.Thread(target=self._beat, daemon=True) if has_heartbeat(storage) else None
+        # ``storage`` is a study's (an RDB storage behind Optuna's cache), which records heartbeats when the RDB does
+        enabled = getattr(storage, "get_heartbeat_interval", lambda: None)() is not None
+        self.thread = threading.Thread(target=self._beat, daemon=True) if enabled else None
         if self.thread is not None:
             self.thread.start()
 
@@ -90,9 +92,10 @@ class PackWorker:
     """Claims, packs, trains and reports the waiting trials of one study, one structure at a time."""
 
     def __init__(self, study: optuna.Study, space: SearchSpace, overrides: list[str], seed: int, log_dir: Path,
-                 capacity: int | str, configurations: list[dict[str, Any]], progress=None) -> None:
+                 capacity: int | str, configurations: list[dict[str, Any]]) -> None:
         self.study, self.space, self.overrides, self.seed, self.log_dir = study, space, overrides, seed, log_dir
-        self.capacity, self.progress = capacity, progress
+        self.capacity = capacity
+        self.progress = PackProgress(study, space.trials)
         self.keys = {config_id: pack_key(space, params) for config_id, params in enumerate(configurations)}
         self.heartbeats = Heartbeats(study._storage)
         self.running: dict[int, optuna.Trial] = {}  # trial id -> trial, claimed and not yet told
@@ -168,12 +171,12 @@ class PackWorker:
         from mtmoe.tuning.study import record_result
 
         trial, seed = result.key
-        objective = record_result(trial, seed, result.wall_time_s, result.results,
-                                  None if result.diverged is None else result.diverged)
+        objective = record_result(trial, seed, result.wall_time_s, result.results, result.diverged)
         if math.isnan(objective):
             self._tell(trial, state=TrialState.FAIL)
         else:
-            self._tell(trial, value=objective)
+            self._tell(trial, values=objective)
+        self.progress.finished += 1
 
     def _tell(self, trial: optuna.Trial, **kwargs: Any) -> None:
         self.study.tell(trial, **kwargs)
@@ -181,8 +184,32 @@ class PackWorker:
         self.running.pop(trial._trial_id, None)
 
     def _progress(self, trainer: PackTrainer) -> None:
-        if self.progress is not None:
-            self.progress(self.study, trainer)
+        self.progress(trainer)
+
+
+class PackProgress:
+    """One line per study at most every ``every`` seconds and when trials end: trials done / total, running in
+    this pack, failed, best so far and an ETA from this worker's rate of finishing trials."""
+
+    def __init__(self, study: optuna.Study, total: int, every: float = 10.0) -> None:
+        self.study, self.total, self.every = study, total, every
+        self.start, self.last, self.finished, self.reported = time.perf_counter(), -math.inf, 0, 0
+
+    def __call__(self, trainer: PackTrainer) -> None:
+        now = time.perf_counter()
+        if now - self.last < self.every and self.finished == self.reported:
+            return
+        from mtmoe.tuning.study import study_counts
+
+        self.last, self.reported = now, self.finished
+        counts = study_counts(self.study)
+        done = len(counts["complete"]) + len(counts["diverged"])
+        best = min((t.value for t in counts["complete"]), default=None)
+        rate = self.finished / (now - self.start)
+        eta = time.strftime("%Hh%Mm%Ss", time.gmtime((self.total - done) / rate)) if rate > 0 else "?"
+        print(f"[{self.study.study_name}] {done}/{self.total} done, {len(trainer.running)} running in a pack of "
+              f"{trainer.capacity}, {len(counts['diverged'])} failed, best {'-' if best is None else f'{best:.5g}'}, "
+              f"ETA {eta}", flush=True)
 
 
 def check_packable(run: Any) -> None:

@@ -115,18 +115,25 @@ class Objective:
             results = run.fit()
         except (KeyboardInterrupt, SystemExit) as interrupt:  # Lightning answers Ctrl-C with sys.exit(1)
             raise TrialInterrupted(f"trial {trial.number} (config_id {config_id}) interrupted") from interrupt
-        trial.set_user_attr("seed", seed)
-        trial.set_user_attr("wall_time_s", round(time.perf_counter() - start, 2))
-        trial.set_user_attr("epochs_run", results.get("epochs_run"))
-        trial.set_user_attr("best_epoch", results.get("best_epoch"))
-        for key, value in results.get("test", {}).items():
-            trial.set_user_attr(f"test/{key}", value)
-        trial.set_user_attr("test_loss", results.get("test", {}).get("loss"))
-        objective = results.get("best_val_loss", math.inf)
-        if run.model.diverged is not None or not math.isfinite(objective):
-            trial.set_user_attr("fail_reason", f"diverged: {run.model.diverged or 'no finite validation loss'}")
-            return math.nan  # Optuna records the trial as FAILED; it counts among the N, with objective +inf
-        return objective
+        return record_result(trial, seed, round(time.perf_counter() - start, 2), results, run.model.diverged)
+
+
+def record_result(trial: optuna.Trial, seed: int, wall_time_s: float, results: dict[str, Any],
+                  diverged: str | None) -> float:
+    """Record a finished trial's results as its user attributes; its objective (NaN for a diverged trial, which
+    Optuna records as FAILED; it counts among the N, with objective +inf)."""
+    trial.set_user_attr("seed", seed)
+    trial.set_user_attr("wall_time_s", wall_time_s)
+    trial.set_user_attr("epochs_run", results.get("epochs_run"))
+    trial.set_user_attr("best_epoch", results.get("best_epoch"))
+    for key, value in results.get("test", {}).items():
+        trial.set_user_attr(f"test/{key}", value)
+    trial.set_user_attr("test_loss", results.get("test", {}).get("loss"))
+    objective = results.get("best_val_loss", math.inf)
+    if diverged is not None or not math.isfinite(objective):
+        trial.set_user_attr("fail_reason", f"diverged: {diverged or 'no finite validation loss'}")
+        return math.nan
+    return objective
 
 
 def duplicate_of(study: optuna.Study, number: int, config_id: int) -> int | None:
@@ -221,15 +228,20 @@ def quiet_libraries() -> None:
 
 
 def run_worker(url: str, study_name: str, space: SearchSpace, overrides: list[str], seed: int, workers: int,
-               log_dir: Path | None = None) -> None:
-    """One worker: pops enqueued configurations until none is left."""
+               log_dir: Path | None = None, pack: int | str = 1) -> None:
+    """One worker: pops enqueued configurations until none is left, ``pack`` at a time (:mod:`mtmoe.tuning.packs`)."""
     quiet_libraries()
     study = optuna.load_study(study_name=study_name, storage=storage_for(url))
     if study_counts(study)["waiting"] == 0:
         return
-    log_dir = Path(log_dir) if log_dir is not None else STUDIES_DIR / "runs"
-    objective = Objective(space, overrides, seed, log_dir / study_name.replace("/", "_"))
-    study.optimize(objective, callbacks=[Progress(space.trials, workers)], catch=())
+    log_dir = (Path(log_dir) if log_dir is not None else STUDIES_DIR / "runs") / study_name.replace("/", "_")
+    if pack != 1:
+        from mtmoe.tuning.packs import PackWorker
+
+        configurations = plan_configurations(space, space.trials, seed)
+        PackWorker(study, space, overrides, seed, log_dir, pack, configurations).run()
+        return
+    study.optimize(Objective(space, overrides, seed, log_dir), callbacks=[Progress(space.trials, workers)], catch=())
 
 
 def _worker_process(*args: Any) -> None:
@@ -326,6 +338,9 @@ def parse_tune_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--storage", default=None,
                         help="RDB URL or journal:PATH (default: SQLite studies/optuna.db under the current directory)")
     parser.add_argument("--workers", type=int, default=1, help="local worker processes")
+    parser.add_argument("--pack", default=None,
+                        help="trials each worker trains at once as one packed model: a number, or auto (the most that "
+                             "fit the device); default: auto on a GPU, 1 on a CPU")
     parser.add_argument("--study-name", default=None, help="default: <data>/<gate>[/alpha=<alpha>]")
     parser.add_argument("--space", default=None, help="search-space file (default: the packaged spaces/<data>.yaml)")
     parser.add_argument("--log-dir", default=None,
@@ -334,6 +349,21 @@ def parse_tune_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         return parser.parse_known_args(argv)
     except argparse.ArgumentError as error:
         raise UsageError(str(error)) from None
+
+
+def pack_size(value: str | None, overrides: list[str]) -> int | str:
+    """``--pack``: a positive number or ``auto``; by default ``auto`` when the trials train on a GPU, else 1."""
+    if value is None:
+        import torch
+
+        accelerator = _option_value(overrides, "trainer.accelerator") or "auto"
+        on_gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+        return "auto" if on_gpu else 1
+    if value == "auto":
+        return value
+    if not value.isdigit() or int(value) < 1:
+        raise UsageError(f"--pack must be a positive number of trials or auto, got {value!r}")
+    return int(value)
 
 
 def _option_value(overrides: list[str], key: str) -> str | None:
@@ -347,12 +377,18 @@ def _option_value(overrides: list[str], key: str) -> str | None:
     return value
 
 
-def check_overrides(space: SearchSpace, configurations: list[dict], overrides: list[str], seed: int) -> None:
-    """Instantiate the CLI for one configuration (the one with the longest permutation window): bad overrides and a
-    window longer than the run fail here, before the storage is touched, not in the middle of the study."""
+def check_overrides(space: SearchSpace, configurations: list[dict], overrides: list[str], seed: int,
+                    pack: int | str = 1) -> None:
+    """Instantiate the CLI for one configuration (the one with the longest permutation window): bad overrides, a
+    window longer than the run and settings a pack cannot honour fail here, before the storage is touched, not in
+    the middle of the study."""
     longest = max(range(len(configurations)), key=lambda i: configurations[i].get("model.perm_epochs") or 0)
     with tempfile.TemporaryDirectory() as scratch:
         run = build_run(cli_args(space, configurations[longest], overrides, seed, Path(scratch)))
+        if pack != 1:
+            from mtmoe.tuning.packs import check_packable
+
+            check_packable(run)
         search, max_epochs = run.model.net.local_search, run.trainer.max_epochs
         if search is not None and max_epochs not in (None, -1) and search.epochs > max_epochs:
             raise UsageError(
@@ -391,11 +427,12 @@ def _tune(argv: list[str]) -> None:
     alpha = _option_value(overrides, "model.alpha")
     study_name = args.study_name or f"{args.data}/{args.gate}" + (f"/alpha={alpha}" if alpha else "")
     configurations = plan_configurations(space, trials, args.seed)
-    check_overrides(space, configurations, overrides, args.seed)
+    pack = pack_size(args.pack, overrides)
+    check_overrides(space, configurations, overrides, args.seed, pack)
     prepare_study(url, study_name, space, args.seed, configurations, alpha=alpha)
     print(f"study {study_name!r}: {trials} configurations, storage {url}, {args.workers} worker(s)", flush=True)
     log_dir = Path(args.log_dir) if args.log_dir else STUDIES_DIR / "runs"
-    worker_args = (url, study_name, space, overrides, args.seed, args.workers, log_dir)
+    worker_args = (url, study_name, space, overrides, args.seed, args.workers, log_dir, pack)
     storage = storage_for(url)
     heartbeat = has_heartbeat(storage)
     announced, done = False, -1
