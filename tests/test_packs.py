@@ -224,9 +224,9 @@ CONFIGURATIONS = [(1, 1e-3, ["--model.alpha=0.1"]), (2, 3e-3, []), (3, 5e-4, ["-
 
 @pytest.mark.parametrize("gate", ["comet", "topk+"])
 def test_a_packed_fit_reports_what_fit_reports_alone(tiny_root, tmp_path, gate: str) -> None:
-    """Four configurations in a pack of two slots (the third and fourth refill freed slots): each reports the
-    epochs, best epoch, objective and best weights' test metrics of its own ``fit``, and the diverging one fails
-    without disturbing the others."""
+    """Four configurations in a pack of two slots (the third and fourth refill freed slots, then the pack shrinks
+    to its last running trial): each reports the epochs, best epoch, objective and best weights' test metrics of its
+    own ``fit``, and the diverging one fails without disturbing the others."""
     from mtmoe.pack.train import PackTrainer, PackTrial
     from mtmoe.run import build_run
 
@@ -245,8 +245,9 @@ def test_a_packed_fit_reports_what_fit_reports_alone(tiny_root, tmp_path, gate: 
         queue.append(PackTrial(i, run.model, run.datamodule.seed, run.trainer.max_epochs, 2))
     data = run.datamodule
     data.setup()
-    PackTrainer(data.splits, 64, 64, capacity=2).run(lambda: queue.pop(0) if queue else None,
-                                                     lambda result: results.__setitem__(result.key, result))
+    trainer = PackTrainer(data.splits, 64, 64, capacity=2)
+    trainer.run(lambda: queue.pop(0) if queue else None, lambda result: results.__setitem__(result.key, result))
+    assert trainer.capacity == 1  # the last trial finished alone: the pack shrank to it, its state moved along
     assert sorted(results) == list(range(len(CONFIGURATIONS)))
     for i, (expected, diverged) in enumerate(alone):
         packed = results[i]

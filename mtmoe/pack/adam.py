@@ -36,6 +36,16 @@ class PackedAdam:
         self.lr[slot], self.eps[slot] = float(lr), float(eps)
 
     @torch.no_grad()
+    def take(self, other: PackedAdam, slots: list[int]) -> None:
+        """The state of ``other``'s ``slots``, in that order (a pack shrunk to its running trials)."""
+        for mine, theirs in ((self.exp_avg, other.exp_avg), (self.exp_avg_sq, other.exp_avg_sq)):
+            for name, tensor in mine.items():
+                tensor.copy_(theirs[name][slots])
+        for new, old in enumerate(slots):
+            self.steps[new].copy_(other.steps[old])
+            self.lr[new], self.eps[new] = other.lr[old], other.eps[old]
+
+    @torch.no_grad()
     def step(self, slots: list[int], skip: dict[int, list[str]] | None = None) -> None:
         """One Adam step of every trial in ``slots``; ``skip[slot]`` names parameters that trial leaves as they are."""
         stack = self.stack

@@ -62,10 +62,9 @@ class PackedModel:
         example: a module of the pack's structure (its values are not used).
         capacity: P, the number of slots.
         device: where the stacked tensors live.
-        compile: compile the vmapped stages with ``torch.compile`` (fused element-wise kernels).
     """
 
-    def __init__(self, example: MultiTaskMoE, capacity: int, device: torch.device | str, compile: bool = False) -> None:
+    def __init__(self, example: MultiTaskMoE, capacity: int, device: torch.device | str) -> None:
         self.info, self.capacity = example.info, capacity
         self.stack = TrialStack(example.net, capacity, device, own=("local_search.",))
         self.template = _Stages(copy.deepcopy(example.net).to("meta"), example.info.tasks)
@@ -75,7 +74,7 @@ class PackedModel:
         self.task_weights = torch.zeros(capacity, len(example.info.tasks), device=device)
         self.modules: list[MultiTaskMoE | None] = [None] * capacity
         self.has_local_search = example.net.local_search is not None
-        self.compile, self._functions = compile, {}
+        self._functions = {}
 
     def load(self, slot: int, module: MultiTaskMoE) -> None:
         """Put a trial's freshly built module into ``slot``: the stack takes its values, it keeps views."""
@@ -143,13 +142,13 @@ class PackedModel:
         return loss, task_losses, aux
 
     def _vmapped(self, stage: str, shared_batch: bool):
-        """``vmap`` of a stage over the trials (compiled with ``torch.compile`` when the pack is)."""
+        """``vmap`` of a stage over the trials. (``torch.compile`` of it was measured slower on a 2-core CPU.)"""
         key = (stage, shared_batch)
         if key not in self._functions:
             batch_dim = None if shared_batch else 0
             in_dims = (0, 0, 0, batch_dim) if stage == "route" else (0, 0, 0, 0, 0, batch_dim, 0)
-            function = vmap(self._route if stage == "route" else self._mix, in_dims=in_dims, randomness="different")
-            self._functions[key] = torch.compile(function, dynamic=False) if self.compile else function
+            self._functions[key] = vmap(self._route if stage == "route" else self._mix, in_dims=in_dims,
+                                        randomness="different")
         return self._functions[key]
 
     def unused_parameters(self) -> dict[int, list[str]]:

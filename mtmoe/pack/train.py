@@ -108,6 +108,8 @@ class PackTrainer:
             exhausted = exhausted or self._refill(next_trial)
             if not any(self.slots):
                 return
+            if exhausted and not all(self.slots):
+                self._compact()
             self._train_epoch()
             for slot, result in self._end_epoch():
                 self.slots[slot] = None
@@ -130,6 +132,20 @@ class PackTrainer:
                 return True
             self._load(slot, trial)
         return False
+
+    def _compact(self) -> None:
+        """No trial is left to refill freed slots: continue with a pack of the running trials only (their
+        parameters, buffers, Adam moments and best-weights snapshots move along), so no work goes to empty slots."""
+        keep = [slot for slot, trial in enumerate(self.slots) if trial is not None]
+        model = PackedModel(self.slots[keep[0]].module, len(keep), self.device)
+        adam = PackedAdam(model.stack)
+        for new, old in enumerate(keep):
+            model.load(new, self.slots[old].module)
+        adam.take(self.adam, keep)
+        index = torch.tensor(keep, device=self.device)
+        self.best = None if self.best is None else {name: tensor[index] for name, tensor in self.best.items()}
+        self.model, self.adam, self.capacity = model, adam, len(keep)
+        self.slots = [self.slots[slot] for slot in keep]
 
     def _load(self, slot: int, trial: PackTrial) -> None:
         module = trial.module.to(self.device)
