@@ -58,6 +58,7 @@ def test_a_packed_study_is_the_unpacked_study(tiny_root: Path, tmp_path: Path, c
     ("two", [], "--pack must be a positive number of trials or auto, got 'two'"),
     ("2", ["--trainer.limit_train_batches=5"], "--trainer.limit_train_batches is not supported by trial packs"),
     ("2", ["--trainer.precision=64-true"], "trial packs train in precision 32 or bf16-mixed"),
+    ("100000000", [], "a pack of 100000000 trials does not fit in the memory of cpu"),
 ])
 def test_bad_pack_input_is_one_line(tiny_root: Path, tmp_path: Path, capsys, pack: str, extra: list[str],
                                     message: str) -> None:

@@ -14,6 +14,7 @@ Within an epoch nothing is read back to the host: losses accumulate on the devic
 """
 from __future__ import annotations
 
+import copy
 import math
 import time
 import warnings
@@ -165,27 +166,29 @@ class PackTrainer:
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.precision == "bf16-mixed")
 
     def _train_epoch(self) -> None:
-        model, adam = self.model, self.adam
         live = [slot for slot, trial in enumerate(self.slots) if trial is not None]
         orders = torch.stack([
             shuffled_order(self.n_train, trial.data_seed, trial.epochs_run) if trial is not None
             else torch.arange(self.n_train)
             for trial in self.slots
         ]).to(self.device)
-        train = self.splits["train"]
         loss_sum = torch.zeros(self.capacity, device=self.device)  # float32 sums, as torchmetrics' MeanMetric
         for start in range(0, self.n_train, self.batch_size):
             index = orders[:, start:start + self.batch_size]
-            batch = {key: tensor[index] for key, tensor in train.items()}
-            with self._autocast():
-                loss, _, aux = model.losses(batch, shared_batch=False, training=True)
-            model.stack.zero_grad()
-            (loss + aux).float().sum().backward()
-            adam.step(live, model.unused_parameters())
-            loss_sum += loss.detach().float() * index.shape[1]
+            loss_sum += self._train_step(index, live) * index.shape[1]
         self.train_loss = loss_sum / self.n_train
         self.val_loss = self._validation_loss()
         self.epochs += 1
+
+    def _train_step(self, index: Tensor, live: list[int]) -> Tensor:
+        """One optimisation step of every trial on its rows ``index [P, B]`` of the training split; task losses."""
+        batch = {key: tensor[index] for key, tensor in self.splits["train"].items()}
+        with self._autocast():
+            loss, _, aux = self.model.losses(batch, shared_batch=False, training=True)
+        self.model.stack.zero_grad()
+        (loss + aux).float().sum().backward()
+        self.adam.step(live, self.model.unused_parameters())
+        return loss.detach().float()
 
     @torch.no_grad()
     def _validation_loss(self) -> Tensor:
@@ -246,3 +249,25 @@ class PackTrainer:
                 results["permutation"] = {"assignment": module.net.local_search.assignment(),
                                           **module.net.local_search.statistics()}
         return TrialResult(trial.key, results, trial.diverged, round(time.perf_counter() - trial.started, 2))
+
+
+def memory_per_trial(example: MultiTaskMoE, splits: dict[str, dict[str, Tensor]], batch_size: int,
+                     eval_batch_size: int, device: torch.device, precision: str = "32") -> int:
+    """The GPU memory one more trial adds to a pack, in bytes: the difference of the peaks of a training step and
+    an evaluation batch in packs of two and of one throwaway copy of ``example``, plus its best-weights snapshot."""
+    def peak(capacity: int) -> int:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        trainer = PackTrainer(splits, batch_size, eval_batch_size, capacity, device, precision)
+        for slot in range(capacity):
+            trainer._load(slot, PackTrial(None, copy.deepcopy(example), 0, 1, 1))
+        trainer._train_step(torch.arange(batch_size, device=device).expand(capacity, -1), list(range(capacity)))
+        with torch.no_grad(), trainer._autocast():
+            trainer.model.losses(trainer.eval_batches["val"][0], shared_batch=True, training=False)
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - base
+
+    one = peak(1)
+    snapshot = sum(t.numel() * t.element_size() for t in (*example.net.parameters(), *example.net.buffers()))
+    return max(peak(2) - one, 1) + snapshot

@@ -31,7 +31,7 @@ from optuna.trial import TrialState
 
 from mtmoe.errors import UsageError
 from mtmoe.gates import gate_class
-from mtmoe.pack.train import PackTrainer, PackTrial, TrialResult
+from mtmoe.pack.train import PackTrainer, PackTrial, TrialResult, memory_per_trial
 from mtmoe.run import build_run
 from mtmoe.tuning.space import SearchSpace
 from mtmoe.tuning.storage import heartbeat_settings
@@ -120,11 +120,19 @@ class PackWorker:
 
                 trainer.run(next_trial, self._finished, self._progress)
         except (KeyboardInterrupt, SystemExit) as interrupt:  # Lightning code may answer Ctrl-C with sys.exit(1)
-            for trial_id in list(self.running):
-                self.study._storage.set_trial_state_values(trial_id, TrialState.FAIL)
+            self._release()
             raise TrialInterrupted(f"{len(self.running)} packed trial(s) interrupted") from interrupt
+        except torch.OutOfMemoryError:
+            self._release()
+            raise UsageError(f"the pack ran out of device memory: pass a smaller --pack (now {self.capacity}); its "
+                             "trials run again when tune runs again") from None
         finally:
             self.heartbeats.stop()
+
+    def _release(self) -> None:
+        """Fail the running trials without a reason: the next ``tune`` re-enqueues and runs them."""
+        for trial_id in list(self.running):
+            self.study._storage.set_trial_state_values(trial_id, TrialState.FAIL)
 
     def _claim(self, key: str | None) -> tuple[PackTrial, Any] | None:
         """The next waiting planned trial of structure ``key`` (any, for ``None``), RUNNING and built, with its run."""
@@ -163,7 +171,7 @@ class PackWorker:
         device = run.trainer.strategy.root_device
         waiting = sum(1 for t in self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
                       if self.keys.get(t.user_attrs.get("config_id")) == key)
-        capacity = resolve_capacity(self.capacity, device, waiting + 1)
+        capacity = resolve_capacity(self.capacity, run, waiting + 1)
         return PackTrainer(datamodule.splits, datamodule.batch_size, datamodule.eval_batch_size, capacity, device,
                            PRECISIONS[str(run.trainer.precision)])
 
@@ -230,15 +238,24 @@ def check_packable(run: Any) -> None:
 CPU_AUTO_PACK = 8
 
 
-def resolve_capacity(requested: int | str, device: torch.device, trials: int) -> int:
-    """``--pack``'s number of slots: ``auto`` fits the device (on a GPU, as many trials as 80% of its free memory
-    holds, measured per trial; on a CPU, ``CPU_AUTO_PACK``), never more than the trials there are to run."""
-    if requested != "auto":
-        return max(1, min(int(requested), trials))
-    if device.type != "cuda":
-        return max(1, min(CPU_AUTO_PACK, trials))
-    free, _ = torch.cuda.mem_get_info(device)
-    return max(1, min(trials, int(0.8 * free / PER_TRIAL_BYTES.get(device, 1 << 30))))
-
-
-PER_TRIAL_BYTES: dict[torch.device, int] = {}
+def resolve_capacity(requested: int | str, run: Any, trials: int) -> int:
+    """``--pack``'s number of slots: ``auto`` fits the device (on a GPU as many trials as 80% of its free memory
+    holds, :func:`mtmoe.pack.train.memory_per_trial`; on a CPU ``CPU_AUTO_PACK``), never more than the trials there
+    are to run; a number is checked against the device's memory."""
+    device, datamodule = run.trainer.strategy.root_device, run.datamodule
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        per_trial = memory_per_trial(run.model, datamodule.splits, datamodule.batch_size, datamodule.eval_batch_size,
+                                     device, PRECISIONS[str(run.trainer.precision)])
+        fits = int(0.8 * free / per_trial)
+    else:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        per_trial = 5 * sum(p.numel() * p.element_size() for p in run.model.net.parameters())  # + grads, moments, best
+        fits = int(free / per_trial)
+    if requested == "auto":
+        return max(1, min(fits, trials, CPU_AUTO_PACK if device.type != "cuda" else trials))
+    if int(requested) > fits:
+        raise UsageError(f"a pack of {requested} trials does not fit in the memory of {device} ({free / 2**30:.1f} "
+                         f"GiB free, about {per_trial / 2**20:.0f} MiB per trial): pass --pack {max(1, fits)} or "
+                         "--pack auto")
+    return max(1, min(int(requested), trials))

@@ -386,9 +386,12 @@ def check_overrides(space: SearchSpace, configurations: list[dict], overrides: l
     with tempfile.TemporaryDirectory() as scratch:
         run = build_run(cli_args(space, configurations[longest], overrides, seed, Path(scratch)))
         if pack != 1:
-            from mtmoe.tuning.packs import check_packable
+            from mtmoe.tuning.packs import check_packable, resolve_capacity
 
             check_packable(run)
+            run.datamodule.prepare_data()
+            run.datamodule.setup("fit")
+            resolve_capacity(pack, run, len(configurations))
         search, max_epochs = run.model.net.local_search, run.trainer.max_epochs
         if search is not None and max_epochs not in (None, -1) and search.epochs > max_epochs:
             raise UsageError(
