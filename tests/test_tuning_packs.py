@@ -59,6 +59,7 @@ def test_a_packed_study_is_the_unpacked_study(tiny_root: Path, tmp_path: Path, c
     ("2", ["--trainer.limit_train_batches=5"], "--trainer.limit_train_batches is not supported by trial packs"),
     ("2", ["--trainer.precision=64-true"], "trial packs train in precision 32 or bf16-mixed"),
     ("100000000", [], "a pack of 100000000 trials does not fit in the memory of cpu"),
+    ("2", ["--early_stopping.min_delta=0.01"], "--early_stopping.min_delta is not supported by trial packs"),
 ])
 def test_bad_pack_input_is_one_line(tiny_root: Path, tmp_path: Path, capsys, pack: str, extra: list[str],
                                     message: str) -> None:
@@ -132,3 +133,10 @@ def test_two_packing_workers_on_postgres_evaluate_each_configuration_once(postgr
     trials = trials_of(postgres_url, name)
     assert_each_config_once(trials, 6)
     assert len([t for t in trials if "config_id" in t.user_attrs and t.state != TrialState.PRUNED]) == 6
+
+
+def test_a_packed_study_on_a_journal_storage(tiny_root: Path, tmp_path: Path, capsys) -> None:
+    url = f"journal:{tmp_path / 'journal.log'}"
+    assert run_cli(tune_args(url, tiny_root, tmp_path / "runs", *FAST, "--pack", "2", trials=3)) == 0
+    storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(tmp_path / "journal.log")))
+    assert_each_config_once(trials_of(storage, "movielens-100k/topk"), 3)

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from mtmoe.data.base import shuffled_order
+from mtmoe.host_memory import keep_freed_memory
 from mtmoe.lit.module import MultiTaskMoE
 from mtmoe.pack.adam import PackedAdam
 from mtmoe.pack.model import PackedModel
@@ -88,6 +89,8 @@ class PackTrainer:
         if precision not in ("32", "bf16-mixed"):
             raise ValueError(f"precision must be '32' or 'bf16-mixed', got {precision!r}")
         self.device = torch.device(device)
+        if self.device.type == "cpu":
+            keep_freed_memory()
         self.splits = {name: {k: t.to(self.device) for k, t in split.items()} for name, split in splits.items()}
         self.batch_size, self.capacity, self.precision = batch_size, capacity, precision
         self.eval_batches = {name: _batches(self.splits[name], eval_batch_size) for name in ("val", "test")}

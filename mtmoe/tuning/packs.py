@@ -223,10 +223,11 @@ class PackProgress:
 def check_packable(run: Any) -> None:
     """A pack trains as ``fit`` does with the trainer settings it honours; others need ``--pack 1``."""
     defaults = run.cli.parser.get_defaults()
-    config = run.config.trainer
-    for key in sorted(set(vars(config)) - PACK_TRAINER_KEYS):
-        if config[key] != defaults.get(f"trainer.{key}"):
-            raise UsageError(f"--trainer.{key} is not supported by trial packs; run with --pack 1")
+    for group, honoured in (("trainer", PACK_TRAINER_KEYS), ("early_stopping", {"patience"})):
+        config = run.config[group]
+        for key in sorted(set(vars(config)) - honoured):
+            if config[key] != defaults.get(f"{group}.{key}"):
+                raise UsageError(f"--{group}.{key} is not supported by trial packs; run with --pack 1")
     if str(run.trainer.precision) not in PRECISIONS:
         raise UsageError(f"trial packs train in precision 32 or bf16-mixed, not {run.trainer.precision}; "
                          "run with --pack 1")
