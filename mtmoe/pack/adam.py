@@ -20,11 +20,15 @@ class PackedAdam:
 
     def __init__(self, stack: TrialStack) -> None:
         self.stack = stack
+        self.names = list(stack.params)
         self.exp_avg = {name: torch.zeros_like(leaf, requires_grad=False) for name, leaf in stack.params.items()}
         self.exp_avg_sq = {name: torch.zeros_like(leaf, requires_grad=False) for name, leaf in stack.params.items()}
         self.steps = [torch.zeros((), dtype=torch.float32, device=stack.device) for _ in range(stack.capacity)]
         self.lr = [0.0] * stack.capacity
         self.eps = [0.0] * stack.capacity
+        # per trial, its views of the parameters and moments, in ``names`` order (made once: they never move)
+        self._views = [list(zip(*(tensors[name].detach().unbind(0) for name in self.names)))
+                       for tensors in (stack.params, self.exp_avg, self.exp_avg_sq)]
 
     @torch.no_grad()
     def reset(self, slot: int, lr: float, eps: float) -> None:
@@ -48,14 +52,18 @@ class PackedAdam:
     @torch.no_grad()
     def step(self, slots: list[int], skip: dict[int, list[str]] | None = None) -> None:
         """One Adam step of every trial in ``slots``; ``skip[slot]`` names parameters that trial leaves as they are."""
-        stack = self.stack
+        leaves = [self.stack.params[name] for name in self.names]
+        unused = {name for name, leaf in zip(self.names, leaves) if leaf.grad is None}  # no trial used it
+        empty = (None,) * self.stack.capacity
+        grads = list(zip(*(empty if leaf.grad is None else leaf.grad.unbind(0) for leaf in leaves)))
+        torch._foreach_add_([self.steps[slot] for slot in slots], 1)
+        params, exp_avgs, exp_avg_sqs = self._views
         for slot in slots:
-            names = [name for name in stack.params if name not in (skip or {}).get(slot, ())]
-            params = [stack.params[name].detach()[slot] for name in names]
-            grads = [stack.params[name].grad[slot] for name in names]
-            exp_avgs = [self.exp_avg[name][slot] for name in names]
-            exp_avg_sqs = [self.exp_avg_sq[name][slot] for name in names]
-            self.steps[slot] += 1
-            torch._fused_adam_(params, grads, exp_avgs, exp_avg_sqs, [], [self.steps[slot]] * len(params),
+            tensors = params[slot], grads[slot], exp_avgs[slot], exp_avg_sqs[slot]
+            skipped = unused.union((skip or {}).get(slot, ()))
+            if skipped:
+                kept = [i for i, name in enumerate(self.names) if name not in skipped]
+                tensors = tuple([group[i] for i in kept] for group in tensors)
+            torch._fused_adam_(*(list(group) for group in tensors), [], [self.steps[slot]] * len(tensors[0]),
                                lr=self.lr[slot], beta1=BETAS[0], beta2=BETAS[1], weight_decay=0.0,
                                eps=self.eps[slot], amsgrad=False, maximize=False)
