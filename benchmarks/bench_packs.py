@@ -15,7 +15,8 @@
    pack's tensors per trial (parameters, gradients, Adam's two moments, the best-weights snapshot).
 3. **A whole small study** (``--study NxE``): ``python -m mtmoe tune --trials N --trainer.max_epochs E`` of the
    first gate, packed (``--pack --study-pack``) and unpacked (``--pack 1``), each a fresh journal storage; wall
-   time of the whole command.
+   time of the whole command, and the two studies' objectives, configuration by configuration (the same plan;
+   dropout draws differ): their means and a paired t-test.
 4. **bf16** (``--bf16-check P``): the same P configurations trained for ``--epochs`` epochs in fp32, in fp32 with
    other seeds (seed noise) and in bf16-mixed; mean absolute difference of their test losses.
 
@@ -112,15 +113,23 @@ def test_losses(runs_args: list[list[str]], accelerator: str, precision: str) ->
     return [results[i] for i in range(len(runs_args))]
 
 
-def study_seconds(gate: str, trials: int, epochs: int, pack: str, accelerator: str, scratch: Path) -> float:
+def study(gate: str, trials: int, epochs: int, pack: str, accelerator: str, scratch: Path) -> tuple[float, dict]:
+    """Wall time of a whole ``tune`` command on a fresh journal storage, and its objectives by config_id."""
+    import optuna
+
+    log = scratch / f"pack-{pack}.log"
     command = [sys.executable, "-m", "mtmoe", "tune", "--gate", gate, "--data", DATA, "--trials", str(trials),
-               "--storage", f"journal:{scratch / f'pack-{pack}.log'}", "--log-dir", str(scratch / "runs"),
-               "--pack", pack, f"--trainer.max_epochs={epochs}", f"--trainer.accelerator={accelerator}"]
+               "--storage", f"journal:{log}", "--log-dir", str(scratch / "runs"), "--pack", pack,
+               f"--trainer.max_epochs={epochs}", f"--trainer.accelerator={accelerator}"]
     start = time.perf_counter()
     proc = subprocess.run(command, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"tune failed: {proc.stderr[-2000:]}")
-    return time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(log)))
+    (name,) = optuna.get_all_study_names(storage)
+    trials = optuna.load_study(study_name=name, storage=storage).get_trials(deepcopy=False)
+    return seconds, {t.user_attrs["config_id"]: t.value for t in trials if t.value is not None}
 
 
 def main() -> None:
@@ -161,11 +170,19 @@ def main() -> None:
         trials, epochs = (int(x) for x in args.study.split("x"))
         gate = args.gates.split(",")[0]
         scratch = Path(tempfile.mkdtemp())
-        packed = study_seconds(gate, trials, epochs, args.study_pack, accelerator, scratch)
-        unpacked = study_seconds(gate, trials, epochs, "1", accelerator, scratch)
-        rows.append({"study": args.study, "gate": gate, "packed_s": packed, "unpacked_s": unpacked})
+        from scipy.stats import ttest_rel
+
+        packed, packed_values = study(gate, trials, epochs, args.study_pack, accelerator, scratch)
+        unpacked, unpacked_values = study(gate, trials, epochs, "1", accelerator, scratch)
+        ids = sorted(set(packed_values) & set(unpacked_values))
+        pairs = [(packed_values[i], unpacked_values[i]) for i in ids]
+        p_value = ttest_rel(*zip(*pairs)).pvalue
+        rows.append({"study": args.study, "gate": gate, "packed_s": packed, "unpacked_s": unpacked,
+                     "objectives": {"packed": packed_values, "unpacked": unpacked_values}})
         tables += ["", f"{gate}, {trials} trials x {epochs} epochs (`tune`, whole command): packed "
-                   f"(--pack {args.study_pack}) {packed:.0f} s, unpacked {unpacked:.0f} s, {unpacked / packed:.2f}x"]
+                   f"(--pack {args.study_pack}) {packed:.0f} s, unpacked {unpacked:.0f} s, {unpacked / packed:.2f}x; "
+                   f"objectives of the {len(ids)} configurations: mean {statistics.mean(p for p, _ in pairs):.5f} "
+                   f"packed, {statistics.mean(u for _, u in pairs):.5f} unpacked, paired t-test p = {p_value:.2f}"]
         print(tables[-1], flush=True)
     if args.bf16_check:
         gate = args.gates.split(",")[0]
