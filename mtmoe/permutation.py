@@ -121,18 +121,23 @@ class LocalSearch(HostCounters):
             self.rounded_at.fill_(int(self.step))
         return self.rounded
 
+    def permutes_by_rounding(self) -> bool:
+        """Whether the next forward pass permutes by the rounded matrix alone (a gather that advances no schedule):
+        after the window, and in evaluation unless ``eval_rounded`` is off inside the window."""
+        if self.training:
+            return self.frozen
+        return self.eval_rounded or self.frozen or not self.soft.any()
+
     def matrices(self) -> tuple[Tensor, Tensor | None]:
         """The permutation matrices ``[m, n, n]`` for this forward pass (:meth:`hard`'s buffer itself when it is
         the rounded one) and the entropy penalty (``None`` outside training steps of the window, or with zeta 0)."""
+        if self.permutes_by_rounding():
+            return self.hard(), None
         if not self.training:
-            if self.eval_rounded or self.frozen or not self.soft.any():
-                return self.hard(), None
             with torch.no_grad():
                 return sinkhorn(self.log_weights, *schedule(int(self.step), int(self.window))), None
         if int(self.window) == 0:
             raise RuntimeError("LocalSearch.set_window(steps_per_epoch) must be called before training")
-        if self.frozen:
-            return self.hard(), None
         self.step += 1
         if int(self.step) >= int(self.window):  # transition: round the last soft matrix once and freeze it
             return self.hard(), None

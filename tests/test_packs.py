@@ -45,14 +45,15 @@ def is_stochastic(name: str) -> bool:
     return name.rstrip("+") == "sparsemixer"
 
 
-def build(name: str, p: int) -> MultiTaskMoE:
+def build(name: str, p: int, per_task: bool = False) -> MultiTaskMoE:
     """Trial p of the pack: its own seed, learning rate, alpha, gate scalars and E_perm."""
     cls = gate_class(name.rstrip("+"))
     scalars = {key: SCALAR_VALUES[key][p] for key in cls.scalar_hyperparameters}
     extra = {"warmup": 0.0} if "warmup" in cls.__init__.__code__.co_varnames else {}
     torch.manual_seed(100 + p)
     module = MultiTaskMoE(gate=partial(cls, **scalars, **extra), info=INFO, lr=(1e-3, 3e-3, 5e-4)[p],
-                          alpha=(0.1, 0.5, 0.9)[p], perm_epochs=p + 1 if name.endswith("+") else None, zeta=1e-3)
+                          alpha=(0.1, 0.5, 0.9)[p], perm_epochs=p + 1 if name.endswith("+") else None, zeta=1e-3,
+                          perm_per_task=per_task)
     if module.net.local_search is not None:
         module.net.local_search.set_window(WINDOW)
     for gate in module.net.gates:
@@ -103,13 +104,13 @@ def train_packed(modules: list[MultiTaskMoE], data: list[list[dict]]) -> torch.T
     return torch.stack(losses, dim=1)  # [P, STEPS]
 
 
-@pytest.mark.parametrize("name", VARIANTS)
-def test_each_trial_of_a_pack_trains_as_it_would_alone(name: str) -> None:
+@pytest.mark.parametrize("name, per_task", [(name, False) for name in VARIANTS] + [("comet+", True)])
+def test_each_trial_of_a_pack_trains_as_it_would_alone(name: str, per_task: bool) -> None:
     if is_stochastic(name):
         pytest.skip("samples in training: covered by the pack-of-one and evaluation tests below")
-    alone = [build(name, p) for p in range(P)]
+    alone = [build(name, p, per_task) for p in range(P)]
     expected = [train_alone(module, batches(p)) for p, module in enumerate(alone)]
-    packed = [build(name, p) for p in range(P)]
+    packed = [build(name, p, per_task) for p in range(P)]
     losses = train_packed(packed, [batches(p) for p in range(P)])
     assert torch.allclose(losses, torch.tensor(expected), rtol=0, atol=LOSS_TOLERANCE), name
     for p in range(P):

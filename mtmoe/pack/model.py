@@ -110,17 +110,26 @@ class PackedModel:
                                ("mix", expert_outputs, weights, scales, batch, task_weights))
 
     def _local_search(self, weights: Tensor) -> tuple[Tensor, Tensor]:
-        """Each trial's own local search on its weights ``[B, T, n]``: permuted weights and penalties ``[P]``."""
+        """Each trial's own local search on its weights ``[B, T, n]``: permuted weights and penalties ``[P]``.
+
+        The trials whose permutation is rounded (after their window, or in evaluation) share one gather; each other
+        trial runs its own :class:`LocalSearch` on its row of the stacked matrix (a step of its own schedule)."""
+        searches = {slot: module.net.local_search for slot, module in enumerate(self.modules) if module is not None}
+        rounding = {slot for slot, search in searches.items() if search.permutes_by_rounding()}
+        for slot in rounding:
+            searches[slot].hard()  # rounds the latest soft matrix if this pass needs it (cached after the window)
+        shape = next(iter(searches.values())).rounded_index.shape  # [m, n]: m = 1 when the gates share one
+        identity = torch.arange(shape[-1], device=weights.device).expand(shape)
+        index = torch.stack([searches[slot].rounded_index if slot in rounding else identity
+                             for slot in range(self.capacity)])  # [P, m, n]
+        gathered = weights.gather(-1, index.unsqueeze(1).expand(weights.shape))
+        zero = weights.new_zeros(())
+        permuted, penalties = list(gathered.unbind(0)), [zero] * self.capacity
         leaf = self.stack.params[LOG_WEIGHTS]
-        permuted, penalties = [], []
-        for slot, module in enumerate(self.modules):
-            if module is None:  # an empty slot: its outputs are never read
-                permuted.append(weights[slot])
-                penalties.append(weights.new_zeros(()))
-                continue
-            out, penalty = functional_call(module.net.local_search, {"log_weights": leaf[slot]}, (weights[slot],))
-            permuted.append(out)
-            penalties.append(weights.new_zeros(()) if penalty is None else penalty)
+        for slot, search in searches.items():
+            if slot not in rounding:
+                permuted[slot], penalty = functional_call(search, {"log_weights": leaf[slot]}, (weights[slot],))
+                penalties[slot] = zero if penalty is None else penalty
         return torch.stack(permuted), torch.stack(penalties)
 
     def losses(self, batch: dict[str, Tensor], shared_batch: bool, training: bool) -> tuple[Tensor, Tensor, Tensor]:
