@@ -101,23 +101,25 @@ def test_mtmoe_verify_is_the_default_of_the_flag(tiny_root: Path, monkeypatch, c
 
 
 def test_a_resumed_run_ends_as_the_uninterrupted_one(tiny_root: Path) -> None:
-    """Two epochs, then two more resumed from the checkpoint, equal four uninterrupted epochs (dropout off: the
-    global random state is not in Lightning's checkpoints)."""
-    common = fit(tiny_root, "--model.expert_dropout=0", "--model.lr=3e-3")
+    """Two epochs, then two more resumed from ``last.ckpt``, equal four uninterrupted epochs: the batch order and,
+    with dropout on, the global random states resume; the resumed run's ``best.ckpt`` is the whole run's best."""
+    common = fit(tiny_root, "--model.lr=3e-3")
     runs = {}
     for name, epochs, resume in (("whole", 4, []), ("first", 2, []), ("resumed", 4, ["first"])):
-        ckpt = [f"--ckpt_path={runs[r][1]}" for r in resume]
+        ckpt = [f"--ckpt_path={runs[r][1] / 'last.ckpt'}" for r in resume]
         assert run_cli([*common, f"--trainer.max_epochs={epochs}", f"--trainer.logger.init_args.name={name}",
                         *ckpt]) == 0
-        folder = Path("runs") / name
-        runs[name] = json.loads(next(folder.rglob("results.json")).read_text()), next(folder.rglob("*.ckpt"))
+        folder = next((Path("runs") / name).glob("version_*"))
+        runs[name] = json.loads((folder / "results.json").read_text()), folder / "checkpoints"
     whole, resumed = runs["whole"], runs["resumed"]
-    assert resumed[0]["epochs_run"] == 4 and resumed[1].name == whole[1].name
+    assert resumed[0]["epochs_run"] == 4 and resumed[0]["best_epoch"] == whole[0]["best_epoch"]
     assert resumed[0]["val"]["loss"] == pytest.approx(whole[0]["val"]["loss"], rel=1e-6)
     assert resumed[0]["test"]["loss"] == pytest.approx(whole[0]["test"]["loss"], rel=1e-6)
-    parameters = [torch.load(run[1], weights_only=False)["state_dict"] for run in (whole, resumed)]
-    for name, tensor in parameters[0].items():
-        torch.testing.assert_close(parameters[1][name], tensor, msg=name)
+    for checkpoint in ("last.ckpt", "best.ckpt"):
+        saved = [torch.load(run[1] / checkpoint, weights_only=True) for run in (whole, resumed)]
+        assert saved[0]["epoch"] == saved[1]["epoch"]
+        for name, tensor in saved[0]["state_dict"].items():
+            torch.testing.assert_close(saved[1]["state_dict"][name], tensor, msg=name)
 
 
 # ---------------------------------------------------------------------- 15.10: corrupt and unwritable caches
