@@ -158,7 +158,7 @@ def read_checkpoint(path: str) -> dict[str, Any]:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:
         raise UsageError(f"{path} is not a readable checkpoint ({str(error).splitlines()[0]})") from None
-    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint or "hyper_parameters" not in checkpoint:
+    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
         raise UsageError(f"{path} is not a checkpoint of python -m mtmoe fit")
     return checkpoint
 
@@ -215,7 +215,7 @@ class MTMoECLI(LightningCLI):
         if not command or not self.config[command].get("ckpt_path"):
             return
         path = self.config[command].ckpt_path
-        self.checkpoint = read_checkpoint(path)
+        self.checkpoint = read_checkpoint(path)  # without hyperparameters, the flags decide the model
         self.user_model = copy.deepcopy(self.config[command].model)
         try:
             super()._parse_ckpt_path()
@@ -252,13 +252,14 @@ class MTMoECLI(LightningCLI):
                              "drop the disagreeing flags, or pass another checkpoint")
 
     def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
-        """The trainer with the run's checkpoints (unless ``enable_checkpointing`` is false or another
-        ``ModelCheckpoint`` is given), written atomically, and the random states in them; a setting this machine
+        """The trainer; a fit's with the run's checkpoints (unless ``enable_checkpointing`` is false or another
+        ``ModelCheckpoint`` is given), written atomically, and the random states in them. A setting this machine
         cannot run (an accelerator, a device count, a precision) is one error line."""
         config = self._get(self.config_init, "trainer", default={})
         given = config.get("callbacks") or []
         callbacks = [*(given if isinstance(given, list) else [given]), RandomStates()]
-        if config.get("enable_checkpointing") is not False and not any(isinstance(c, ModelCheckpoint) for c in callbacks):
+        checkpointing = config.get("enable_checkpointing") is not False and self.subcommand in (None, "fit")
+        if checkpointing and not any(isinstance(c, ModelCheckpoint) for c in callbacks):
             callbacks += run_checkpoints()
         try:
             trainer = super().instantiate_trainer(**{"callbacks": callbacks, **kwargs})
@@ -286,13 +287,17 @@ class MTMoECLI(LightningCLI):
             self.report(model, datamodule, self.fit_summary(model))
 
     def validate(self, model: MultiTaskMoE, datamodule: InMemoryDataModule, **kwargs: Any) -> None:
-        with self.run_folder():
-            self.trainer.validate(model, datamodule=datamodule, **{**kwargs, "verbose": False})
-            self.report(model, datamodule, self.checkpoint_summary())
+        self.evaluate(self.trainer.validate, model, datamodule, **kwargs)
 
     def test(self, model: MultiTaskMoE, datamodule: InMemoryDataModule, **kwargs: Any) -> None:
-        with self.run_folder():
-            self.trainer.test(model, datamodule=datamodule, **{**kwargs, "verbose": False})
+        self.evaluate(self.trainer.test, model, datamodule, **kwargs)
+
+    def evaluate(self, stage: Any, model: MultiTaskMoE, datamodule: InMemoryDataModule, **kwargs: Any) -> None:
+        """``validate`` or ``test`` (``stage``) the checkpoint's weights and report them. The fit's checkpoint
+        callbacks are not needed to evaluate its checkpoint: Lightning's warning that they are missing is dropped."""
+        with self.run_folder(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Be aware that when using `ckpt_path`, callbacks used")
+            stage(model, datamodule=datamodule, **{**kwargs, "verbose": False})
             self.report(model, datamodule, self.checkpoint_summary())
 
     @contextmanager
