@@ -21,7 +21,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from mtmoe.errors import UsageError
-from mtmoe.files import atomic_path
+from mtmoe.files import atomic_path, save_torch_atomic
 
 SAVE_DIR_FLAG = "--trainer.logger.init_args.save_dir"
 
@@ -57,8 +57,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} takes no storage_options")
         try:
-            with atomic_path(path) as temporary:
-                torch.save(checkpoint, temporary)
+            save_torch_atomic(checkpoint, path)
         except OSError as error:
             raise UsageError(f"cannot write the checkpoint {path} ({error.strerror or error}): free some space "
                              f"there, or choose another folder with {SAVE_DIR_FLAG}") from None
