@@ -3,9 +3,9 @@
 ``fit``/``validate``/``test`` are a ``LightningCLI`` built by :mod:`mtmoe.run` (``--config``, ``--print_config``,
 ``--trainer.*``, ``--model.*``, ``--data.*``, ``--seed_everything``) with two shortcuts: ``--gate NAME`` selects a
 registered gate (``--model.gate``) and ``--data NAME`` a registered dataset. ``fit`` trains with early stopping,
-restores the best-validation weights, then validates and tests them; every command ends with a table of results on
-the terminal and the same results as ``results.json`` next to the run's logs. ``tune``, ``report`` and
-``bootstrap`` read and write the tuning studies (:mod:`mtmoe.tuning`).
+restores the best-validation weights and tests them (val and test of the same weights); every command ends with a
+table of results on the terminal and the same results as ``results.json`` next to the run's logs. ``tune``,
+``report`` and ``bootstrap`` read and write the tuning studies (:mod:`mtmoe.tuning`).
 
 Bad input (unknown names, out-of-range settings, missing data files) prints one ``error:`` line and exits with
 code 2; a fit that diverged writes its results, prints one ``error:`` line and exits with code 1.
@@ -22,7 +22,7 @@ from mtmoe.errors import TrainingDiverged, UsageError
 # storages, and the listing of datasets not even torch.
 
 COMMANDS = {
-    "fit": "train a gate on a dataset to early stopping; validate and test the best-validation weights",
+    "fit": "train a gate on a dataset to early stopping; val and test results of the best epoch's weights",
     "validate": "evaluate a checkpoint (--ckpt_path) on the validation split",
     "test": "evaluate a checkpoint (--ckpt_path) on the test split: a fit's best.ckpt gives its test results",
     "tune": "random search over a gate's search space: an Optuna study, resumable, on one or many machines",

@@ -9,7 +9,7 @@ the tuning driver and anything else that needs the objects, trained or not, buil
 
     run = build_run(["--gate", "comet", "--data", "movielens-100k", "--trainer.max_epochs=2"])
     run.config.model.lr, run.datamodule.info, run.model.net, run.trainer.max_epochs   # nothing trained yet
-    results = run.fit()  # train to early stopping, restore the best weights, validate and test them
+    results = run.fit()  # train to early stopping, restore the best epoch's weights, test them
 
 Two shortcuts (:func:`translate_shortcuts`): ``--gate NAME`` selects a registered gate (``NAME+`` with local
 search) and ``--data NAME`` a registered dataset. The configuration holds the values in force: a model setting left
@@ -58,10 +58,10 @@ LIGHTNING_COMMANDS = ("fit", "validate", "test")
 SHORTCUTS = """Shortcuts: --gate NAME selects a registered gate (python -m mtmoe gates; NAME+ adds permutation local
 search, --model.perm_epochs 5 unless given) and --data NAME a dataset (python -m mtmoe datasets)."""
 DESCRIPTIONS = {
-    "fit": "Train a gate on a dataset with Adam to early stopping on val/loss, restore the best epoch's weights, "
-           "validate and test them; the results are printed and written as results.json in the run's folder "
-           "(runs/lightning_logs/version_N/), its checkpoints as checkpoints/best.ckpt (the weights tested) and "
-           "checkpoints/last.ckpt (to resume from: --ckpt_path). " + SHORTCUTS,
+    "fit": "Train a gate on a dataset with Adam to early stopping on val/loss, restore the best epoch's weights and "
+           "test them; their validation (at that epoch) and test results are printed and written as results.json in "
+           "the run's folder (runs/lightning_logs/version_N/), its checkpoints as checkpoints/best.ckpt (the weights "
+           "tested) and checkpoints/last.ckpt (to resume from: --ckpt_path). " + SHORTCUTS,
     "validate": "Evaluate a checkpoint (--ckpt_path, e.g. runs/lightning_logs/version_N/checkpoints/best.ckpt) on "
                 "the validation split. The model is the checkpoint's: --gate and --model.* may be left out, and "
                 "must agree with it if given. " + SHORTCUTS,
@@ -272,7 +272,8 @@ class MTMoECLI(LightningCLI):
         return trainer
 
     def fit(self, model: MultiTaskMoE, datamodule: InMemoryDataModule, **kwargs: Any) -> None:
-        """Train to early stopping, restore the best-validation weights, then validate and test them."""
+        """Train to early stopping, restore the best-validation weights (and that epoch's validation results),
+        then test them."""
         search = model.net.local_search
         max_epochs = self.trainer.max_epochs
         if search is not None and max_epochs not in (None, -1) and search.epochs > max_epochs:
@@ -282,7 +283,6 @@ class MTMoECLI(LightningCLI):
             )
         with self.run_folder():
             self.trainer.fit(model, datamodule=datamodule, **kwargs)
-            self.trainer.validate(model, datamodule=datamodule, verbose=False)
             self.trainer.test(model, datamodule=datamodule, verbose=False)
             self.report(model, datamodule, self.fit_summary(model))
 
@@ -475,7 +475,7 @@ class Run:
     cli: MTMoECLI = field(repr=False)  # the LightningCLI that built them (its parser, its ``config_init``)
 
     def fit(self) -> dict[str, Any]:
-        """Train to early stopping, restore the best-validation weights, validate and test them (``fit``); the
+        """Train to early stopping, restore the best-validation weights and test them (``fit``); the
         results, also written as ``results.json`` in the trainer's log folder. Nothing is printed."""
         self.cli.fit(self.model, self.datamodule)
         return self.cli.results

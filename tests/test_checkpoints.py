@@ -4,15 +4,13 @@ folder of its own, and a damaged or half-written checkpoint is one ``error:`` li
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 
-from conftest import run_cli
+from conftest import full_disk_for, run_cli
 from mtmoe.errors import UsageError
 
 FAST = ["--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false", "--data.batch_size=64"]
@@ -141,29 +139,13 @@ def test_runs_started_together_get_folders_of_their_own(tmp_path: Path, monkeypa
 # ------------------------------------------------------------------- 15.11: checkpoints written atomically
 
 
-def full_disk_for(names: tuple[str, ...], monkeypatch: pytest.MonkeyPatch) -> None:
-    """Temporary files of ``atomic_path`` for these targets are /dev/full: every write fails with ENOSPC."""
-    mkstemp = tempfile.mkstemp
-
-    def full_disk(*args, **kwargs):
-        fd, name = mkstemp(*args, **kwargs)
-        if any(Path(name).name.startswith(f".{target}.") for target in names):
-            os.close(fd)
-            os.unlink(name)
-            os.symlink("/dev/full", name)
-            fd = os.open(name, os.O_WRONLY)
-        return fd, name
-
-    monkeypatch.setattr(tempfile, "mkstemp", full_disk)
-
-
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux)")
 def test_a_checkpoint_written_to_a_full_disk_leaves_the_previous_one(tmp_path: Path, monkeypatch) -> None:
     from mtmoe.lit.outputs import AtomicCheckpointIO
 
     target = tmp_path / "best.ckpt"
     AtomicCheckpointIO().save_checkpoint({"epoch": 0, "weights": torch.ones(1000)}, target)
-    full_disk_for(("best.ckpt",), monkeypatch)
+    full_disk_for("best.ckpt.", monkeypatch)
     with pytest.raises(UsageError, match=f"cannot write the checkpoint {target} \\(No space left on device\\)"):
         AtomicCheckpointIO().save_checkpoint({"epoch": 1, "weights": torch.zeros(1000)}, target)
     assert torch.load(target, weights_only=True)["epoch"] == 0
@@ -172,7 +154,7 @@ def test_a_checkpoint_written_to_a_full_disk_leaves_the_previous_one(tmp_path: P
 
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux)")
 def test_a_fit_on_a_full_disk_is_one_error_line_and_leaves_no_run(tiny_root: Path, monkeypatch, capsys) -> None:
-    full_disk_for(("best.ckpt", "last.ckpt"), monkeypatch)
+    full_disk_for(("best.ckpt.", "last.ckpt."), monkeypatch)
     assert run_cli(["fit", "--gate", "topk", *data(tiny_root), "--trainer.max_epochs=1"]) == 2
     line = one_error_line(capsys)
     assert line.startswith(f"error: cannot write the checkpoint {CHECKPOINTS / 'best.ckpt'} (No space left on "

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import run_cli
+from conftest import full_disk_for, run_cli
 from image_fixtures import write_mnist
 from mtmoe.data import MovieLens100KDataModule, download
 from mtmoe.data.multimnist import MultiMNISTDataModule
@@ -146,20 +146,7 @@ def test_a_corrupt_cache_is_reported_and_rebuilt(tiny_root: Path, damage: str, c
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux)")
 def test_a_full_disk_while_writing_the_cache_is_one_error_line(tiny_root: Path, monkeypatch, capsys) -> None:
     """The cache's temporary file is /dev/full, where every write fails with ENOSPC as on a full disk."""
-    import tempfile
-
-    mkstemp = tempfile.mkstemp
-
-    def full_disk_for_caches(*args, **kwargs):
-        fd, name = mkstemp(*args, **kwargs)
-        if Path(name).name.startswith(".movielens-"):
-            os.close(fd)
-            os.unlink(name)
-            os.symlink("/dev/full", name)
-            fd = os.open(name, os.O_WRONLY)
-        return fd, name
-
-    monkeypatch.setattr(tempfile, "mkstemp", full_disk_for_caches)
+    full_disk_for("movielens-", monkeypatch)
     assert run_cli(fit(tiny_root)) == 2
     line = one_line(capsys, "error: cannot write the cache ")
     assert "(No space left on device): free some space there, or set MTMOE_CACHE" in line

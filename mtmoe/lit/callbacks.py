@@ -19,7 +19,9 @@ class RestoreBestWeights(pl.Callback):
     Together with ``EarlyStopping(monitor="val/loss", patience=25, min_delta=0)`` this is Keras'
     ``EarlyStopping(patience=25, restore_best_weights=True)``: testing after ``fit`` sees the best epoch's model,
     with no checkpoint file per trial. ``best_score`` and ``best_epoch`` are the Optuna objective's source.
-    A non-finite value never counts as an improvement.
+    A non-finite value never counts as an improvement. The module's validation results of that epoch
+    (``MultiTaskMoE.last_results["val"]``) are kept and restored with the weights: after ``fit`` a module reports
+    validation and test of the same weights.
     """
 
     def __init__(self, monitor: str = "val/loss") -> None:
@@ -27,6 +29,7 @@ class RestoreBestWeights(pl.Callback):
         self.best_score = math.inf
         self.best_epoch = -1
         self.best_state: dict[str, torch.Tensor] | None = None
+        self.best_results: dict | None = None
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         fitting = trainer.state.fn == TrainerFn.FITTING
@@ -36,18 +39,22 @@ class RestoreBestWeights(pl.Callback):
         if math.isfinite(score) and score < self.best_score:
             self.best_score, self.best_epoch = score, trainer.current_epoch
             self.best_state = copy.deepcopy(pl_module.state_dict())
+            self.best_results = copy.deepcopy(getattr(pl_module, "last_results", {}).get("val"))
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.best_state is not None:
             pl_module.load_state_dict(self.best_state)
+        if self.best_results is not None:
+            pl_module.last_results["val"] = self.best_results
 
     def state_dict(self) -> dict:
         """Saved in checkpoints, best weights included, so a resumed run still restores the best epoch."""
-        return {"best_score": self.best_score, "best_epoch": self.best_epoch, "best_state": self.best_state}
+        return {"best_score": self.best_score, "best_epoch": self.best_epoch, "best_state": self.best_state,
+                "best_results": self.best_results}
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.best_score, self.best_epoch = state_dict["best_score"], state_dict["best_epoch"]
-        self.best_state = state_dict["best_state"]
+        self.best_state, self.best_results = state_dict["best_state"], state_dict.get("best_results")
 
 
 class RandomStates(pl.Callback):
