@@ -329,13 +329,15 @@ def _cli(argv: list[str], run: bool) -> MTMoECLI:
     quiet_lightning()
     args = translate_shortcuts(argv)
     print_config = next((a.partition("=")[2] for a in args if a.partition("=")[0] == "--print_config"), None)
+    if not any(a.partition("=")[0] in ("--data", "--config", "-c") for a in args):
+        print_config = None  # no dataset, no values of its to fill in: jsonargparse prints the template as it is
     saved_argv, sys.argv = sys.argv, sys.argv[:1]  # LightningCLI reads only the translated ``args``
     try:
         return MTMoECLI(
             model_class=MultiTaskMoE,
             datamodule_class=InMemoryDataModule,
             subclass_mode_data=True,
-            args=[a for a in args if a.partition("=")[0] != "--print_config"],
+            args=[a for a in args if print_config is None or a.partition("=")[0] != "--print_config"],
             run=run,
             print_config=print_config,
             seed_everything_default=0,
