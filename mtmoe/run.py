@@ -22,7 +22,6 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import shutil
 import sys
 import warnings
 from argparse import ArgumentError
@@ -111,7 +110,8 @@ class MTMoECLI(LightningCLI):
 
     def _parse_ckpt_path(self) -> None:
         """Read ``--ckpt_path``'s checkpoint (a bad file is one error line) and keep the model settings as given;
-        Lightning then applies the checkpoint's over them (checked in :meth:`before_instantiate_classes`)."""
+        Lightning's own method (private) then applies the checkpoint's over them, checked against the given ones in
+        :meth:`before_instantiate_classes`."""
         command = self.config.get("subcommand")
         if not command or not self.config[command].get("ckpt_path"):
             return
@@ -203,22 +203,20 @@ class MTMoECLI(LightningCLI):
 
     @contextmanager
     def run_folder(self) -> Iterator[None]:
-        """Claim the run's log folder before running (a folder that cannot be made is one error line); on bad input
-        met while running, remove it again unless it holds a checkpoint or results."""
-        log_dir = Path(self.trainer.log_dir or ".")  # the logger's version is claimed here
-        claimed = getattr(self.trainer.logger, "claimed", None)
+        """On bad input met while running, remove the run's log folder again unless it holds a checkpoint or
+        results (Lightning makes it once the data is prepared)."""
         try:
             yield
         except (UsageError, MisconfigurationException) as error:
-            if claimed is not None and not any(claimed.rglob("*.ckpt")) and not (log_dir / "results.json").exists():
-                shutil.rmtree(claimed, ignore_errors=True)
+            if isinstance(self.trainer.logger, RunLogger):
+                self.trainer.logger.discard_unfinished()
             if isinstance(error, UsageError):
                 raise
             raise UsageError(f"the trainer settings cannot run here: {error}") from None
 
     def fit_summary(self, model: MultiTaskMoE) -> dict[str, Any]:
-        """What ``fit`` adds to the results: epochs, the best epoch (whose weights were validated and tested),
-        the checkpoints, and why it diverged if it did."""
+        """What ``fit`` adds to the results: epochs, the best epoch (whose weights were tested, and validated at
+        that epoch), the checkpoints, and why it diverged if it did."""
         restore = next((c for c in self.trainer.callbacks if isinstance(c, RestoreBestWeights)), None)
         summary: dict[str, Any] = {"epochs_run": self.trainer.current_epoch}
         if restore is not None and restore.best_epoch >= 0:
@@ -379,8 +377,8 @@ class Run:
     cli: MTMoECLI = field(repr=False)  # the LightningCLI that built them (its parser, its ``config_init``)
 
     def fit(self) -> dict[str, Any]:
-        """Train to early stopping, restore the best-validation weights and test them (``fit``); the
-        results, also written as ``results.json`` in the trainer's log folder. Nothing is printed."""
+        """Train to early stopping, restore the best-validation weights and test them (``fit``); the results, also
+        written as ``results.json`` in the trainer's log folder. Nothing is printed."""
         self.cli.fit(self.model, self.datamodule)
         return self.cli.results
 

@@ -159,4 +159,4 @@ def test_a_fit_on_a_full_disk_is_one_error_line_and_leaves_no_run(tiny_root: Pat
     line = one_error_line(capsys)
     assert line.startswith(f"error: cannot write the checkpoint {CHECKPOINTS / 'best.ckpt'} (No space left on "
                            "device): free some space there")
-    assert not list(Path("runs").rglob("*")) or list(Path("runs").rglob("*")) == [Path("runs/lightning_logs")]
+    assert not Path("runs").exists()

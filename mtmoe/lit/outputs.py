@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 from pathlib import Path
@@ -33,7 +34,8 @@ class RunLogger(CSVLogger):
     claimed: Path | None = None
 
     def _get_next_version(self) -> int:
-        root = Path(self.root_dir)  # save_dir/name
+        root = Path(self.root_dir)
+        self.made = list(itertools.takewhile(lambda folder: not folder.exists(), [root, *root.parents]))
         version = super()._get_next_version()
         try:
             root.mkdir(parents=True, exist_ok=True)
@@ -48,6 +50,18 @@ class RunLogger(CSVLogger):
                              f"choose another folder with {SAVE_DIR_FLAG}") from None
         self.claimed = root / f"version_{version}"
         return version
+
+    def discard_unfinished(self) -> None:
+        """Remove the claimed folder unless it holds a checkpoint or results, then the folders made to hold it
+        that are left empty: a run stopped by bad input leaves nothing behind."""
+        if self.claimed is None or any(self.claimed.rglob("*.ckpt")) or (self.claimed / "results.json").exists():
+            return
+        shutil.rmtree(self.claimed, ignore_errors=True)
+        for folder in self.made:  # innermost first; one another run uses is not empty
+            try:
+                folder.rmdir()
+            except OSError:
+                break
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
