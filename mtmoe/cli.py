@@ -1,68 +1,143 @@
-"""Command line: ``python -m mtmoe fit --gate comet --data movielens`` (and ``validate``, ``test``, ``gates``;
-``tune``, ``report`` and ``bootstrap`` read and write the tuning studies, :mod:`mtmoe.tuning`).
+"""Command line: ``python -m mtmoe COMMAND [OPTIONS]``; ``python -m mtmoe`` or ``--help`` lists the commands.
 
 ``fit``/``validate``/``test`` are a ``LightningCLI`` built by :mod:`mtmoe.run` (``--config``, ``--print_config``,
 ``--trainer.*``, ``--model.*``, ``--data.*``, ``--seed_everything``) with two shortcuts: ``--gate NAME`` selects a
 registered gate (``--model.gate``) and ``--data NAME`` a registered dataset. ``fit`` trains with early stopping,
-restores the best-validation weights, then tests; every command ends with a table of results on the terminal and
-the same results as ``results.json`` next to the run's logs.
+restores the best-validation weights and tests them (val and test of the same weights); every command ends with a
+table of results on the terminal and the same results as ``results.json`` next to the run's logs. ``tune``,
+``report`` and ``bootstrap`` read and write the tuning studies (:mod:`mtmoe.tuning`).
 
-Bad input (unknown names, out-of-range hyperparameters, missing data files) prints one line and exits with code 2.
+Bad input (unknown names, out-of-range settings, missing data files) prints one ``error:`` line and exits with
+code 2; a fit that diverged writes its results, prints one ``error:`` line and exits with code 1.
 """
 from __future__ import annotations
 
+import argparse
 import sys
 from argparse import ArgumentError
 
-from mtmoe.errors import UsageError
+from mtmoe.errors import TrainingDiverged, UsageError
 
-# Each command imports what it needs when it runs: listing the gates does not import Lightning.
+# Each command imports what it needs when it runs: help and the listings import neither Lightning nor Optuna's
+# storages, and the listing of datasets not even torch.
+
+COMMANDS = {
+    "fit": "train a gate on a dataset to early stopping; val and test results of the best epoch's weights",
+    "validate": "evaluate a checkpoint (--ckpt_path) on the validation split",
+    "test": "evaluate a checkpoint (--ckpt_path) on the test split: a fit's best.ckpt gives its test results",
+    "tune": "random search over a gate's search space: an Optuna study, resumable, on one or many machines",
+    "report": "the tables of a dataset's studies: top-5% mean ± SE, one-sided Welch t-tests, per-task metrics",
+    "bootstrap": "tuning-budget curves and reduction factors from a dataset's studies (the paper's Appendix F)",
+    "gates": "list the registered gates and what each dataset's search space tunes for them",
+    "datasets": "list the datasets and their DataModules",
+}
+
+
+def usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = ["usage: python -m mtmoe COMMAND [OPTIONS]", "",
+             "Sparse mixture-of-experts gates in multi-task models: train, evaluate, tune, report.", "", "commands:"]
+    lines += [f"  {name:<{width}}  {summary}" for name, summary in COMMANDS.items()]
+    lines += ["", "python -m mtmoe COMMAND --help describes a command's options."]
+    return "\n".join(lines)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An argparse parser whose errors are :class:`UsageError` (one line, exit code 2), not usage and exit."""
+
+    def error(self, message: str):
+        raise UsageError(f"{self.prog.removeprefix('python -m mtmoe ')}: {message}")
+
+
+def listing_parser(command: str) -> OneLineParser:
+    return OneLineParser(prog=f"python -m mtmoe {command}", description=COMMANDS[command].capitalize() + ".")
+
+
+def searched_settings() -> dict[str, dict[str, list[str]]]:
+    """Per gate section of the packaged search spaces (``comet``, ``comet+``, ...): the settings it searches,
+    written ``lr, gate.gamma, ...``, -> the datasets whose space searches exactly those."""
+    import yaml
+
+    from mtmoe.data import DATASETS
+    from mtmoe.tuning.space import _distribution, space_file
+
+    searched: dict[str, dict[str, list[str]]] = {}
+    for data in DATASETS:
+        path = space_file(data)
+        for gate, section in (yaml.safe_load(path.read_text()).get("gates") or {}).items():
+            keys = [key.removeprefix("model.") for key, spec in (section or {}).items()
+                    if _distribution(key, spec, str(path)) is not None]
+            searched.setdefault(gate, {}).setdefault(", ".join(keys) or "nothing", []).append(data)
+    return searched
 
 
 def print_gates() -> None:
+    from mtmoe.data import DATASETS
     from mtmoe.gates import gate_class, list_gates
 
+    searched = searched_settings()
+    rows = []
     for name in list_gates():
         cls = gate_class(name)
         kind = "sparse" if cls.sparse else "dense"
-        tuned = ", ".join(cls.hyperparameters) or "-"
-        print(f"{name:<15} {kind:<7} {cls.__module__}.{cls.__qualname__}  (tuned: {tuned})")
+        for variant in (name, f"{name}+"):
+            if variant == name or variant in searched:
+                by_space = searched.get(variant, {})
+                missing = [d for d in DATASETS if not any(d in datasets for datasets in by_space.values())]
+                groups = [keys if len(by_space) == 1 and not missing else f"{keys} ({', '.join(datasets)})"
+                          for keys, datasets in by_space.items()]
+                groups += [f"no search space ({', '.join(missing)})"] if missing else []
+                rows.append((variant, kind, f"{cls.__module__}.{cls.__qualname__}", "; ".join(groups)))
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    print(f"{'gate':<{widths[0]}}  {'kind':<{widths[1]}}  {'class':<{widths[2]}}  "
+          "searched by tune (mtmoe/tuning/spaces/<dataset>.yaml; model.* settings)")
+    for row in rows:
+        print("  ".join(f"{cell:<{width}}" for cell, width in zip(row, widths)) + f"  {row[3]}")
+
+
+def print_datasets() -> None:
+    from mtmoe.data import DATASETS
+
+    width = max(map(len, DATASETS))
+    print("\n".join(f"{name:<{width}}  {path}" for name, path in sorted(DATASETS.items())))
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     try:
-        if argv and argv[0] == "tune":
+        if not argv or argv[0] in ("-h", "--help"):
+            print(usage())
+            return
+        command, args = argv[0], argv[1:]
+        if command == "tune":
             from mtmoe.tuning.study import tune
 
-            tune(argv[1:])
-        elif argv and argv[0] == "report":
+            tune(args)
+        elif command == "report":
             from mtmoe.tuning.report import report
 
-            report(argv[1:])
-        elif argv and argv[0] == "bootstrap":
+            report(args)
+        elif command == "bootstrap":
             from mtmoe.tuning.bootstrap_report import bootstrap
 
-            bootstrap(argv[1:])
-        elif argv and argv[0] == "gates":
-            print_gates()
-        elif argv and argv[0] == "datasets":
-            from mtmoe.data import DATASETS
+            bootstrap(args)
+        elif command in ("gates", "datasets"):
+            listing_parser(command).parse_args(args)
+            if command == "gates":
+                print_gates()
+            else:
+                print_datasets()
+        elif command in ("fit", "validate", "test"):
+            from mtmoe.run import run_lightning
 
-            width = max(map(len, DATASETS))
-            print("\n".join(f"{name:<{width}}  {path}" for name, path in sorted(DATASETS.items())))
-        else:
-            from mtmoe.run import LIGHTNING_COMMANDS, run_lightning
-
-            if argv and argv[0] not in LIGHTNING_COMMANDS and not argv[0].startswith("-"):
-                raise UsageError(
-                    f"unknown command {argv[0]!r}; commands: {', '.join(LIGHTNING_COMMANDS)}, "
-                    "tune, report, bootstrap, gates, datasets"
-                )
             run_lightning(argv)
+        else:
+            raise UsageError(f"unknown command {command!r}; commands: {', '.join(COMMANDS)} "
+                             "(python -m mtmoe --help describes them)")
     except (UsageError, ArgumentError) as error:
         message = " ".join(str(error).split())  # one line, whatever the parser's formatting
         print(f"error: {message}", file=sys.stderr)
         sys.exit(2)
-
-
+    except TrainingDiverged as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(1)

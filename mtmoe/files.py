@@ -15,6 +15,9 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
 
 
 def _umask() -> int:
@@ -108,6 +111,36 @@ def write_atomic(content: str | bytes, path: str | Path) -> None:
     """Write ``content`` (text as UTF-8, or bytes) to ``path`` atomically."""
     with atomic_path(path) as tmp:
         tmp.write_bytes(content if isinstance(content, bytes) else content.encode("utf-8"))
+
+
+class _KeepWriteError:
+    """A binary file for ``torch.save`` that keeps the OSError of a failed write (torch reports only 'unexpected
+    pos')."""
+
+    def __init__(self, handle: BinaryIO) -> None:
+        self.handle, self.error = handle, None
+
+    def write(self, data: bytes) -> int:
+        try:
+            return self.handle.write(data)
+        except OSError as error:
+            self.error = error
+            raise
+
+    def flush(self) -> None:
+        self.handle.flush()
+
+
+def save_torch_atomic(obj: Any, path: str | Path) -> None:
+    """``torch.save(obj)`` to ``path`` atomically; a failed write (a full disk) raises its OSError."""
+    with atomic_path(path) as tmp, open(tmp, "wb") as handle:
+        writer = _KeepWriteError(handle)
+        try:
+            torch.save(obj, writer)
+        except RuntimeError:
+            if writer.error is None:
+                raise
+            raise writer.error from None
 
 
 def write_csv_atomic(rows: list[dict], path: str | Path) -> None:

@@ -9,42 +9,92 @@ the tuning driver and anything else that needs the objects, trained or not, buil
 
     run = build_run(["--gate", "comet", "--data", "movielens-100k", "--trainer.max_epochs=2"])
     run.config.model.lr, run.datamodule.info, run.model.net, run.trainer.max_epochs   # nothing trained yet
-    results = run.fit()  # train to early stopping, restore the best weights, test; also written as results.json
+    results = run.fit()  # train to early stopping, restore the best epoch's weights, test them
 
 Two shortcuts (:func:`translate_shortcuts`): ``--gate NAME`` selects a registered gate (``NAME+`` with local
-search) and ``--data NAME`` a registered dataset. Bad input raises :class:`~mtmoe.errors.UsageError` (or the
-parser's ``ArgumentError``): one line, exit code 2 at the command line.
+search) and ``--data NAME`` a registered dataset. The configuration holds the values in force: a model setting left
+to the dataset (``n_experts``, ``k``, ``alpha``, ...) is filled in with the dataset's value before anything is
+built, so ``--print_config``, the run's ``config.yaml`` and its checkpoints show it. Bad input raises
+:class:`~mtmoe.errors.UsageError` (or the parser's ``ArgumentError``): one line, exit code 2 at the command line.
 """
 from __future__ import annotations
 
+import copy
 import json
+import logging
 import sys
+import warnings
+from argparse import ArgumentError
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 from jsonargparse import Namespace
-from lightning.pytorch.callbacks import EarlyStopping
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from mtmoe.data import DATASETS
 from mtmoe.data.base import InMemoryDataModule
-from mtmoe.errors import UsageError
+from mtmoe.dataset_info import DatasetInfo
+from mtmoe.errors import TrainingDiverged, UsageError
 from mtmoe.files import write_atomic
 from mtmoe.gates import gate_class, list_gates
 from mtmoe.gates.base import no_plus_variant
-from mtmoe.lit.callbacks import RestoreBestWeights
+from mtmoe.lit.callbacks import RandomStates, RestoreBestWeights
 from mtmoe.lit.module import MultiTaskMoE
+from mtmoe.lit.outputs import AtomicCheckpointIO, RunCheckpoint, RunLogger, run_checkpoints
+from mtmoe.run_settings import (
+    check_run_settings, dataset_info, disagreements, given_model_settings, read_checkpoint, resolve_dataset_settings,
+)
 
 LIGHTNING_COMMANDS = ("fit", "validate", "test")
+SHORTCUTS = """Shortcuts: --gate NAME selects a registered gate (python -m mtmoe gates; NAME+ adds permutation local
+search, --model.perm_epochs 5 unless given) and --data NAME a dataset (python -m mtmoe datasets)."""
+DESCRIPTIONS = {
+    "fit": "Train a gate on a dataset with Adam to early stopping on val/loss, restore the best epoch's weights and "
+           "test them; their validation (at that epoch) and test results are printed and written as results.json in "
+           "the run's folder (runs/lightning_logs/version_N/), its checkpoints as checkpoints/best.ckpt (the weights "
+           "tested) and checkpoints/last.ckpt (to resume from: --ckpt_path). " + SHORTCUTS,
+    "validate": "Evaluate a checkpoint (--ckpt_path, e.g. runs/lightning_logs/version_N/checkpoints/best.ckpt) on "
+                "the validation split. The model is the checkpoint's: --gate and --model.* may be left out, and "
+                "must agree with it if given. " + SHORTCUTS,
+    "test": "Evaluate a checkpoint (--ckpt_path, e.g. runs/lightning_logs/version_N/checkpoints/best.ckpt) on the "
+            "test split: the best.ckpt of a fit reproduces its test results. The model is the checkpoint's: --gate "
+            "and --model.* may be left out, and must agree with it if given. " + SHORTCUTS,
+}
+
+
+def _no_tip(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("💡 Tip")
+
+
+def quiet_lightning() -> None:
+    """Drop what says nothing about the run: Lightning's adverts for its other products, a deprecation inside
+    Lightning, and the ``log_every_n_steps`` warning (every metric here is logged per epoch)."""
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_no_tip)
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
+    warnings.filterwarnings("ignore", message=r"The number of training batches .* is smaller than the logging")
 
 
 class MTMoECLI(LightningCLI):
-    """The CLI; ``results`` holds the last run's results, ``quiet`` suppresses the table (tuning trials)."""
+    """The CLI; ``results`` holds the last run's results, ``quiet`` suppresses the table (tuning trials).
+
+    ``print_config`` (``--print_config``'s flags, ``""`` for none) prints the configuration in force once the
+    dataset's values are filled in, and exits.
+    """
 
     quiet = False
     results: dict[str, Any] | None = None
+
+    def __init__(self, *args: Any, print_config: str | None = None, **kwargs: Any) -> None:
+        self.print_config = print_config
+        self.checkpoint: dict[str, Any] | None = None  # --ckpt_path's, read before Lightning applies it
+        super().__init__(*args, **kwargs)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("data.info", "model.info", apply_on="instantiate")
@@ -54,8 +104,77 @@ class MTMoECLI(LightningCLI):
         )
         parser.add_lightning_class_args(RestoreBestWeights, "restore_best")
 
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        self.named = {arg[2:].partition("=")[0] for arg in args if arg.startswith("--")}
+        super().parse_arguments(parser, args)
+
+    def _parse_ckpt_path(self) -> None:
+        """Read ``--ckpt_path``'s checkpoint (a bad file is one error line) and keep the model settings as given;
+        Lightning's own method (private) then applies the checkpoint's over them, checked against the given ones in
+        :meth:`before_instantiate_classes`."""
+        command = self.config.get("subcommand")
+        if not command or not self.config[command].get("ckpt_path"):
+            return
+        path = self.config[command].ckpt_path
+        self.checkpoint = read_checkpoint(path)  # without hyperparameters, the flags decide the model
+        self.user_model = copy.deepcopy(self.config[command].model)
+        try:
+            super()._parse_ckpt_path()
+        except (ArgumentError, SystemExit) as error:
+            raise UsageError(f"{path}: its model settings do not fit this version of mtmoe ({error})") from None
+
+    def before_instantiate_classes(self) -> None:
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        info = dataset_info(config.data)
+        if info is not None:
+            resolve_dataset_settings(config.model, info)
+        if self.checkpoint is not None:
+            self.check_checkpoint(config, info)
+        if self.print_config is not None:
+            flags = {flag: True for flag in self.print_config.split(",") if flag}
+            if set(flags) - {"skip_default", "skip_unset"}:
+                raise UsageError(f"--print_config takes skip_default, skip_unset, got {self.print_config!r}")
+            sys.stdout.write(self._parser(self.subcommand).dump(config, **{"skip_unset": False, **flags}))
+            sys.exit(0)
+        check_run_settings(config, self.subcommand)
+
+    def check_checkpoint(self, config: Namespace, info: DatasetInfo | None) -> None:
+        """The dataset and the model settings given must be the checkpoint's: one line naming both values."""
+        path, saved_on = config.ckpt_path, self.checkpoint.get("dataset")
+        if info is not None and saved_on is not None and saved_on != info.name:
+            raise UsageError(f"--data {info.name} disagrees with the checkpoint {path}, trained on {saved_on}")
+        parser_defaults = self._parser(self.subcommand).get_defaults()
+        given = given_model_settings(self.user_model, parser_defaults.model, self.named)
+        if info is not None:
+            resolve_dataset_settings(self.user_model, info)
+        found = disagreements(self.user_model, config.model, given)
+        if found:
+            raise UsageError(f"{'; '.join(found)}: the checkpoint {path} decides the model; "
+                             "drop the disagreeing flags, or pass another checkpoint")
+
+    def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
+        """The trainer; a fit's with the run's checkpoints (unless ``enable_checkpointing`` is false or another
+        ``ModelCheckpoint`` is given), written atomically, and the random states in them. A setting this machine
+        cannot run (an accelerator, a device count, a precision) is one error line."""
+        config = self._get(self.config_init, "trainer", default={})
+        given = config.get("callbacks") or []
+        callbacks = [*(given if isinstance(given, list) else [given]), RandomStates()]
+        checkpointing = config.get("enable_checkpointing") is not False and self.subcommand in (None, "fit")
+        if checkpointing and not any(isinstance(c, ModelCheckpoint) for c in callbacks):
+            callbacks += run_checkpoints()
+        try:
+            trainer = super().instantiate_trainer(**{"callbacks": callbacks, **kwargs})
+        except UsageError:
+            raise
+        except (MisconfigurationException, ValueError, ImportError) as error:  # Trainer.__init__: its arguments
+            raise UsageError(f"the trainer settings cannot run here: {error}") from None
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
+            trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+        return trainer
+
     def fit(self, model: MultiTaskMoE, datamodule: InMemoryDataModule, **kwargs: Any) -> None:
-        """Train to early stopping, restore the best-validation weights, then test them."""
+        """Train to early stopping, restore the best-validation weights (and that epoch's validation results),
+        then test them."""
         search = model.net.local_search
         max_epochs = self.trainer.max_epochs
         if search is not None and max_epochs not in (None, -1) and search.epochs > max_epochs:
@@ -63,42 +182,90 @@ class MTMoECLI(LightningCLI):
                 f"perm_epochs={search.epochs} is longer than the run (--trainer.max_epochs={max_epochs}); "
                 "the permutation would never be rounded and frozen"
             )
-        self.trainer.fit(model, datamodule=datamodule, **kwargs)
-        self.trainer.test(model, datamodule=datamodule, verbose=False)
-        self.report(model, datamodule)
+        with self.run_folder():
+            self.trainer.fit(model, datamodule=datamodule, **kwargs)
+            self.trainer.test(model, datamodule=datamodule, verbose=False)
+            self.report(model, datamodule, self.fit_summary(model))
 
     def validate(self, model: MultiTaskMoE, datamodule: InMemoryDataModule, **kwargs: Any) -> None:
-        self.trainer.validate(model, datamodule=datamodule, **{**kwargs, "verbose": False})
-        self.report(model, datamodule)
+        self.evaluate(self.trainer.validate, model, datamodule, **kwargs)
 
     def test(self, model: MultiTaskMoE, datamodule: InMemoryDataModule, **kwargs: Any) -> None:
-        self.trainer.test(model, datamodule=datamodule, **{**kwargs, "verbose": False})
-        self.report(model, datamodule)
+        self.evaluate(self.trainer.test, model, datamodule, **kwargs)
 
-    def report(self, model: MultiTaskMoE, datamodule: InMemoryDataModule) -> None:
+    def evaluate(self, stage: Any, model: MultiTaskMoE, datamodule: InMemoryDataModule, **kwargs: Any) -> None:
+        """``validate`` or ``test`` (``stage``) the checkpoint's weights and report them. The fit's checkpoint
+        callbacks are not needed to evaluate its checkpoint: Lightning's warning that they are missing is dropped."""
+        with self.run_folder(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Be aware that when using `ckpt_path`, callbacks used")
+            stage(model, datamodule=datamodule, **{**kwargs, "verbose": False})
+            self.report(model, datamodule, self.checkpoint_summary())
+
+    @contextmanager
+    def run_folder(self) -> Iterator[None]:
+        """On bad input met while running, remove the run's log folder again unless it holds a checkpoint or
+        results (Lightning makes it once the data is prepared)."""
+        try:
+            yield
+        except (UsageError, MisconfigurationException) as error:
+            if isinstance(self.trainer.logger, RunLogger):
+                self.trainer.logger.discard_unfinished()
+            if isinstance(error, UsageError):
+                raise
+            raise UsageError(f"the trainer settings cannot run here: {error}") from None
+
+    def fit_summary(self, model: MultiTaskMoE) -> dict[str, Any]:
+        """What ``fit`` adds to the results: epochs, the best epoch (whose weights were tested, and validated at
+        that epoch), the checkpoints, and why it diverged if it did."""
         restore = next((c for c in self.trainer.callbacks if isinstance(c, RestoreBestWeights)), None)
+        summary: dict[str, Any] = {"epochs_run": self.trainer.current_epoch}
+        if restore is not None and restore.best_epoch >= 0:
+            summary.update(best_epoch=restore.best_epoch, best_val_loss=restore.best_score)
+        paths = {c.kind: c.best_model_path for c in self.trainer.callbacks if isinstance(c, RunCheckpoint)}
+        if any(paths.values()):
+            summary["checkpoints"] = {kind: path for kind, path in paths.items() if path}
+        if model.diverged is not None:
+            summary["diverged"] = model.diverged
+        return summary
+
+    def checkpoint_summary(self) -> dict[str, Any]:
+        config = self.config[self.subcommand]
+        return {"checkpoint": config.ckpt_path, "checkpoint_epoch": self.checkpoint.get("epoch")}
+
+    def report(self, model: MultiTaskMoE, datamodule: InMemoryDataModule, summary: dict[str, Any]) -> None:
         results: dict[str, Any] = {
             "dataset": datamodule.info.name,
             "gate": getattr(model.net.gates[0], "registry_name", type(model.net.gates[0]).__name__)
             + ("+" if model.net.local_search is not None else ""),
             "seed": (self.config[self.subcommand] if self.subcommand else self.config).get("seed_everything"),
-            "epochs_run": self.trainer.current_epoch,
-            **(
-                {"best_epoch": restore.best_epoch, "best_val_loss": restore.best_score}
-                if restore is not None and restore.best_epoch >= 0
-                else {}
-            ),
+            **summary,
             **model.last_results,
         }
         if model.net.local_search is not None:
             results["permutation"] = {"assignment": model.net.local_search.assignment(),
                                       **model.net.local_search.statistics()}
         self.results = results
-        log_dir = Path(self.trainer.log_dir or ".")
-        write_atomic(json.dumps(results, indent=2) + "\n", log_dir / "results.json")
+        path = Path(self.trainer.log_dir or ".") / "results.json"
+        try:
+            write_atomic(json.dumps(results, indent=2) + "\n", path)
+        except OSError as error:
+            raise UsageError(f"cannot write {path} ({error.strerror or error})") from None
         if not self.quiet:
             print(format_results(results))
-            print(f"results written to {log_dir / 'results.json'}")
+            print(f"results written to {path}")
+            meaning = {"best": "these weights", "last": "the last epoch, to resume from"}
+            for which, checkpoint in results.get("checkpoints", {}).items():
+                print(f"{which} checkpoint: {checkpoint} ({meaning[which]})")
+
+
+def weights_evaluated(results: dict[str, Any]) -> str:
+    """Which weights the results are of, in words."""
+    if "checkpoint" in results:
+        return f"the weights of {results['checkpoint']} (epoch {results['checkpoint_epoch']})"
+    run = f"{results['epochs_run']} epoch{'' if results['epochs_run'] == 1 else 's'} run"
+    if "best_epoch" in results:
+        return f"epoch {results['best_epoch']}'s weights, the best val/loss of the {run}"
+    return f"the last weights of the {run} (no finite val/loss)"
 
 
 def format_results(results: dict[str, Any]) -> str:
@@ -106,7 +273,7 @@ def format_results(results: dict[str, Any]) -> str:
     splits = [s for s in ("val", "test") if s in results]
     keys = sorted({k for s in splits for k, v in results[s].items() if isinstance(v, float)})
     width = max([len(k) for k in keys] + [6])
-    lines = [f"{results['gate']} on {results['dataset']}"]
+    lines = [f"{results['gate']} on {results['dataset']}: {' and '.join(splits)} of {weights_evaluated(results)}"]
     lines.append(f"{'metric':<{width}}  " + "  ".join(f"{s:>10}" for s in splits))
     for key in keys:
         cells = [f"{results[s][key]:>10.4f}" if key in results[s] else f"{'':>10}" for s in splits]
@@ -115,7 +282,8 @@ def format_results(results: dict[str, Any]) -> str:
 
 
 def translate_shortcuts(argv: list[str]) -> list[str]:
-    """``--gate NAME`` -> ``--model.gate CLASS``, ``--data NAME`` -> ``--data CLASS``; unknown names fail here."""
+    """``--gate NAME`` -> ``--model.gate CLASS``, ``--data NAME`` -> ``--data CLASS``; unknown names fail here, and
+    so does ``--model.perm_epochs`` with a gate named without "+" (it would make the "+" variant)."""
     out: list[str] = []
     i = 0
     while i < len(argv):
@@ -136,7 +304,11 @@ def translate_shortcuts(argv: list[str]) -> list[str]:
             if value.endswith("+") and not cls.permutable:
                 raise no_plus_variant(base)
             out.append(f"--model.gate={cls.__module__}.{cls.__qualname__}")
-            if value.endswith("+") and not any(a.startswith("--model.perm_epochs") for a in argv):
+            perm_epochs = any(a.startswith("--model.perm_epochs") for a in argv)
+            if perm_epochs and not value.endswith("+"):
+                raise UsageError(f"--model.perm_epochs adds local search to {base}: pass --gate {base}+ for that, "
+                                 f"or drop --model.perm_epochs")
+            if value.endswith("+") and not perm_epochs:
                 out.append("--model.perm_epochs=5")
         elif flag == "--data" and "." not in value:
             if value not in DATASETS:
@@ -152,21 +324,29 @@ def translate_shortcuts(argv: list[str]) -> list[str]:
 
 def _cli(argv: list[str], run: bool) -> MTMoECLI:
     """The ``MTMoECLI`` of ``argv`` (shortcuts allowed); ``run=True`` runs its subcommand, ``False`` only builds."""
+    quiet_lightning()
+    args = translate_shortcuts(argv)
+    print_config = next((a.partition("=")[2] for a in args if a.partition("=")[0] == "--print_config"), None)
+    if not any(a.partition("=")[0] in ("--data", "--config", "-c") for a in args):
+        print_config = None  # no dataset, no values of its to fill in: jsonargparse prints the template as it is
     saved_argv, sys.argv = sys.argv, sys.argv[:1]  # LightningCLI reads only the translated ``args``
     try:
         return MTMoECLI(
             model_class=MultiTaskMoE,
             datamodule_class=InMemoryDataModule,
             subclass_mode_data=True,
-            args=translate_shortcuts(argv),
+            args=[a for a in args if print_config is None or a.partition("=")[0] != "--print_config"],
             run=run,
+            print_config=print_config,
             seed_everything_default=0,
             trainer_defaults={
                 "max_epochs": 100,
-                "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": "runs"}},
+                "logger": {"class_path": f"{RunLogger.__module__}.{RunLogger.__name__}",
+                           "init_args": {"save_dir": "runs"}},
             },
             save_config_kwargs={"overwrite": True},
-            parser_kwargs={"exit_on_error": False, **{c: {"exit_on_error": False} for c in LIGHTNING_COMMANDS}},
+            parser_kwargs={"exit_on_error": False, "prog": "python -m mtmoe",
+                           **{c: {"exit_on_error": False, "description": DESCRIPTIONS[c]} for c in LIGHTNING_COMMANDS}},
             auto_configure_optimizers=False,
         )
     finally:
@@ -174,8 +354,12 @@ def _cli(argv: list[str], run: bool) -> MTMoECLI:
 
 
 def run_lightning(argv: list[str]) -> None:
-    """``python -m mtmoe fit|validate|test ARGS``: build the run and run the subcommand; the results are printed."""
-    _cli(argv, run=True)
+    """``python -m mtmoe fit|validate|test ARGS``: build the run and run the subcommand; the results are printed.
+    A fit that diverged raises :class:`~mtmoe.errors.TrainingDiverged` once its results are written."""
+    cli = _cli(argv, run=True)
+    if cli.subcommand == "fit" and cli.model.diverged is not None:
+        raise TrainingDiverged(f"the fit diverged ({cli.model.diverged}); its results are marked so in "
+                               f"{Path(cli.trainer.log_dir or '.') / 'results.json'}")
 
 
 @dataclass(frozen=True)

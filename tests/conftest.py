@@ -24,6 +24,25 @@ def run_cli(argv: list[str]) -> int:
     return 0
 
 
+def full_disk_for(prefixes: str | tuple[str, ...], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The temporary files of :func:`mtmoe.files.atomic_path` for targets whose names start with ``prefixes`` are
+    /dev/full, where every write fails with ENOSPC as on a full disk."""
+    import tempfile
+
+    mkstemp = tempfile.mkstemp
+
+    def full_disk(*args, **kwargs):
+        fd, name = mkstemp(*args, **kwargs)
+        if Path(name).name.removeprefix(".").startswith(prefixes):
+            os.close(fd)
+            os.unlink(name)
+            os.symlink("/dev/full", name)
+            fd = os.open(name, os.O_WRONLY)
+        return fd, name
+
+    monkeypatch.setattr(tempfile, "mkstemp", full_disk)
+
+
 def write_u_data(root: Path, n_users: int = 60, per_user: int = 12, seed: int = 0) -> Path:
     """ML-100K ``u.data`` (tab-separated ``user item rating timestamp``) with a learnable rating pattern."""
     rng = np.random.default_rng(seed)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import run_cli
+from conftest import full_disk_for, run_cli
 from image_fixtures import write_mnist
 from mtmoe.data import MovieLens100KDataModule, download
 from mtmoe.data.multimnist import MultiMNISTDataModule
@@ -101,23 +101,25 @@ def test_mtmoe_verify_is_the_default_of_the_flag(tiny_root: Path, monkeypatch, c
 
 
 def test_a_resumed_run_ends_as_the_uninterrupted_one(tiny_root: Path) -> None:
-    """Two epochs, then two more resumed from the checkpoint, equal four uninterrupted epochs (dropout off: the
-    global random state is not in Lightning's checkpoints)."""
-    common = fit(tiny_root, "--model.expert_dropout=0", "--model.lr=3e-3")
+    """Two epochs, then two more resumed from ``last.ckpt``, equal four uninterrupted epochs: the batch order and,
+    with dropout on, the global random states resume; the resumed run's ``best.ckpt`` is the whole run's best."""
+    common = fit(tiny_root, "--model.lr=3e-3")
     runs = {}
     for name, epochs, resume in (("whole", 4, []), ("first", 2, []), ("resumed", 4, ["first"])):
-        ckpt = [f"--ckpt_path={runs[r][1]}" for r in resume]
+        ckpt = [f"--ckpt_path={runs[r][1] / 'last.ckpt'}" for r in resume]
         assert run_cli([*common, f"--trainer.max_epochs={epochs}", f"--trainer.logger.init_args.name={name}",
                         *ckpt]) == 0
-        folder = Path("runs") / name
-        runs[name] = json.loads(next(folder.rglob("results.json")).read_text()), next(folder.rglob("*.ckpt"))
+        folder = next((Path("runs") / name).glob("version_*"))
+        runs[name] = json.loads((folder / "results.json").read_text()), folder / "checkpoints"
     whole, resumed = runs["whole"], runs["resumed"]
-    assert resumed[0]["epochs_run"] == 4 and resumed[1].name == whole[1].name
+    assert resumed[0]["epochs_run"] == 4 and resumed[0]["best_epoch"] == whole[0]["best_epoch"]
     assert resumed[0]["val"]["loss"] == pytest.approx(whole[0]["val"]["loss"], rel=1e-6)
     assert resumed[0]["test"]["loss"] == pytest.approx(whole[0]["test"]["loss"], rel=1e-6)
-    parameters = [torch.load(run[1], weights_only=False)["state_dict"] for run in (whole, resumed)]
-    for name, tensor in parameters[0].items():
-        torch.testing.assert_close(parameters[1][name], tensor, msg=name)
+    for checkpoint in ("last.ckpt", "best.ckpt"):
+        saved = [torch.load(run[1] / checkpoint, weights_only=True) for run in (whole, resumed)]
+        assert saved[0]["epoch"] == saved[1]["epoch"]
+        for name, tensor in saved[0]["state_dict"].items():
+            torch.testing.assert_close(saved[1]["state_dict"][name], tensor, msg=name)
 
 
 # ---------------------------------------------------------------------- 15.10: corrupt and unwritable caches
@@ -144,20 +146,7 @@ def test_a_corrupt_cache_is_reported_and_rebuilt(tiny_root: Path, damage: str, c
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux)")
 def test_a_full_disk_while_writing_the_cache_is_one_error_line(tiny_root: Path, monkeypatch, capsys) -> None:
     """The cache's temporary file is /dev/full, where every write fails with ENOSPC as on a full disk."""
-    import tempfile
-
-    mkstemp = tempfile.mkstemp
-
-    def full_disk_for_caches(*args, **kwargs):
-        fd, name = mkstemp(*args, **kwargs)
-        if Path(name).name.startswith(".movielens-"):
-            os.close(fd)
-            os.unlink(name)
-            os.symlink("/dev/full", name)
-            fd = os.open(name, os.O_WRONLY)
-        return fd, name
-
-    monkeypatch.setattr(tempfile, "mkstemp", full_disk_for_caches)
+    full_disk_for("movielens-", monkeypatch)
     assert run_cli(fit(tiny_root)) == 2
     line = one_line(capsys, "error: cannot write the cache ")
     assert "(No space left on device): free some space there, or set MTMOE_CACHE" in line

@@ -5,7 +5,8 @@ Layers, bottom to top (a module may import its own layer and those below it, nev
 * core: plain PyTorch, what the model is built from (gates, experts, MMoE, local search and its Sinkhorn, the
   dataset description); no Lightning, torchmetrics, pandas or torchvision;
 * components: the DataModules (``mtmoe.data``) and the LightningModule, metrics and callbacks (``mtmoe.lit``);
-* the run builder (``mtmoe.run``): ``fit`` arguments -> DataModule, LightningModule, Trainer;
+* the run builder (``mtmoe.run``, its settings checked in ``mtmoe.run_settings``): ``fit`` arguments -> DataModule,
+  LightningModule, Trainer;
 * recipes on runs: tuning (search spaces, the tune driver, storage, trial table, report, bootstrap) and trial packs;
 * the command line (``mtmoe.cli``, ``python -m mtmoe``).
 """
@@ -25,7 +26,7 @@ LAYERS = {  # module or package prefix -> layer (0 = bottom)
     "mtmoe.losses": 0, "mtmoe.host_memory": 0,
     "mtmoe.gates": 0, "mtmoe.experts": 0, "mtmoe.mmoe": 0, "mtmoe.permutation": 0, "mtmoe.sinkhorn": 0,
     "mtmoe.data": 1, "mtmoe.lit": 1,
-    "mtmoe.run": 2,
+    "mtmoe.run": 2, "mtmoe.run_settings": 2,
     "mtmoe.tuning": 3, "mtmoe.pack": 3,
     "mtmoe.cli": 4, "mtmoe.__main__": 4,
 }

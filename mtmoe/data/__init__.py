@@ -1,8 +1,9 @@
-"""Datasets: in-memory DataModules (:mod:`mtmoe.data.base`) and raw-file fetching (:mod:`mtmoe.data.download`)."""
-from mtmoe.data.base import DatasetInfo, IndexBatches, InMemoryDataModule, TaskSpec
-from mtmoe.data.books import BooksDataModule
-from mtmoe.data.jester import JesterDataModule
-from mtmoe.data.movielens import MovieLens1MDataModule, MovieLens100KDataModule, MovieLensDataModule
+"""Datasets: in-memory DataModules (:mod:`mtmoe.data.base`) and raw-file fetching (:mod:`mtmoe.data.download`).
+
+The package's names are imported when first used: ``DATASETS`` (what ``python -m mtmoe datasets`` lists) costs no
+Lightning import.
+"""
+import importlib
 
 DATASETS: dict[str, str] = {  # CLI name -> import path of the DataModule class
     "movielens": "mtmoe.data.movielens.MovieLens1MDataModule",
@@ -14,6 +15,20 @@ DATASETS: dict[str, str] = {  # CLI name -> import path of the DataModule class
     "celeba": "mtmoe.data.celeba.CelebADataModule",
     "digits": "mtmoe.data.digits.DigitsDataModule",
 }
+
+_MODULES = {  # exported name -> its module
+    "DatasetInfo": "mtmoe.data.base", "IndexBatches": "mtmoe.data.base", "InMemoryDataModule": "mtmoe.data.base",
+    "TaskSpec": "mtmoe.data.base", "BooksDataModule": "mtmoe.data.books", "JesterDataModule": "mtmoe.data.jester",
+    "MovieLens100KDataModule": "mtmoe.data.movielens", "MovieLens1MDataModule": "mtmoe.data.movielens",
+    "MovieLensDataModule": "mtmoe.data.movielens",
+}
+
+
+def __getattr__(name: str):
+    if name in _MODULES:
+        return getattr(importlib.import_module(_MODULES[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "DATASETS", "BooksDataModule", "DatasetInfo", "InMemoryDataModule", "IndexBatches", "JesterDataModule",

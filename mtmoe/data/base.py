@@ -98,6 +98,8 @@ class InMemoryDataModule(pl.LightningDataModule):
         super().__init__()
         if batch_size < 1:
             raise UsageError(f"batch_size must be >= 1, got {batch_size}")
+        if eval_batch_size is not None and eval_batch_size < 1:
+            raise UsageError(f"eval_batch_size must be >= 1, got {eval_batch_size}")
         self.root = Path(root or os.environ.get("MTMOE_DATA") or Path.home() / ".cache" / "mtmoe" / "data")
         self.cache_dir = Path(cache_dir or os.environ.get("MTMOE_CACHE") or Path.home() / ".cache" / "mtmoe")
         self.batch_size, self.eval_batch_size = batch_size, eval_batch_size or batch_size

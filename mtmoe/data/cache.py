@@ -11,14 +11,13 @@ import errno
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO
 
 import torch
 from torch import Tensor
 
 from mtmoe.data.base import Splits
 from mtmoe.errors import UsageError
-from mtmoe.files import atomic_path, remove_orphans
+from mtmoe.files import remove_orphans, save_torch_atomic
 
 
 def load_or_prepare(cache: Path, prepare: Callable[[], Splits]) -> Splits:
@@ -43,8 +42,7 @@ def load_or_prepare(cache: Path, prepare: Callable[[], Splits]) -> Splits:
                 cache.unlink()
     splits = prepare()
     try:
-        with atomic_path(cache) as tmp:
-            _save(splits, tmp)
+        save_torch_atomic(splits, cache)
     except OSError as error:
         room = error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
         raise UsageError(f"cannot write the cache {cache} ({error.strerror or error}): "
@@ -62,33 +60,3 @@ def _check_splits(splits: object) -> None:
             raise ValueError("a split is not a dict of tensors")
         if len({len(t) for t in tensors.values()}) != 1:
             raise ValueError("a split holds tensors of different lengths")
-
-
-class _KeepWriteError:
-    """A binary file for ``torch.save`` that keeps the OSError of a failed write (torch reports only 'unexpected
-    pos')."""
-
-    def __init__(self, handle: BinaryIO) -> None:
-        self.handle, self.error = handle, None
-
-    def write(self, data: bytes) -> int:
-        try:
-            return self.handle.write(data)
-        except OSError as error:
-            self.error = error
-            raise
-
-    def flush(self) -> None:
-        self.handle.flush()
-
-
-def _save(splits: Splits, path: Path) -> None:
-    """``torch.save`` to ``path``; a failed write (disk full) raises its OSError."""
-    with open(path, "wb") as handle:
-        writer = _KeepWriteError(handle)
-        try:
-            torch.save(splits, writer)
-        except RuntimeError:
-            if writer.error is None:
-                raise
-            raise writer.error from None

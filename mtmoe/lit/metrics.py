@@ -17,15 +17,16 @@ class RoutingStats(Metric):
     * ``utilisation``: per-expert mean weight (a vector of n, summing to ~1);
     * ``selection_rate``: per-expert fraction of samples routed to it (weight > 0);
     * ``unused_experts``: experts that no sample of the epoch selected;
-    * ``simplex_violations``: fraction of samples whose weights sum differs from 1 by more than 1e-5;
+    * ``simplex_violations``: fraction of samples whose weights sum differs from 1 by more than 1e-5, for gates
+      whose rows should sum to 1 (``simplex``; the batch-level routers' and SparseMixer's do not, by design);
     * ``zero_expert_fraction``: fraction of samples with no expert at all (batch-level routers can do that).
     """
 
     full_state_update = False
 
-    def __init__(self, n_experts: int) -> None:
+    def __init__(self, n_experts: int, simplex: bool = True) -> None:
         super().__init__()
-        self.n_experts = n_experts
+        self.n_experts, self.simplex = n_experts, simplex
         self.add_state("weight_sum", torch.zeros(n_experts, dtype=torch.float64), dist_reduce_fx="sum")
         self.add_state("selected", torch.zeros(n_experts, dtype=torch.float64), dist_reduce_fx="sum")
         self.add_state("violations", torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
@@ -43,11 +44,13 @@ class RoutingStats(Metric):
 
     def compute(self) -> dict[str, Tensor]:
         count = self.count.clamp_min(1)
-        return {
+        stats = {
             "experts_per_sample": self.selected.sum() / count,
             "utilisation": self.weight_sum / count,
             "selection_rate": self.selected / count,
             "unused_experts": (self.selected == 0).sum().double(),
-            "simplex_violations": self.violations / count,
             "zero_expert_fraction": self.empty / count,
         }
+        if self.simplex:
+            stats["simplex_violations"] = self.violations / count
+        return stats

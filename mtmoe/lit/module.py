@@ -103,7 +103,8 @@ class MultiTaskMoE(pl.LightningModule):
         for stage in STAGES:  # separate metric objects per split and task (torchmetrics' rule)
             collections = {
                 task.name: MetricCollection(
-                    {**task_metrics(task), "loss": MeanMetric(), "routing": RoutingStats(n)}, compute_groups=False
+                    {**task_metrics(task), "loss": MeanMetric(), "routing": RoutingStats(n, self.net.gates[0].simplex)},
+                    compute_groups=False,
                 )
                 for task in info.tasks
             }
@@ -215,8 +216,15 @@ class MultiTaskMoE(pl.LightningModule):
         if self.net.local_search is not None:
             self.log_dict({f"perm/{k}": v for k, v in self.net.local_search.statistics().items()})
 
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["dataset"] = self.info.name  # the model's shapes follow the dataset: checked on loading
+
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        """A checkpoint's permutation must match this model's experts: say so in one line, not a size mismatch."""
+        """A checkpoint must be of this dataset and its permutation match this model's experts: say so in one
+        line, not a size mismatch (the command line checks its flags against the checkpoint before this)."""
+        dataset = checkpoint.get("dataset", self.info.name)
+        if dataset != self.info.name:
+            raise UsageError(f"the checkpoint was trained on {dataset}, not {self.info.name}")
         saved = checkpoint["state_dict"].get("net.local_search.log_weights")
         search = self.net.local_search
         if saved is not None and (search is None or saved.shape != search.log_weights.shape):

@@ -1,0 +1,125 @@
+"""The settings of a run as the command line gives them, checked and completed before anything is built.
+
+* :func:`resolve_dataset_settings`: the model settings left ``None`` take the dataset's values (Supplement S1.2),
+  filled in so that ``--print_config``, the run's ``config.yaml`` and its checkpoints show the values in force;
+* :func:`read_checkpoint`, :func:`given_model_settings` and :func:`disagreements`: ``--ckpt_path``'s checkpoint
+  decides the model; the settings a user gave must agree with it;
+* :func:`check_run_settings`: settings Lightning accepts that make a command meaningless.
+
+Each problem is a :class:`~mtmoe.errors.UsageError`: one line, exit code 2 at the command line.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from jsonargparse import Namespace
+
+from mtmoe.dataset_info import DatasetInfo
+from mtmoe.errors import UsageError
+from mtmoe.lit.module import task_weights
+
+#: Model settings whose ``None`` stands for the dataset's value (Supplement S1.2; ``mtmoe.mmoe.build_mmoe``).
+DATASET_SETTINGS = ("n_experts", "embedding_dim", "expert_units", "tower_units", "expert_dropout")
+
+
+def import_class(path: str) -> type:
+    """The class at a dotted path (``mtmoe.gates.TopKGate``)."""
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def dataset_info(data: Namespace | None) -> DatasetInfo | None:
+    """The dataset description of the ``data`` configuration (a DataModule's ``__init__`` reads no data; its
+    checks of its arguments fail here, as one line)."""
+    if data is None:
+        return None
+    return import_class(data.class_path)(**data.get("init_args", Namespace()).as_dict()).info
+
+
+def resolve_dataset_settings(model: Namespace, info: DatasetInfo) -> None:
+    """Fill in the model settings left ``None`` that take the dataset's value: the values in force."""
+    if model.alpha is None and info.task_weighting == "alpha":
+        model.alpha = task_weights(info, None)[0]
+    for name in DATASET_SETTINGS:
+        if model[name] is None and not (name == "embedding_dim" and info.image_shape is not None):
+            model[name] = getattr(info, name)
+    gate = model.gate
+    if gate is not None and "k" in gate.get("init_args", Namespace()) and gate.init_args.k is None:
+        gate.init_args.k = info.k  # a gate's k defaults to the dataset's (mtmoe.gates.base.resolve_k)
+
+
+def gate_name(model: Namespace) -> str:
+    """``topk``, ``comet+``, ...: the registered name of the configured gate, "+" with local search."""
+    cls = import_class(model.gate.class_path)
+    return getattr(cls, "registry_name", cls.__name__) + ("+" if model.perm_epochs is not None else "")
+
+
+def given_model_settings(model: Namespace, defaults: Namespace, named: set[str]) -> set[str]:
+    """The ``model.*`` keys the user chose: named on the command line, or other than their default (a config file).
+    A chosen gate counts as ``gate`` (its "+" included); its own arguments as ``gate.init_args.NAME``."""
+    given = set()
+    for key, value in model.items():
+        if key.startswith("gate."):
+            continue
+        if f"model.{key}" in named or value != defaults.get(key):
+            given.add(key)
+    if model.gate is not None:
+        given.add("gate")
+        parameters = inspect.signature(import_class(model.gate.class_path)).parameters
+        for name, value in model.gate.get("init_args", Namespace()).items():
+            if f"model.gate.{name}" in named or name not in parameters or value != parameters[name].default:
+                given.add(f"gate.init_args.{name}")
+    return given
+
+
+def disagreements(user: Namespace, saved: Namespace, given: set[str]) -> list[str]:
+    """The chosen settings of ``user`` that differ from the checkpoint's ``saved`` ones, as flag / saved value."""
+    if "gate" in given and gate_name(user) != gate_name(saved):
+        return [f"--gate {gate_name(user)} (the checkpoint holds {gate_name(saved)})"]
+    found = []
+    for key in sorted(given - {"gate"}):
+        if key == "perm_epochs" and "gate" in given:
+            continue  # part of the gate's name
+        if user[key] != saved.get(key):
+            flag = key.replace("gate.init_args.", "gate.")
+            found.append(f"--model.{flag} {user[key]} (the checkpoint has {saved.get(key)})")
+    return found
+
+
+def read_checkpoint(path: str) -> dict[str, Any]:
+    """The checkpoint at ``path``; a missing, unreadable or foreign file is one error line."""
+    if not Path(path).is_file():
+        raise UsageError(f"no checkpoint file {path} (--ckpt_path)")
+    if not zipfile.is_zipfile(path):  # torch.save's format; torch's own errors for these files are long and vague
+        raise UsageError(f"{path} is not a complete checkpoint (empty, truncated, or another kind of file)")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:
+        raise UsageError(f"{path} is not a readable checkpoint ({str(error).splitlines()[0]})") from None
+    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+        raise UsageError(f"{path} is not a checkpoint of python -m mtmoe fit")
+    return checkpoint
+
+
+def check_run_settings(config: Namespace, command: str | None) -> None:
+    """Settings that are valid for Lightning but make the command meaningless."""
+    trainer = config.trainer
+    if command in (None, "fit"):
+        if trainer.max_epochs is not None and (trainer.max_epochs == 0 or trainer.max_epochs < -1):
+            raise UsageError("--trainer.max_epochs must be >= 1 (or -1: until early stopping), "
+                             f"got {trainer.max_epochs}")
+        if config.early_stopping.patience < 0:
+            raise UsageError(f"--early_stopping.patience must be >= 0, got {config.early_stopping.patience}")
+    splits = {"fit": ("train", "val", "test"), "validate": ("val",), "test": ("test",), None: ("train", "val", "test")}
+    for split in splits[command]:
+        if trainer[f"limit_{split}_batches"] == 0:
+            raise UsageError(f"--trainer.limit_{split}_batches 0 leaves no {split} batch: "
+                             f"{command or 'fit'} needs {', '.join(splits[command])} batches")
+    if command in ("validate", "test") and not config.ckpt_path:
+        raise UsageError(f"{command} evaluates a checkpoint: pass --ckpt_path "
+                         "(runs/lightning_logs/version_N/checkpoints/best.ckpt; fit tests its best weights itself)")
