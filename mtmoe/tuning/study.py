@@ -115,18 +115,25 @@ class Objective:
             results = run.fit()
         except (KeyboardInterrupt, SystemExit) as interrupt:  # Lightning answers Ctrl-C with sys.exit(1)
             raise TrialInterrupted(f"trial {trial.number} (config_id {config_id}) interrupted") from interrupt
-        trial.set_user_attr("seed", seed)
-        trial.set_user_attr("wall_time_s", round(time.perf_counter() - start, 2))
-        trial.set_user_attr("epochs_run", results.get("epochs_run"))
-        trial.set_user_attr("best_epoch", results.get("best_epoch"))
-        for key, value in results.get("test", {}).items():
-            trial.set_user_attr(f"test/{key}", value)
-        trial.set_user_attr("test_loss", results.get("test", {}).get("loss"))
-        objective = results.get("best_val_loss", math.inf)
-        if run.model.diverged is not None or not math.isfinite(objective):
-            trial.set_user_attr("fail_reason", f"diverged: {run.model.diverged or 'no finite validation loss'}")
-            return math.nan  # Optuna records the trial as FAILED; it counts among the N, with objective +inf
-        return objective
+        return record_result(trial, seed, time.perf_counter() - start, results, run.model.diverged)
+
+
+def record_result(trial: optuna.Trial, seed: int, wall_time_s: float, results: dict, diverged: str | None) -> float:
+    """Record a finished trial's results as its user attributes (seed, wall time, epochs, ``test/<key>`` for every
+    test metric, ``test_loss``; a ``fail_reason`` when it diverged) and return its objective: the best epoch's
+    validation loss, or NaN for a diverged trial (Optuna records it FAILED; it counts among the N with +inf)."""
+    trial.set_user_attr("seed", seed)
+    trial.set_user_attr("wall_time_s", round(wall_time_s, 2))
+    trial.set_user_attr("epochs_run", results.get("epochs_run"))
+    trial.set_user_attr("best_epoch", results.get("best_epoch"))
+    for key, value in results.get("test", {}).items():
+        trial.set_user_attr(f"test/{key}", value)
+    trial.set_user_attr("test_loss", results.get("test", {}).get("loss"))
+    objective = results.get("best_val_loss", math.inf)
+    if diverged is not None or not math.isfinite(objective):
+        trial.set_user_attr("fail_reason", f"diverged: {diverged or 'no finite validation loss'}")
+        return math.nan
+    return objective
 
 
 def duplicate_of(study: optuna.Study, number: int, config_id: int) -> int | None:
