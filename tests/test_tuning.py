@@ -563,12 +563,13 @@ def test_ctrl_c_stops_cleanly_and_the_rerun_resumes(root_and_tmp) -> None:
 
 @pytest.fixture(scope="module")
 def pg_study(postgres_url: str, tmp_path_factory) -> tuple[str, str, Path]:
-    """A 6-configuration study run by ``tune --workers 3`` (three processes) on PostgreSQL."""
+    """A 6-configuration study of comet (three hyperparameters) run by ``tune --workers 3`` (three processes) on
+    PostgreSQL."""
     tmp = tmp_path_factory.mktemp("workers")
     root = tmp / "data"
     write_u_data(root)
     name = "three-workers"
-    args = tune_args(postgres_url, root, tmp / "runs", *TINY, "--workers", "3", trials=6, name=name)
+    args = tune_args(postgres_url, root, tmp / "runs", *TINY, "--workers", "3", trials=6, gate="comet", name=name)
     code, out, err = run_tune(args, tmp, root, "workers")
     assert code == 0, err[-3000:]
     return postgres_url, name, tmp
@@ -588,7 +589,7 @@ def test_three_workers_on_postgres_evaluate_each_configuration_once(pg_study) ->
     workers = {t.user_attrs["worker"] for t in trials if t.state == TrialState.COMPLETE}
     assert all(w.rpartition(":")[2].isdigit() for w in workers) and 1 <= len(workers) <= 3
     # the same plan as one worker would have: the configurations depend on the seed only
-    space = load_space("movielens-100k", "topk")
+    space = load_space("movielens-100k", "comet")
     plan = plan_configurations(type(space)(space.data, space.gate, 6, space.fixed, space.distributions), 6, 0)
     assert {t.user_attrs["config_id"]: t.params for t in trials} == dict(enumerate(plan))
 
@@ -622,7 +623,10 @@ def test_sigkilled_worker_trial_is_failed_by_heartbeat_and_retried(postgres_url:
 
 
 def test_optuna_dashboard_serves_the_trials(pg_study, tmp_path: Path) -> None:
+    """The objective by its name (issue 14.10: not "Objective 0"), every trial's hyperparameters as parameters (the
+    trial table's columns: the union of the trials' search spaces; the plots': their intersection)."""
     url, name, _ = pg_study
+    hyperparameters = sorted(load_space("movielens-100k", "comet").distributions)
     trials = {t.number: t for t in trials_of(url, name)}
     port = free_port()
     dashboard = Path(sys.executable).with_name("optuna-dashboard")
@@ -648,16 +652,22 @@ def test_optuna_dashboard_serves_the_trials(pg_study, tmp_path: Path) -> None:
                 time.sleep(0.3)
         study = next(s for s in studies if s["study_name"] == name)
         attrs = {a["key"]: a["value"] for a in study["user_attrs"]}
-        assert attrs["data"] == "movielens-100k" and attrs["gate"] == "topk"
+        assert attrs["data"] == "movielens-100k" and attrs["gate"] == "comet"
+        assert json.loads(attrs["settings"]) == {"data.batch_size": 64, "trainer.limit_test_batches": 2.0,
+                                                 "trainer.limit_train_batches": 5.0, "trainer.limit_val_batches": 2.0,
+                                                 "trainer.max_epochs": 1}
         detail = get(f"/api/studies/{study['study_id']}")
-        assert detail["name"] == name
+        assert detail["name"] == name and detail["objective_names"] == ["validation loss (best epoch)"]
+        for space in ("union_search_space", "intersection_search_space"):
+            assert sorted(entry["name"] for entry in detail[space]) == hyperparameters, space
         served = [t for t in detail["trials"] if t["state"] == "Complete"]
         assert len(detail["trials"]) == len(trials) and len(served) == 6
         for entry in served:
             stored = trials[entry["number"]]
             assert stored.state == TrialState.COMPLETE
-            assert [p["name"] for p in entry["params"]] == ["model.lr"]
-            assert float(entry["params"][0]["param_external_value"]) == pytest.approx(stored.params["model.lr"])
+            served_params = {p["name"]: p["param_external_value"] for p in entry["params"]}
+            assert sorted(served_params) == hyperparameters
+            assert {k: float(v) for k, v in served_params.items()} == pytest.approx(stored.params)
             user = {a["key"]: a["value"] for a in entry["user_attrs"]}
             assert int(user["config_id"]) == stored.user_attrs["config_id"]
             assert float(user["test_loss"]) == pytest.approx(stored.user_attrs["test_loss"])

@@ -87,7 +87,6 @@ def plot(curves: pd.DataFrame, gates: list[str]):
     means and the bands' lower ends (the bands' upper ends at small s may run past it)."""
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
-    from matplotlib.patches import Patch
     from matplotlib.ticker import FixedLocator, NullLocator, ScalarFormatter
 
     gates = sorted(gates, key=gate_order)
@@ -98,7 +97,8 @@ def plot(curves: pd.DataFrame, gates: list[str]):
         families = list(dict.fromkeys(g.removesuffix("+") for g in present))
         groups.append((data, alpha, panel, present, [[g for g in present if g.removesuffix("+") == f]
                                                      for f in families]))
-    columns = min(MAX_COLUMNS, max(1 + len(group[4]) for group in groups))
+    most = max(1 + len(group[4]) for group in groups)
+    columns = math.ceil(most / math.ceil(most / MAX_COLUMNS))  # rows of even length: 6 panels as 3 + 3, not 4 + 2
     layout = [(group, index) for group in groups for index in range(1 + len(group[4]))]
     rows = sum(math.ceil((1 + len(group[4])) / columns) for group in groups)
     figure = Figure(figsize=(3.4 * columns, 2.9 * rows + 0.7), layout="constrained")
@@ -133,13 +133,16 @@ def plot(curves: pd.DataFrame, gates: list[str]):
             ax.tick_params(labelsize=8)
             ax.grid(True, color="#dddddd", linewidth=0.6)
         row += math.ceil((1 + len(families)) / columns)
-    handles = [Line2D([], [], label=gate, **gate_style(gate, gates)) for gate in gates]
+    blank = Line2D([], [], linestyle="none", label=" ")
+    handles = []  # a column per gate family (the gate above its "+"), then the styles: legends fill column by column
+    for family in dict.fromkeys(gate.removesuffix("+") for gate in gates):
+        handles += [Line2D([], [], label=gate, **gate_style(gate, gates)) if gate in gates else blank
+                    for gate in (family, family + "+")]
     handles += [Line2D([], [], color="#555555", linestyle=(0, (4, 2)), label="dashed: without local search"),
-                Line2D([], [], color="#555555", label='solid: with local search ("+")'),
-                Patch(facecolor="#55555526", edgecolor="#555555", linewidth=0.8,
-                      label='band: 95% of draws (2.5th-97.5th pct.), filled for "+"')]
-    figure.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 6), fontsize=8.5,
-                  frameon=False, title="Monte-Carlo mean of the best-validation trial's test loss", title_fontsize=8.5)
+                Line2D([], [], color="#555555", label='solid: with local search ("+")')]
+    figure.legend(handles=handles, loc="outside lower center", ncol=len(handles) // 2, fontsize=8.5, frameon=False,
+                  title_fontsize=8.5, title="Lines: Monte-Carlo mean of the best-validation trial's test loss. Bands: "
+                                            '95% of the draws (2.5th-97.5th percentile), filled for "+".')
     return figure
 
 
@@ -339,7 +342,7 @@ def bootstrap(argv: list[str]) -> None:
     tables = []
     for data in datasets:
         url, table = collect(args.storage, data)
-        tables.append(table.assign(data=data))
+        tables.append(table)
     trials, gates = select(url, pd.concat(tables, ignore_index=True), requested)
     for pair in pairs:
         if len(pair) != 2 or not set(pair) <= set(gates):

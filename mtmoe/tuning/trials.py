@@ -1,8 +1,8 @@
 """The trial table: the evaluated configurations of a dataset's tuning studies, one row each (``report`` and
 ``bootstrap`` compute from it; it never trains), and the options those commands share to find it.
 
-Columns: ``study, gate, alpha, seed, settings, config_id, trial, failed, fail_reason, objective, test_loss, n_s``
-and the per-task test metrics as ``<task>/<metric>``. A study is one row group per study name (user attributes
+Columns: ``study, gate, alpha, seed, settings, config_id, trial, failed, fail_reason, objective, test_loss, n_s``,
+``data`` and the per-task test metrics as ``<task>/<metric>``. A study is one row group per study name (user attributes
 ``data`` and ``gate``, written by ``tune``), so ``.../alpha=0.1`` and ``.../alpha=0.9`` are separate studies; a
 study without an alpha of its own shows the dataset's default. A failed trial (failed with a ``fail_reason``:
 diverged, or lost too often) is a row with objective ``+inf`` and no test results; trials lost to a crash or an
@@ -206,4 +206,4 @@ def collect(url: str | None, data: str) -> tuple[str, pd.DataFrame]:
         raise UsageError(f"no studies for dataset {data!r} in {where} (run `python -m mtmoe tune --data {data}` first)")
     if not rows:
         raise UsageError(f"the studies of {data!r} in {where} ({', '.join(sorted(names))}) have no finished trials yet")
-    return url, paper_order(pd.DataFrame(rows))
+    return url, paper_order(pd.DataFrame(rows).assign(data=data))
