@@ -381,25 +381,31 @@ def test_router_names_with_hyphens_and_plus_flow_through_tune_and_report(tiny_ro
     assert "| movielens-100k/competesmoe-v2 | competesmoe-v2 |" in printed and "| movielens-100k/usmoe+ | usmoe+ |" in printed
 
 
-DIVERGING_SPACE = """\
+ODD_LR_SPACE = """\
 data: movielens-100k
 trials: 3
 fixed:
   model.n_experts: 16
 gates:
   topk:
-    model.lr: {choice: [1.0e-3, 1.0e+30]}
+    model.lr: {{choice: [1.0e-3, {odd}]}}
     model.gate.k: 2
 """
 
 
+def space_with_one_odd_lr(folder: Path, odd: float) -> tuple[Path, int]:
+    """A topk space file choosing the learning rate 1e-3 or ``odd``, and a seed whose 3 configurations take ``odd``
+    once: (its path, the seed)."""
+    path = folder / "odd-lr.yaml"
+    path.write_text(ODD_LR_SPACE.format(odd=f"{odd:.1e}"))  # YAML reads 1e+30 as text, 1.0e+30 as a number
+    space = load_space("movielens-100k", "topk", path)
+    return path, next(s for s in range(50) if sorted(c["model.lr"] for c in plan_configurations(space, 3, s)) ==
+                      [1e-3, 1e-3, odd])
+
+
 @pytest.mark.filterwarnings("ignore:Encountered `nan` values")
 def test_diverged_trial_is_failed_with_reason_and_not_retried(tiny_root: Path, tmp_path: Path, capsys) -> None:
-    space_path = tmp_path / "diverging.yaml"
-    space_path.write_text(DIVERGING_SPACE)
-    space = load_space("movielens-100k", "topk", space_path)
-    seed = next(s for s in range(50) if sorted(c["model.lr"] for c in plan_configurations(space, 3, s)) ==
-                [1e-3, 1e-3, 1e30])  # two sane configurations, one that must blow up
+    space_path, seed = space_with_one_odd_lr(tmp_path, 1e30)  # two sane configurations, one that must blow up
     url = f"sqlite:///{tmp_path / 'nan.db'}"
     args = tune_args(url, tiny_root, tmp_path / "runs", *TINY, "--space", str(space_path), "--seed", str(seed))
     assert run_cli(args) == 0

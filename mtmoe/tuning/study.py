@@ -180,7 +180,7 @@ def record_result(trial: optuna.Trial, seed: int, wall_time_s: float, results: d
 def duplicate_of(study: optuna.Study, number: int, config_id: int) -> int | None:
     """The trial that evaluates ``config_id`` instead of trial ``number``, if any.
 
-    That is one already complete or diverged, or an earlier-numbered one waiting or running: of several
+    That is one already complete or failed with a reason, or an earlier-numbered one waiting or running: of several
     enqueued copies exactly the lowest-numbered live one runs, whatever the order in which workers pop them.
     """
     for other in study.get_trials(deepcopy=False):
