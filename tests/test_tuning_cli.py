@@ -18,6 +18,7 @@ import pandas as pd
 import pytest
 
 from conftest import run_cli
+from pg import create_database
 from test_tuning import TINY, one_torch_thread, subprocess_env, trials_of, tune_args  # noqa: F401
 
 
@@ -30,7 +31,7 @@ def test_a_study_refuses_other_settings_and_shows_its_own(postgres_url: str, tin
     trials to the study run with 20. Now the second ``tune`` is refused in one line naming the setting and the way
     out; settings that do not change what a trial computes (folders, spelling, progress display) still resume it;
     the settings are study attributes and ``report`` and ``bootstrap`` show them."""
-    name = "identity"
+    name, postgres_url = "identity", create_database(postgres_url, "identity")  # this test's studies alone
     first = tune_args(postgres_url, tiny_root, tmp_path / "runs", *TINY, "--trainer.limit_train_batches", "20",
                       trials=2, name=name)
     assert run_cli(first) == 0

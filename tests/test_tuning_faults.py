@@ -63,26 +63,27 @@ def finish(procs: list, tmp: Path, logs: list[str], timeout: int = 400) -> list[
 # ------------------------------------------------------------------------------ 5: simultaneous first start
 
 
-@pytest.mark.parametrize("kind, processes", [("postgresql", 3), ("sqlite", 2)])
+@pytest.mark.parametrize("kind, gates", [("postgresql", ["topk"] * 3), ("sqlite", ["topk", "hash"])])
 def test_tune_processes_started_together_on_a_fresh_storage_all_work(request, root_and_tmp, kind: str,
-                                                                     processes: int) -> None:
+                                                                     gates: list[str]) -> None:
     """Before: "UniqueViolation ... CREATE TYPE studydirection" (PostgreSQL), "UNIQUE constraint failed:
     alembic_version" (SQLite) for some of the processes. Now they set the storage up one at a time, and the plan
-    is enqueued once."""
+    is enqueued once. (SQLite is for one worker per study: there, two studies share the file.)"""
     root, tmp = root_and_tmp
     if kind == "postgresql":
         url = create_database(request.getfixturevalue("postgres_url"), "fresh_first_start")
     else:
         url = f"sqlite:///{tmp / 'fresh.db'}"
-    args = tune_args(url, root, tmp / "runs", *TINY, trials=3, name="together")
-    logs = [f"together{i}" for i in range(processes)]
-    procs = [start_tune(args, tmp, root, log, **FAST_HEARTBEAT) for log in logs]
+    logs = [f"together{i}" for i in range(len(gates))]
+    procs = [start_tune(tune_args(url, root, tmp / "runs", *TINY, trials=3, gate=gate, name=f"together-{gate}"),
+                        tmp, root, log, **FAST_HEARTBEAT) for gate, log in zip(gates, logs)]
     for code, out, err in finish(procs, tmp, logs):
         assert code == 0, err[-3000:]
         assert "Traceback" not in err, err[-3000:]
-    trials = trials_of(storage_for(url), "together")
-    assert_each_config_once(trials, 3)
-    assert len([t for t in trials if "config_id" in t.user_attrs]) == 3  # enqueued once: no duplicate to skip
+    for gate in set(gates):
+        trials = trials_of(storage_for(url), f"together-{gate}")
+        assert_each_config_once(trials, 3)
+        assert len([t for t in trials if "config_id" in t.user_attrs]) == 3  # enqueued once: no duplicate to skip
 
 
 def _first_start(url: str, barrier, results) -> None:

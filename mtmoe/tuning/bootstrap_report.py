@@ -90,25 +90,24 @@ def plot(curves: pd.DataFrame, gates: list[str]):
     from matplotlib.ticker import FixedLocator, NullLocator, ScalarFormatter
 
     gates = sorted(gates, key=gate_order)
-    groups = []
+    groups = []  # per (dataset, alpha): its curves and its panels' gates (every gate, then each family)
     for data, alpha in _panels(curves):
         panel = curves[(curves.data == data) & (curves.alpha == alpha)]
         present = [g for g in gates if g in set(panel.gate)]
-        families = list(dict.fromkeys(g.removesuffix("+") for g in present))
-        groups.append((data, alpha, panel, present, [[g for g in present if g.removesuffix("+") == f]
-                                                     for f in families]))
-    most = max(1 + len(group[4]) for group in groups)
+        families = dict.fromkeys(g.removesuffix("+") for g in present)
+        groups.append((data, alpha, panel, [present, *([g for g in present if g.removesuffix("+") == family]
+                                                      for family in families)]))
+    most = max(len(panels) for *_, panels in groups)
     columns = math.ceil(most / math.ceil(most / MAX_COLUMNS))  # rows of even length: 6 panels as 3 + 3, not 4 + 2
-    layout = [(group, index) for group in groups for index in range(1 + len(group[4]))]
-    rows = sum(math.ceil((1 + len(group[4])) / columns) for group in groups)
+    rows = sum(math.ceil(len(panels) / columns) for *_, panels in groups)
     figure = Figure(figsize=(3.4 * columns, 2.9 * rows + 0.7), layout="constrained")
     grid = figure.add_gridspec(rows, columns)
     row = 0
-    for data, alpha, panel, present, families in groups:
+    for data, alpha, panel, panels in groups:
         scaled = panel.assign(**{c: 100 * panel[c] for c in ("mc_mean", "mc_low", "mc_high")})
         low, high = scaled.mc_low.min(), scaled.mc_mean.max()
         margin = 0.06 * (high - low) or 0.01 * abs(high) or 0.01
-        for index, members in enumerate([present, *families]):
+        for index, members in enumerate(panels):
             ax = figure.add_subplot(grid[row + index // columns, index % columns])
             for gate in members:
                 rows_ = scaled[scaled.gate == gate]
@@ -132,7 +131,7 @@ def plot(curves: pd.DataFrame, gates: list[str]):
             ax.set_ylabel("test loss ×10⁻²", fontsize=8.5)
             ax.tick_params(labelsize=8)
             ax.grid(True, color="#dddddd", linewidth=0.6)
-        row += math.ceil((1 + len(families)) / columns)
+        row += math.ceil(len(panels) / columns)
     blank = Line2D([], [], linestyle="none", label=" ")
     handles = []  # a column per gate family (the gate above its "+"), then the styles: legends fill column by column
     for family in dict.fromkeys(gate.removesuffix("+") for gate in gates):

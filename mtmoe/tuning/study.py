@@ -439,8 +439,8 @@ def check_identity(study_name: str, study: optuna.Study, identity: dict[str, Any
 def parse_tune_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = OneLineParser(
         prog="python -m mtmoe tune", exit_on_error=False, formatter_class=argparse.RawDescriptionHelpFormatter,
-        usage="%(prog)s --gate GATE --data DATA [options] [--trainer.* ...] [--model.* ...] [--data.* ...] "
-              "[--early_stopping.* ...]",
+        usage="%(prog)s --gate GATE --data DATA [options]\n"
+              "           [--trainer.* ...] [--model.* ...] [--data.* ...] [--early_stopping.* ...]",
         description="The paper's random search: --trials configurations of a gate's search space, drawn once from "
                     "--seed, each\ntrained as `fit` would (early stopping on the validation loss) in an Optuna study "
                     "that any number\nof workers and machines share and that a rerun of the same command resumes.",
