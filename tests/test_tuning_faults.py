@@ -220,7 +220,7 @@ def test_a_journal_tune_whose_own_worker_dies_reruns_its_trial(root_and_tmp) -> 
     root, tmp = root_and_tmp
     url = f"journal:{tmp / 'j.log'}"
     storage = storage_for(url)
-    args = tune_args(url, root, tmp / "runs", *SLOW, "--workers", "2", trials=3, name="own")
+    args = tune_args(url, root, tmp / "runs", *SLOW, "--workers", "2", trials=2, name="own")
     proc = start_tune(args, tmp, root, "own", **FAST_HEARTBEAT)
     try:
         target = wait_for_running(storage, "own", proc, tmp, "own")
@@ -233,7 +233,7 @@ def test_a_journal_tune_whose_own_worker_dies_reruns_its_trial(root_and_tmp) -> 
     assert code == 0, err[-3000:]
     assert "other workers" not in err and "Traceback" not in err
     trials = trials_of(storage, "own")
-    assert_each_config_once(trials, 3)
+    assert_each_config_once(trials, 2)
     killed = next(t for t in trials if t.number == target.number)
     assert killed.state == TrialState.FAIL and "lost" in killed.user_attrs
 
