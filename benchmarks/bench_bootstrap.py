@@ -55,7 +55,7 @@ def synthetic_trials(gates: int, trials: int, seed: int = 0) -> pd.DataFrame:
         frames.append(pd.DataFrame({
             "data": "synthetic", "study": f"synthetic/gate{g}", "gate": f"gate{g}", "alpha": None,
             "config_id": np.arange(trials), "objective": quality + rng.normal(0, 0.003, trials),
-            "test_loss": quality + rng.normal(0, 0.003, trials), "diverged": False,
+            "test_loss": quality + rng.normal(0, 0.003, trials), "failed": False,
         }))
     return pd.concat(frames, ignore_index=True)
 

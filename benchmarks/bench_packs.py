@@ -46,7 +46,7 @@ DATA = "movielens-100k"
 def configurations(gate: str, n: int, epochs: int) -> list[list[str]]:
     """``fit`` arguments of the study's first n planned configurations of ``gate``, ``epochs`` epochs each."""
     from mtmoe.tuning.space import SearchSpace, load_space
-    from mtmoe.tuning.study import cli_args, plan_configurations
+    from mtmoe.tuning.objective import cli_args, plan_configurations
 
     space = load_space(DATA, gate)
     space = SearchSpace(space.data, space.gate, n, space.fixed, space.distributions)

@@ -78,7 +78,8 @@ def warm_data_cache(gate: str, data_root: str | None) -> None:
     """Prepare MovieLens-100K's cached splits once, so that no timed study pays for it in its first trial."""
     from mtmoe.run import build_run
     from mtmoe.tuning.space import load_space
-    from mtmoe.tuning.study import cli_args, plan_configurations, quiet_libraries
+    from mtmoe.tuning.objective import cli_args, plan_configurations
+    from mtmoe.tuning.study import quiet_libraries
 
     quiet_libraries()
     space = load_space("movielens-100k", gate)
@@ -94,7 +95,8 @@ def epoch_cost(gate: str, epochs: int, data_root: str | None) -> dict:
     from mtmoe.lit.callbacks import EpochTimer  # an epoch ends after its validation
     from mtmoe.run import build_run
     from mtmoe.tuning.space import load_space
-    from mtmoe.tuning.study import cli_args, plan_configurations, quiet_libraries
+    from mtmoe.tuning.objective import cli_args, plan_configurations
+    from mtmoe.tuning.study import quiet_libraries
 
     quiet_libraries()
     space = load_space("movielens-100k", gate)

@@ -190,7 +190,8 @@ def run_one(space: SearchSpace, params: dict, run: dict, alpha: float | None, pa
     """``fit`` with ``space``'s fixed values and ``params`` (``run`` records both and the overrides); logs go
     beside ``path``."""
     from mtmoe.run import build_run
-    from mtmoe.tuning.study import cli_args, quiet_libraries
+    from mtmoe.tuning.objective import cli_args
+    from mtmoe.tuning.study import quiet_libraries
 
     overrides = [f"--trainer.accelerator={args.accelerator}", *args.fit_args]
     if args.epochs is not None:

@@ -85,3 +85,13 @@ def postgres_url():
         pytest.skip(message)
     with postgres_server(bin_dir) as url:
         yield url
+
+
+@pytest.fixture
+def root_and_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path]:
+    """A tiny ML-100K root and the test's folder (cwd; caches there), for tests that start processes."""
+    root = tmp_path / "data"
+    write_u_data(root)
+    monkeypatch.setenv("MTMOE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    return root, tmp_path

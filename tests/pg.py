@@ -66,9 +66,26 @@ def _run(command: list[str], what: str) -> None:
         raise RuntimeError(f"{what} failed ({proc.returncode}): {proc.stdout[-2000:]} {proc.stderr[-2000:]}")
 
 
+def create_database(url: str, name: str) -> str:
+    """A new, empty database ``name`` on the server of ``url``; its URL."""
+    import psycopg2
+    from sqlalchemy.engine import make_url
+
+    server = make_url(url)
+    connection = psycopg2.connect(host=server.host, port=server.port, user=server.username, password=server.password,
+                                  dbname="postgres")
+    connection.autocommit = True
+    with connection.cursor() as cursor:
+        cursor.execute(f"CREATE DATABASE {name}")
+    connection.close()
+    return server.set(database=name).render_as_string(hide_password=False)
+
+
 @contextmanager
-def postgres_server(bin_dir: Path) -> Iterator[str]:
-    """Start a server on 127.0.0.1 (a free port), create ``mtmoe_test``, yield its SQLAlchemy URL, then stop it."""
+def postgres_server(bin_dir: Path, password: str | None = None) -> Iterator[str]:
+    """Start a server on 127.0.0.1 (a free port), create ``mtmoe_test``, yield its SQLAlchemy URL, then stop it.
+
+    With a ``password``, the server asks every client for it (scram-sha-256) and the URL carries it."""
     import psycopg2
 
     base = Path(tempfile.mkdtemp(prefix="mtmoe-pg-"))
@@ -81,7 +98,12 @@ def postgres_server(bin_dir: Path) -> Iterator[str]:
             os.chown(path, user.pw_uid, user.pw_gid)
     started = False
     try:
-        _run([str(bin_dir / "initdb"), "-D", str(data), "-U", SUPERUSER, "--auth=trust", "--no-locale",
+        auth = ["--auth=trust"]
+        if password is not None:
+            (base / "pwfile").write_text(password + "\n")
+            (base / "pwfile").chmod(0o644)  # read by initdb as the server's user
+            auth = ["--auth=scram-sha-256", f"--pwfile={base / 'pwfile'}"]
+        _run([str(bin_dir / "initdb"), "-D", str(data), "-U", SUPERUSER, *auth, "--no-locale",
               "-E", "UTF8", "--no-sync"], "initdb")
         port = free_port()
         options = (f"-p {port} -k {sockets} -c listen_addresses=127.0.0.1 -c fsync=off "
@@ -92,7 +114,8 @@ def postgres_server(bin_dir: Path) -> Iterator[str]:
         deadline = time.monotonic() + 30
         while True:
             try:
-                connection = psycopg2.connect(host="127.0.0.1", port=port, user=SUPERUSER, dbname="postgres")
+                connection = psycopg2.connect(host="127.0.0.1", port=port, user=SUPERUSER, dbname="postgres",
+                                              password=password)
                 break
             except psycopg2.OperationalError:
                 if time.monotonic() > deadline:
@@ -102,7 +125,8 @@ def postgres_server(bin_dir: Path) -> Iterator[str]:
         with connection.cursor() as cursor:
             cursor.execute(f"CREATE DATABASE {DATABASE}")
         connection.close()
-        yield f"postgresql+psycopg2://{SUPERUSER}@127.0.0.1:{port}/{DATABASE}"
+        credentials = SUPERUSER if password is None else f"{SUPERUSER}:{password}"
+        yield f"postgresql+psycopg2://{credentials}@127.0.0.1:{port}/{DATABASE}"
     finally:
         if started:
             subprocess.run(_as_server_user([str(bin_dir / "pg_ctl"), "-D", str(data), "-m", "immediate", "-w",

@@ -35,7 +35,7 @@ from mtmoe.errors import UsageError
 from mtmoe.tuning import trials as trials_module
 from mtmoe.tuning.space import SPACES_DIR, load_space
 from mtmoe.tuning.storage import storage_for
-from mtmoe.tuning.study import plan_configurations
+from mtmoe.tuning.objective import plan_configurations
 
 from conftest import REAL_DATA, run_cli, write_u_data
 from pg import free_port
@@ -126,16 +126,6 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-@pytest.fixture
-def root_and_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path]:
-    """A tiny ML-100K root and the test's folder (cwd; caches there), for tests that start processes."""
-    root = tmp_path / "data"
-    write_u_data(root)
-    monkeypatch.setenv("MTMOE_CACHE", str(tmp_path / "cache"))
-    monkeypatch.chdir(tmp_path)
-    return root, tmp_path
 
 
 # ----------------------------------------------------------------------------------------------------- search spaces
@@ -381,25 +371,31 @@ def test_router_names_with_hyphens_and_plus_flow_through_tune_and_report(tiny_ro
     assert "| movielens-100k/competesmoe-v2 | competesmoe-v2 |" in printed and "| movielens-100k/usmoe+ | usmoe+ |" in printed
 
 
-DIVERGING_SPACE = """\
+ODD_LR_SPACE = """\
 data: movielens-100k
 trials: 3
 fixed:
   model.n_experts: 16
 gates:
   topk:
-    model.lr: {choice: [1.0e-3, 1.0e+30]}
+    model.lr: {{choice: [1.0e-3, {odd}]}}
     model.gate.k: 2
 """
 
 
+def space_with_one_odd_lr(folder: Path, odd: float) -> tuple[Path, int]:
+    """A topk space file choosing the learning rate 1e-3 or ``odd``, and a seed whose 3 configurations take ``odd``
+    once: (its path, the seed)."""
+    path = folder / "odd-lr.yaml"
+    path.write_text(ODD_LR_SPACE.format(odd=f"{odd:.1e}"))  # YAML reads 1e+30 as text, 1.0e+30 as a number
+    space = load_space("movielens-100k", "topk", path)
+    return path, next(s for s in range(50) if sorted(c["model.lr"] for c in plan_configurations(space, 3, s)) ==
+                      [1e-3, 1e-3, odd])
+
+
 @pytest.mark.filterwarnings("ignore:Encountered `nan` values")
 def test_diverged_trial_is_failed_with_reason_and_not_retried(tiny_root: Path, tmp_path: Path, capsys) -> None:
-    space_path = tmp_path / "diverging.yaml"
-    space_path.write_text(DIVERGING_SPACE)
-    space = load_space("movielens-100k", "topk", space_path)
-    seed = next(s for s in range(50) if sorted(c["model.lr"] for c in plan_configurations(space, 3, s)) ==
-                [1e-3, 1e-3, 1e30])  # two sane configurations, one that must blow up
+    space_path, seed = space_with_one_odd_lr(tmp_path, 1e30)  # two sane configurations, one that must blow up
     url = f"sqlite:///{tmp_path / 'nan.db'}"
     args = tune_args(url, tiny_root, tmp_path / "runs", *TINY, "--space", str(space_path), "--seed", str(seed))
     assert run_cli(args) == 0
@@ -418,7 +414,7 @@ def test_diverged_trial_is_failed_with_reason_and_not_retried(tiny_root: Path, t
 
     # in the report it counts among the n with objective +inf: never selected while a finite trial is left
     rows = trials_module.trial_rows("s", {"gate": "topk"}, trials)
-    assert len(rows) == 3 and [r["objective"] for r in rows if r["diverged"]] == [math.inf]
+    assert len(rows) == 3 and [r["objective"] for r in rows if r["failed"]] == [math.inf]
 
 
 def test_journal_storage_fails_trials_of_dead_local_workers_and_re_enqueues(tmp_path: Path) -> None:
@@ -448,7 +444,7 @@ def test_journal_storage_fails_trials_of_dead_local_workers_and_re_enqueues(tmp_
 
 
 def test_a_configuration_enqueued_twice_runs_once() -> None:
-    from mtmoe.tuning.study import duplicate_of
+    from mtmoe.tuning.objective import duplicate_of
 
     study = optuna.create_study()
     for _ in range(2):
@@ -516,7 +512,7 @@ def test_study_name_with_another_space_is_refused(tiny_root: Path, tmp_path: Pat
                      gate="comet", name="shared")
     assert run_cli(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "exists with a different search space" in err[0], err
+    assert len(err) == 1 and "exists with other settings (search space " in err[0], err
     assert file_digest(db) == digest
     assert [(t.number, t.state, t.params) for t in trials_of(url, "shared")] == before_trials
     assert optuna.load_study(study_name="shared", storage=url).user_attrs == before_attrs
@@ -563,12 +559,13 @@ def test_ctrl_c_stops_cleanly_and_the_rerun_resumes(root_and_tmp) -> None:
 
 @pytest.fixture(scope="module")
 def pg_study(postgres_url: str, tmp_path_factory) -> tuple[str, str, Path]:
-    """A 6-configuration study run by ``tune --workers 3`` (three processes) on PostgreSQL."""
+    """A 6-configuration study of comet (three hyperparameters) run by ``tune --workers 3`` (three processes) on
+    PostgreSQL."""
     tmp = tmp_path_factory.mktemp("workers")
     root = tmp / "data"
     write_u_data(root)
     name = "three-workers"
-    args = tune_args(postgres_url, root, tmp / "runs", *TINY, "--workers", "3", trials=6, name=name)
+    args = tune_args(postgres_url, root, tmp / "runs", *TINY, "--workers", "3", trials=6, gate="comet", name=name)
     code, out, err = run_tune(args, tmp, root, "workers")
     assert code == 0, err[-3000:]
     return postgres_url, name, tmp
@@ -588,7 +585,7 @@ def test_three_workers_on_postgres_evaluate_each_configuration_once(pg_study) ->
     workers = {t.user_attrs["worker"] for t in trials if t.state == TrialState.COMPLETE}
     assert all(w.rpartition(":")[2].isdigit() for w in workers) and 1 <= len(workers) <= 3
     # the same plan as one worker would have: the configurations depend on the seed only
-    space = load_space("movielens-100k", "topk")
+    space = load_space("movielens-100k", "comet")
     plan = plan_configurations(type(space)(space.data, space.gate, 6, space.fixed, space.distributions), 6, 0)
     assert {t.user_attrs["config_id"]: t.params for t in trials} == dict(enumerate(plan))
 
@@ -622,7 +619,10 @@ def test_sigkilled_worker_trial_is_failed_by_heartbeat_and_retried(postgres_url:
 
 
 def test_optuna_dashboard_serves_the_trials(pg_study, tmp_path: Path) -> None:
+    """The objective by its name (issue 14.10: not "Objective 0"), every trial's hyperparameters as parameters (the
+    trial table's columns: the union of the trials' search spaces; the plots': their intersection)."""
     url, name, _ = pg_study
+    hyperparameters = sorted(load_space("movielens-100k", "comet").distributions)
     trials = {t.number: t for t in trials_of(url, name)}
     port = free_port()
     dashboard = Path(sys.executable).with_name("optuna-dashboard")
@@ -648,16 +648,22 @@ def test_optuna_dashboard_serves_the_trials(pg_study, tmp_path: Path) -> None:
                 time.sleep(0.3)
         study = next(s for s in studies if s["study_name"] == name)
         attrs = {a["key"]: a["value"] for a in study["user_attrs"]}
-        assert attrs["data"] == "movielens-100k" and attrs["gate"] == "topk"
+        assert attrs["data"] == "movielens-100k" and attrs["gate"] == "comet"
+        assert json.loads(attrs["settings"]) == {"data.batch_size": 64, "trainer.limit_test_batches": 2.0,
+                                                 "trainer.limit_train_batches": 5.0, "trainer.limit_val_batches": 2.0,
+                                                 "trainer.max_epochs": 1}
         detail = get(f"/api/studies/{study['study_id']}")
-        assert detail["name"] == name
+        assert detail["name"] == name and detail["objective_names"] == ["validation loss (best epoch)"]
+        for space in ("union_search_space", "intersection_search_space"):
+            assert sorted(entry["name"] for entry in detail[space]) == hyperparameters, space
         served = [t for t in detail["trials"] if t["state"] == "Complete"]
         assert len(detail["trials"]) == len(trials) and len(served) == 6
         for entry in served:
             stored = trials[entry["number"]]
             assert stored.state == TrialState.COMPLETE
-            assert [p["name"] for p in entry["params"]] == ["model.lr"]
-            assert float(entry["params"][0]["param_external_value"]) == pytest.approx(stored.params["model.lr"])
+            served_params = {p["name"]: p["param_external_value"] for p in entry["params"]}
+            assert sorted(served_params) == hyperparameters
+            assert {k: float(v) for k, v in served_params.items()} == pytest.approx(stored.params)
             user = {a["key"]: a["value"] for a in entry["user_attrs"]}
             assert int(user["config_id"]) == stored.user_attrs["config_id"]
             assert float(user["test_loss"]) == pytest.approx(stored.user_attrs["test_loss"])
@@ -736,7 +742,7 @@ def test_report_matches_a_manual_pandas_computation(tmp_path: Path, capsys) -> N
         assert row.n_s_mean == pytest.approx(ns.mean()) and row.n_s_se == pytest.approx(ns.std(ddof=1) / math.sqrt(3))
         assert table7.loc[name, "watch AUC mean"] == pytest.approx(100 * top["test/watch/auroc"].mean())
         assert table7.loc[name, "rating MSE se"] == pytest.approx(top["test/rating/mse"].std(ddof=1) / math.sqrt(3))
-    assert table.loc["movielens-100k/topk"].diverged == 5
+    assert table.loc["movielens-100k/topk"].failed == 5
     # comet+ diverged 45 of 60 times: the 15 finite ones remain, so none of the +inf ones is selected
     assert manual["movielens-100k/comet+"].objective.max() < math.inf
     # the baseline of every gate is the best non-"+" other gate; the Welch one-sided p-values match scipy's

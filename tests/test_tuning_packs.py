@@ -14,9 +14,7 @@ import pytest
 from optuna.trial import TrialState
 
 from conftest import run_cli
-from test_tuning import (  # noqa: F401  (root_and_tmp: a fixture)
-    assert_each_config_once, root_and_tmp, run_tune, start_tune, trials_of, tune_args, wait_for_running,
-)
+from test_tuning import assert_each_config_once, run_tune, start_tune, trials_of, tune_args, wait_for_running
 
 FAST = ["--trainer.max_epochs=3", "--data.batch_size=64", "--model.expert_dropout=0"]
 # a pack that stays RUNNING for a while: 3 epochs of ~140 steps of 8 rows

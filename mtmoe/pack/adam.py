@@ -8,7 +8,6 @@ parameters a trial did not use in the step (``skip``): local search's matrix onc
 from __future__ import annotations
 
 import torch
-from torch import Tensor
 
 from mtmoe.pack.stack import TrialStack
 

@@ -2,12 +2,12 @@
 
 A **trial table** has one row per evaluated configuration, as :func:`mtmoe.tuning.trials.collect` reads it
 (columns ``study, gate, alpha, config_id, objective, test_loss`` plus ``data``; ``objective`` is the validation
-objective, +inf for a diverged trial), one study per dataset, alpha and gate. Nothing here reads a storage or
+objective, +inf for a failed trial), one study per dataset, alpha and gate. Nothing here reads a storage or
 draws a figure: ``python -m mtmoe bootstrap`` (:mod:`mtmoe.tuning.bootstrap_report`) does, around these.
 
 * **The bag of trials.** Per study, the N *completed* trials: finite validation objective and finite test loss.
-  Diverged trials (objective +inf, no test loss) are left out and counted (``left_out``): a draw made only of
-  diverged trials would have no test loss to record. They are ranked by validation objective, **ties broken by
+  Failed trials (diverged or lost too often: objective +inf, no test loss) are left out and counted
+  (``left_out``): a draw made only of failed trials would have no test loss to record. They are ranked by validation objective, **ties broken by
   config_id** (lower first), the order of the report's top 5%.
 * **Monte Carlo (Appendix F).** For each budget s in {1, 2, 5, 10, 15, ..., 250} (``--max-budget``; up to N),
   ``--draws`` (1000) times: draw s of the N trials without replacement, keep the best by validation objective,
@@ -195,7 +195,7 @@ def tuning_curves(trials: pd.DataFrame, settings: Settings = Settings()) -> pd.D
         losses = ranked_test_losses(group)
         n = len(losses)
         if n == 0:
-            raise UsageError(f"study {study!r} has no completed trials ({len(group)} diverged): nothing to draw")
+            raise UsageError(f"study {study!r} has no completed trials ({len(group)} failed): nothing to draw")
         if settings.max_budget is not None and settings.max_budget > n:
             raise UsageError(f"study {study!r} has {n} completed trials, fewer than --max-budget {settings.max_budget}")
         budgets = budget_grid(min(n, settings.max_budget or PAPER_MAX_BUDGET))

@@ -34,7 +34,8 @@ from mtmoe.gates import gate_class
 from mtmoe.pack.train import PackTrainer, PackTrial, TrialResult, memory_per_trial
 from mtmoe.run import build_run
 from mtmoe.tuning.space import SearchSpace
-from mtmoe.tuning.storage import heartbeat_settings
+from mtmoe.tuning.objective import TrialInterrupted, cli_args, duplicate_of, record_result, study_counts, suggest
+from mtmoe.tuning.storage import has_heartbeat, heartbeat_settings, record_heartbeat
 
 #: Settings each trial of a pack may have its own value of (besides a gate's ``scalar_hyperparameters``).
 PER_TRIAL_KEYS = frozenset({"model.lr", "model.adam_eps", "model.alpha", "model.perm_epochs", "model.zeta",
@@ -54,35 +55,36 @@ def pack_key(space: SearchSpace, params: dict[str, Any]) -> str:
 
 
 class Heartbeats:
-    """Records a heartbeat for every trial in ``ids`` every interval (a daemon thread): Optuna's per-trial heartbeat
-    for the several trials a pack runs at once."""
+    """Records a heartbeat for every trial in ``ids`` every interval (a daemon thread), in any storage
+    (:func:`mtmoe.tuning.storage.record_heartbeat`): what ``optimize`` does for its one trial, for the several
+    trials a pack runs at once."""
 
     def __init__(self, storage: Any) -> None:
-        self.storage, self.ids, self.lock = storage, set(), threading.Lock()
-        self.stopped = threading.Event()
-        self.interval = heartbeat_settings()[0]
-        # ``storage`` is a study's (an RDB storage behind Optuna's cache), which records heartbeats when the RDB does
-        enabled = getattr(storage, "get_heartbeat_interval", lambda: None)() is not None
-        self.thread = threading.Thread(target=self._beat, daemon=True) if enabled else None
-        if self.thread is not None:
-            self.thread.start()
+        # a study's RDB storage sits behind Optuna's cache, which records heartbeats when the RDB does
+        rdb = getattr(storage, "_backend", storage)
+        self.storage = rdb if has_heartbeat(rdb) else storage
+        self.ids, self.lock, self.stopped = set(), threading.Lock(), threading.Event()
+        self.thread = threading.Thread(target=self._beat, daemon=True)
+        self.thread.start()
 
     def add(self, trial_id: int) -> None:
         with self.lock:
             self.ids.add(trial_id)
-        if self.thread is not None:
-            self.storage.record_heartbeat(trial_id)
+        record_heartbeat(self.storage, trial_id)
 
     def remove(self, trial_id: int) -> None:
         with self.lock:
             self.ids.discard(trial_id)
 
     def _beat(self) -> None:
-        while not self.stopped.wait(self.interval):
+        while not self.stopped.wait(heartbeat_settings()[0]):
             with self.lock:
                 ids = list(self.ids)
             for trial_id in ids:
-                self.storage.record_heartbeat(trial_id)
+                try:
+                    record_heartbeat(self.storage, trial_id)
+                except optuna.exceptions.UpdateFinishedTrialError:  # failed as stale meanwhile
+                    self.remove(trial_id)
 
     def stop(self) -> None:
         self.stopped.set()
@@ -103,8 +105,6 @@ class PackWorker:
 
     def run(self) -> None:
         """Pack and train until no waiting trial is left; Ctrl-C fails the running ones (re-run on resume)."""
-        from mtmoe.tuning.study import TrialInterrupted
-
         try:
             while (claimed := self._claim(None)) is not None:
                 first, run = claimed
@@ -123,21 +123,20 @@ class PackWorker:
             self._release()
             raise TrialInterrupted(f"{len(self.running)} packed trial(s) interrupted") from interrupt
         except torch.OutOfMemoryError:
-            self._release()
+            self._release()  # the pack size's fault, not the configurations': no lost attempt
             raise UsageError(f"the pack ran out of device memory: pass a smaller --pack (now {self.capacity}); its "
                              "trials run again when tune runs again") from None
         finally:
             self.heartbeats.stop()
 
     def _release(self) -> None:
-        """Fail the running trials without a reason: the next ``tune`` re-enqueues and runs them."""
+        """Fail the running trials as interrupted (no reason, no lost attempt): ``tune`` runs them again."""
         for trial_id in list(self.running):
+            self.study._storage.set_trial_user_attr(trial_id, "interrupted", True)
             self.study._storage.set_trial_state_values(trial_id, TrialState.FAIL)
 
     def _claim(self, key: str | None) -> tuple[PackTrial, Any] | None:
         """The next waiting planned trial of structure ``key`` (any, for ``None``), RUNNING and built, with its run."""
-        from mtmoe.tuning.study import cli_args, duplicate_of, suggest
-
         storage = self.study._storage
         for waiting in self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
             config_id = waiting.user_attrs.get("config_id")
@@ -176,8 +175,6 @@ class PackWorker:
                            PRECISIONS[str(run.trainer.precision)])
 
     def _finished(self, result: TrialResult) -> None:
-        from mtmoe.tuning.study import record_result
-
         trial, seed = result.key
         objective = record_result(trial, seed, result.wall_time_s, result.results, result.diverged)
         if math.isnan(objective):
@@ -207,16 +204,14 @@ class PackProgress:
         now = time.perf_counter()
         if now - self.last < self.every and self.finished == self.reported:
             return
-        from mtmoe.tuning.study import study_counts
-
         self.last, self.reported = now, self.finished
         counts = study_counts(self.study)
-        done = len(counts["complete"]) + len(counts["diverged"])
+        done = len(counts["complete"]) + len(counts["failed"])
         best = min((t.value for t in counts["complete"]), default=None)
         rate = self.finished / (now - self.start)
         eta = time.strftime("%Hh%Mm%Ss", time.gmtime((self.total - done) / rate)) if rate > 0 else "?"
         print(f"[{self.study.study_name}] {done}/{self.total} done, {len(trainer.running)} running in a pack of "
-              f"{trainer.capacity}, {len(counts['diverged'])} failed, best {'-' if best is None else f'{best:.5g}'}, "
+              f"{trainer.capacity}, {len(counts['failed'])} failed, best {'-' if best is None else f'{best:.5g}'}, "
               f"ETA {eta}", flush=True)
 
 

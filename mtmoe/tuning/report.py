@@ -15,9 +15,12 @@ name, so ``.../alpha=0.1`` and ``.../alpha=0.9`` are separate rows, compared wit
   dataset and alpha (lowest mean test loss among the other non-"+" gates); an asterisk when p < 0.05. The paper does
   not say Student or Welch: Welch is used and stated.
 * **Table 7**: per-task test metrics of the same selected trials, mean ± SE: AUC and accuracy ×100, MSE as is.
+* **Studies**: each study's seed, settings (what ``tune``'s overrides changed) and failed configurations with their
+  reasons (diverged, or lost too often). Rows by alpha, then the paper's gate order.
 
 Printed, and written atomically as Markdown (``report.md``) and CSV (``table_2_3.csv``, ``table_7.csv``) into
-``--out`` (default ``studies/reports/<data>/`` under the current directory).
+``--out`` (default ``studies/reports/<data>/`` under the current directory). The storage URL is shown without its
+password.
 """
 from __future__ import annotations
 
@@ -27,16 +30,20 @@ from typing import Any
 
 import pandas as pd
 
-from mtmoe.files import write_atomic
 from mtmoe.lit.metrics import TASK_METRICS
-from mtmoe.tuning.trials import as_text, collect, output_dir, parse_strict, studies_parser
+from mtmoe.tuning.storage import display_url
+from mtmoe.tuning.trials import as_text, collect, output_dir, paper_order, parse_strict, studies_parser, write_outputs
 
 TOP_FRACTION = 0.05
 SIGNIFICANCE = 0.05
 
 
 def parse_report_args(argv: list[str]) -> argparse.Namespace:
-    return parse_strict(studies_parser("report"), argv)
+    parser = studies_parser("report", "The paper's Tables 2-3 and 7 from the tuning studies of a dataset: mean ± SE of "
+                                      "the test loss, n/s and per-task metrics over each study's top 5% of trials by "
+                                      "validation objective, with a one-sided Welch t-test against the best gate "
+                                      "without local search. It never trains.")
+    return parse_strict(parser, argv)
 
 
 def top_trials(trials: pd.DataFrame) -> pd.DataFrame:
@@ -46,7 +53,7 @@ def top_trials(trials: pd.DataFrame) -> pd.DataFrame:
 
 
 def mean_se(values: pd.Series) -> tuple[float, float]:
-    values = values.astype(float)
+    values = values.astype(float).dropna()
     if len(values) == 0:
         return math.nan, math.nan
     se = float(values.std(ddof=1) / math.sqrt(len(values))) if len(values) > 1 else math.nan
@@ -66,19 +73,20 @@ def welch_less(a: pd.Series, b: pd.Series) -> float:
 
 def aggregate(trials: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(Tables 2-3 rows, Table 7 rows), one row per study."""
-    selected = {name: top_trials(group) for name, group in trials.groupby("study", sort=True)}
+    selected = {name: top_trials(group) for name, group in trials.groupby("study", sort=False)}
     rows = []
     for name, top in selected.items():
         every = trials[trials.study == name]
         loss_mean, loss_se = mean_se(top.test_loss)
         ns_mean, ns_se = mean_se(top.n_s)
         rows.append({
-            "study": name, "gate": every.gate.iloc[0], "alpha": every.alpha.iloc[0], "trials": len(every),
-            "diverged": int(every.diverged.sum()), "selected": len(top),
+            "study": name, "gate": every.gate.iloc[0], "alpha": every.alpha.iloc[0], "seed": every.seed.iloc[0],
+            "settings": every.settings.iloc[0], "trials": len(every), "failed": int(every.failed.sum()),
+            "selected": len(top),
             "test_loss_x100_mean": loss_mean * 100, "test_loss_x100_se": loss_se * 100,
             "n_s_mean": ns_mean, "n_s_se": ns_se,
         })
-    table = pd.DataFrame(rows)
+    table = paper_order(pd.DataFrame(rows))
     table["alpha_key"] = [as_text(a) for a in table.alpha]  # not astype(str): pandas 3 keeps None missing
     baselines, p_values = [], []
     for row in table.itertuples():
@@ -107,7 +115,7 @@ def aggregate(trials: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
             mean, se = mean_se(top[column] * scale)
             row[f"{task} {label} mean"], row[f"{task} {label} se"] = mean, se
         rows7.append(row)
-    return table, pd.DataFrame(rows7)
+    return table, paper_order(pd.DataFrame(rows7))
 
 
 def _pm(mean: float, se: float, digits: int) -> str:
@@ -116,43 +124,61 @@ def _pm(mean: float, se: float, digits: int) -> str:
     return f"{mean:.{digits}f} ± " + ("n/a" if math.isnan(se) else f"{se:.{digits}f}")
 
 
-def markdown(data: str, url: str, table: pd.DataFrame, table7: pd.DataFrame) -> str:
+def failure_summary(trials: pd.DataFrame) -> str:
+    """A study's failed configurations by kind (``diverged ×3; lost ×1 (config 2: ...)``); lost ones in full."""
+    failed = trials[trials.failed]
+    parts = []
+    for kind, group in failed.groupby(failed.fail_reason.str.split(":").str[0], sort=True):
+        detail = "" if kind == "diverged" else " (" + "; ".join(
+            f"config {r.config_id}: {r.fail_reason.partition(':')[2].strip()}" for r in group.itertuples()) + ")"
+        parts.append(f"{kind} ×{len(group)}{detail}")
+    return "; ".join(parts)
+
+
+def markdown(data: str, url: str, trials: pd.DataFrame, table: pd.DataFrame, table7: pd.DataFrame) -> str:
     lines = [
         f"# Tuning report: {data}",
         "",
-        f"Storage: `{url}`. Top 5% of trials by validation objective (ceil(0.05 n), at least 1; diverged trials count "
-        "with objective +inf). Mean ± standard error over the selected trials. Test loss ×10⁻² (×100). "
+        f"Storage: `{display_url(url)}`. Top 5% of trials by validation objective (ceil(0.05 n), at least 1; failed "
+        "trials count with objective +inf). Mean ± standard error over the selected trials. Test loss ×10⁻² (×100). "
         "`*`: one-sided unpaired Welch t-test (`scipy.stats.ttest_ind(alternative='less', equal_var=False)`) against "
         "the baseline, the best non-'+' gate of the same alpha, p < 0.05. n/s: experts per sample, mean over tasks.",
         "",
         "## Tables 2-3: test loss and n/s",
         "",
-        "| Study | Gate | alpha | Trials | Diverged | Selected | Test loss ×10⁻² | n/s | Baseline | p |",
+        "| Study | Gate | alpha | Trials | Failed | Selected | Test loss ×10⁻² | n/s | Baseline | p |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in table.itertuples():
         star = "*" if r.significant else ""
         p = "n/a" if math.isnan(r.p_value) else f"{r.p_value:.3g}"
-        lines.append(f"| {r.study} | {r.gate} | {as_text(r.alpha)} | {r.trials} | {r.diverged} "
+        lines.append(f"| {r.study} | {r.gate} | {as_text(r.alpha) or '-'} | {r.trials} | {r.failed} "
                      f"| {r.selected} | {star}{_pm(r.test_loss_x100_mean, r.test_loss_x100_se, 2)} "
                      f"| {_pm(r.n_s_mean, r.n_s_se, 2)} | {as_text(r.baseline) or '-'} | {p} |")
     metrics = [c.removesuffix(" mean") for c in table7.columns if c.endswith(" mean")]
     lines += ["", "## Table 7: per-task test metrics (AUC and accuracy ×100, MSE as is)", "",
-              "| Study | Gate | " + " | ".join(metrics) + " |", "|---|---|" + "---|" * len(metrics)]
+              "| Study | Gate | alpha | " + " | ".join(metrics) + " |", "|---|---|---|" + "---|" * len(metrics)]
     for _, r in table7.iterrows():
         cells = [_pm(r[f"{m} mean"], r[f"{m} se"], 4 if m.endswith("MSE") else 2) for m in metrics]
-        lines.append(f"| {r['study']} | {r['gate']} | " + " | ".join(cells) + " |")
+        lines.append(f"| {r['study']} | {r['gate']} | {as_text(r['alpha']) or '-'} | " + " | ".join(cells) + " |")
+    lines += ["", "## Studies: how they were tuned", "",
+              "Settings: what the `tune` command's overrides changed from the search space (part of each study's "
+              "identity: a study never mixes settings).", "",
+              "| Study | Gate | alpha | Seed | Settings | Failed configurations |", "|---|---|---|---|---|---|"]
+    for r in table.itertuples():
+        failures = failure_summary(trials[trials.study == r.study]) or "-"
+        lines.append(f"| {r.study} | {r.gate} | {as_text(r.alpha) or '-'} | {as_text(r.seed) or '-'} | {r.settings} "
+                     f"| {failures} |")
     return "\n".join(lines) + "\n"
 
 
 def report(argv: list[str]) -> None:
     args = parse_report_args(argv)
+    out = output_dir(args.out, args.data)
     url, trials = collect(args.storage, args.data)
     table, table7 = aggregate(trials)
-    text = markdown(args.data, url, table, table7)
-    out = output_dir(args.out, args.data)
-    write_atomic(text, out / "report.md")
-    write_atomic(table.to_csv(index=False), out / "table_2_3.csv")
-    write_atomic(table7.to_csv(index=False), out / "table_7.csv")
+    text = markdown(args.data, url, trials, table, table7)
+    write_outputs(out, {"report.md": text, "table_2_3.csv": table.to_csv(index=False),
+                        "table_7.csv": table7.to_csv(index=False)})
     print(text, end="")
     print(f"written to {out}/report.md, table_2_3.csv, table_7.csv")

@@ -3,23 +3,43 @@
 Like Lightning's ``lightning_logs/``, everything the tuning commands write goes under the current directory unless
 a flag says otherwise: the folder ``studies/`` (:data:`STUDIES_DIR`) holds the default SQLite storage
 ``studies/optuna.db``, the trials' logs ``studies/runs/`` and the reports ``studies/reports/<data>/``.
-``--storage`` takes an RDB URL (PostgreSQL for many workers and machines, with heartbeats) or ``journal:PATH``
-(Optuna's JournalStorage, no server, no heartbeats).
+``--storage`` takes an RDB URL (PostgreSQL for many workers and machines) or ``journal:PATH`` (Optuna's
+JournalStorage: no server, many workers and machines sharing the file).
+
+* **Passwords** are never shown: every URL printed, written or quoted in an error goes through
+  :func:`display_url` (``postgresql://user:***@host/db``). A URL without a password lets the driver find it as
+  PostgreSQL's own tools do: ``PGPASSWORD``, or the passfile ``~/.pgpass`` (``PGPASSFILE``).
+* **Heartbeats, every storage.** A running trial's worker records a heartbeat every interval (RDB storages: Optuna's
+  own; JournalStorage: the trial's ``heartbeat`` user attribute, :func:`beating`); a RUNNING trial silent for the
+  grace period, on any host, is stale and failed by :func:`fail_stale_trials` (``MTMOE_HEARTBEAT_INTERVAL`` /
+  ``MTMOE_HEARTBEAT_GRACE`` seconds, default 10/30).
+* **First start.** :func:`setup_lock` serialises what processes starting together on one storage do first (creating
+  the tables, the study, enqueuing its plan): PostgreSQL with an advisory lock, SQLite and journal files with a file
+  lock.
 """
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import os
+import re
+import threading
+import time
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import optuna
+from optuna.trial import FrozenTrial, TrialState
 
 from mtmoe.errors import UsageError
 
 STUDIES_DIR = Path("studies")  # relative: under the current directory
 HEARTBEAT_INTERVAL, GRACE_PERIOD = 10, 30  # seconds; MTMOE_HEARTBEAT_INTERVAL / MTMOE_HEARTBEAT_GRACE override
+HEARTBEAT_ATTR = "heartbeat"  # JournalStorage: a running trial's last heartbeat, seconds since the epoch
+SETUP_LOCK_KEY = 0x6D746D6F65  # PostgreSQL advisory lock of the first-start work ("mtmoe")
+_PASSWORD = re.compile(r"(\b[a-z][a-z0-9+.-]*://[^:/@\s'\"]*:)[^@\s'\"]+@", re.IGNORECASE)
 
 
 def default_storage_url() -> str:
@@ -27,8 +47,13 @@ def default_storage_url() -> str:
     return f"sqlite:///{Path.cwd() / STUDIES_DIR / 'optuna.db'}"
 
 
+def display_url(text: str) -> str:
+    """``text`` (a URL, or a message quoting one) with every URL's password replaced by ``***``."""
+    return _PASSWORD.sub(r"\1***@", text)
+
+
 def heartbeat_settings() -> tuple[int, int]:
-    """(interval, grace period) in seconds of RDB heartbeats; the environment may shorten them (tests)."""
+    """(interval, grace period) in seconds of the heartbeats; the environment may shorten them (tests)."""
     try:
         interval = int(os.environ.get("MTMOE_HEARTBEAT_INTERVAL", HEARTBEAT_INTERVAL))
         grace = int(os.environ.get("MTMOE_HEARTBEAT_GRACE", GRACE_PERIOD))
@@ -48,6 +73,12 @@ def rdb_url(url: str) -> str:
     return url
 
 
+def _storage_error(url: str, error: BaseException) -> UsageError:
+    """A driver's or the filesystem's error as one line naming the storage, passwords masked."""
+    reason = display_url(" ".join(str(error).split()))[:300]
+    return UsageError(f"cannot open the study storage {display_url(url)!r}: {reason}")
+
+
 def storage_for(url: str):
     """An Optuna storage: RDB URL (with heartbeats), ``journal:PATH``; unreachable -> one-line UsageError."""
     try:
@@ -63,13 +94,54 @@ def storage_for(url: str):
                 engine_kwargs={"pool_pre_ping": True} if not url.startswith("sqlite") else None,
                 heartbeat_interval=interval,
                 grace_period=grace,
-                heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=3),
             )
     except UsageError:
         raise
     except Exception as error:  # sqlalchemy/driver errors: say what could not be reached
-        reason = " ".join(str(error).split())[:300]
-        raise UsageError(f"cannot open the study storage {url!r}: {reason}") from None
+        raise _storage_error(url, error) from None
+
+
+@contextmanager
+def setup_lock(url: str) -> Iterator[None]:
+    """Hold the storage's first-start lock: processes starting together create its tables and studies one at a
+    time (PostgreSQL: an advisory lock; SQLite and journal files: ``flock`` on the file, created if missing)."""
+    if url.startswith("postgresql"):
+        import sqlalchemy
+
+        try:
+            engine = sqlalchemy.create_engine(rdb_url(url), poolclass=sqlalchemy.pool.NullPool)
+            connection = engine.connect()
+            connection.execute(sqlalchemy.text("SELECT pg_advisory_lock(:key)"), {"key": SETUP_LOCK_KEY})
+        except Exception as error:
+            raise _storage_error(url, error) from None
+        try:
+            yield
+        finally:
+            connection.close()  # ends the session, which releases the lock
+            engine.dispose()
+        return
+    path = url.removeprefix("journal:") if url.startswith("journal:") else _sqlite_file(url)
+    if path is None:  # another RDB, or an in-memory SQLite: nothing to lock
+        yield
+        return
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError as error:
+        raise _storage_error(url, error) from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _sqlite_file(url: str) -> str | None:
+    if not url.startswith("sqlite"):
+        return None
+    from sqlalchemy.engine import make_url
+
+    database = make_url(url).database
+    return None if database in (None, "", ":memory:") else database
 
 
 def open_storage(url: str | None):
@@ -86,5 +158,62 @@ def open_storage(url: str | None):
 
 
 def has_heartbeat(storage: Any) -> bool:
-    """RDB storages (SQLite, PostgreSQL) record heartbeats here; JournalStorage cannot."""
+    """RDB storages (SQLite, PostgreSQL) record Optuna's heartbeats; JournalStorage records :data:`HEARTBEAT_ATTR`."""
     return isinstance(storage, optuna.storages.RDBStorage) and storage.get_heartbeat_interval() is not None
+
+
+def record_heartbeat(storage: Any, trial_id: int) -> None:
+    """One heartbeat of a running trial, in any storage."""
+    if has_heartbeat(storage):
+        storage.record_heartbeat(trial_id)
+    else:
+        storage.set_trial_user_attr(trial_id, HEARTBEAT_ATTR, time.time())
+
+
+@contextmanager
+def beating(storage: Any, trial_id: int) -> Iterator[None]:
+    """Record ``trial_id``'s heartbeat now and every interval while the block runs, where Optuna's ``optimize``
+    does not (JournalStorage); RDB storages: nothing to add."""
+    if has_heartbeat(storage):
+        yield
+        return
+    record_heartbeat(storage, trial_id)
+    stopped = threading.Event()
+
+    def beat() -> None:
+        while not stopped.wait(heartbeat_settings()[0]):
+            try:
+                record_heartbeat(storage, trial_id)
+            except optuna.exceptions.UpdateFinishedTrialError:  # failed as stale meanwhile: nothing to keep alive
+                return
+
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stopped.set()
+        thread.join()
+
+
+def fail_stale_trials(study: optuna.Study, alive: Callable[[FrozenTrial], bool] = lambda trial: False) -> None:
+    """Fail the RUNNING trials silent for the grace period, on any host: RDB storages by Optuna's heartbeats,
+    JournalStorage by :data:`HEARTBEAT_ATTR` (or, for a trial whose worker died before its first beat, its start
+    time), there except those ``alive(trial)`` vouches for."""
+    storage = study._storage
+    if has_heartbeat(storage):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            optuna.storages.fail_stale_trials(study)
+        return
+    grace, now = heartbeat_settings()[1], time.time()
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        last = trial.user_attrs.get(HEARTBEAT_ATTR)
+        if last is None and trial.datetime_start is not None:
+            last = trial.datetime_start.timestamp()  # Optuna's start times are naive local times, as timestamp() reads
+        if last is None or now - float(last) <= grace or alive(trial):
+            continue
+        try:
+            storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
+        except optuna.exceptions.UpdateFinishedTrialError:  # another process failed or finished it meanwhile
+            pass

@@ -4,19 +4,28 @@
   study and enqueued with ``config_id`` and ``config_hash`` user attributes: two runs with the same seed evaluate
   the same configurations, in any number of workers, and workers pop distinct enqueued trials (ecosystem.md §3.2).
   Trial ``config_id`` is trained with ``--seed_everything = seed + config_id``.
+* **One study, one setting.** A study's identity is its search space (fingerprint), its seed and its *settings*:
+  every value in force that the ``--trainer.*``, ``--model.*``, ``--data.*`` and ``--early_stopping.*`` overrides
+  (or a ``--config`` file) change from what the search space alone gives, except those that change where or how
+  visibly a trial runs, not what it computes (:data:`NEUTRAL_SETTINGS`: data and log folders, progress display,
+  accelerator, ...). ``--workers``, ``--storage``, ``--log-dir`` and ``--trials`` are not settings (``--trials``
+  extends or shortens the same plan). The identity is stored as study user attributes (``space_fingerprint``,
+  ``seed``, ``settings``); a ``tune`` whose identity differs is refused, naming the differences.
 * **Storage** (:mod:`mtmoe.tuning.storage`). Default: SQLite ``studies/optuna.db`` under the current directory
-  (one worker). ``--storage postgresql://...`` (heartbeats: a worker killed mid-trial has its trial failed after
-  the grace period and its configuration re-enqueued) or ``--storage journal:PATH`` (Optuna's JournalStorage, no
-  server, no heartbeats) for many workers and machines; ``--workers N`` starts N local worker processes.
+  (one worker). ``--storage postgresql://...`` or ``--storage journal:PATH`` (no server; the file shared by the
+  machines) for many workers and machines; ``--workers N`` starts N local worker processes. Processes started
+  together on a fresh storage set it up one at a time. Every storage has heartbeats: a trial whose worker died or
+  went silent, on any host, is failed and its configuration runs again.
 * **Trials.** The objective is the validation task loss at the early-stopping best epoch; test loss, per-task
   metrics, n/s, routing statistics, epochs, wall time, seed and the configuration hash are user attributes. No
   pruning. A diverged trial (NaN or infinite loss) is failed with a ``fail_reason`` and not retried; a trial lost to
-  a crash or Ctrl-C has no reason and is re-enqueued when ``tune`` runs again, which resumes the study.
+  a crash, a killed worker or Ctrl-C has no reason and is re-enqueued, within this ``tune`` or when it runs again
+  (which resumes the study). A configuration lost :data:`MAX_LOST_ATTEMPTS` times (it kills its worker, e.g. out
+  of memory) is failed with a reason instead: the study finishes with all N accounted for.
 """
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import math
@@ -37,118 +46,50 @@ from optuna.trial import TrialState
 from mtmoe.errors import UsageError
 from mtmoe.run import build_run, translate_shortcuts
 from mtmoe.tuning.space import SearchSpace, load_space
-from mtmoe.tuning.storage import STUDIES_DIR, default_storage_url, has_heartbeat, heartbeat_settings, storage_for
+from mtmoe.tuning.storage import (
+    STUDIES_DIR,
+    default_storage_url,
+    display_url,
+    fail_stale_trials,
+    heartbeat_settings,
+    setup_lock,
+    storage_for,
+)
+from mtmoe.tuning.objective import (
+    Objective,
+    cli_args,
+    config_hash,
+    is_lost,
+    plan_configurations,
+    study_counts,
+)
+from mtmoe.tuning.packs import PackWorker, check_packable, resolve_capacity
+from mtmoe.tuning.trials import OneLineParser, describe_settings
+
+#: Attempts of a configuration that may end without a result (worker killed or crashed) before it is failed.
+MAX_LOST_ATTEMPTS = 3
+#: Settings that change where a trial reads and writes, or what it displays, not what it computes: no part of a
+#: study's identity (a key counts as neutral with everything under it).
+NEUTRAL_SETTINGS = (
+    "config", "data.root", "data.cache_dir", "data.download", "data.verify", "data.data_on_device",
+    "trainer.accelerator", "trainer.logger", "trainer.default_root_dir", "trainer.enable_progress_bar",
+    "trainer.enable_model_summary", "trainer.enable_checkpointing", "trainer.log_every_n_steps", "trainer.profiler",
+    "trainer.enable_autolog_hparams", "trainer.model_registry", "early_stopping.verbose",
+    "early_stopping.log_rank_zero_only",
+)
+OBJECTIVE_NAME = "validation loss (best epoch)"
 
 
-class TrialInterrupted(KeyboardInterrupt):
-    """Ctrl-C inside a trial (Lightning turns it into ``SystemExit(1)``): the trial is failed, re-run on resume."""
-
-
-class _OneLineInterrupts(logging.Filter):
-    """Optuna logs a failed trial with its traceback; for an interrupt one line is enough."""
+class _QuietTrialLog(logging.Filter):
+    """Optuna's trial log, trimmed: a diverged trial's failure is reported by the progress line with its reason (not
+    as "the value nan is not acceptable"), an interrupted one without its traceback."""
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if "failed with value nan" in (message := record.getMessage()) or "The value nan is not acceptable" in message:
+            return False
         if record.exc_info and isinstance(record.exc_info[1], KeyboardInterrupt):
             record.exc_info, record.exc_text = None, None
         return True
-
-
-def plan_configurations(space: SearchSpace, n: int, seed: int) -> list[dict[str, Any]]:
-    """The study's N configurations, drawn once from one seed by Optuna's RandomSampler."""
-    planner = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=seed))
-    configurations = []
-    for _ in range(n):
-        trial = planner.ask(space.distributions)
-        configurations.append(dict(trial.params))
-        planner.tell(trial, 0.0)
-    return configurations
-
-
-def config_hash(space: SearchSpace, params: dict[str, Any]) -> str:
-    payload = {**space.fixed, **params, "gate": space.gate, "data": space.data}
-    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:12]
-
-
-def cli_args(space: SearchSpace, params: dict[str, Any], overrides: list[str], seed: int, log_dir: Path) -> list[str]:
-    """The ``fit`` arguments of one configuration (``overrides`` from the ``tune`` command line come last)."""
-    args = ["--data", space.data, "--gate", space.gate, f"--seed_everything={seed}"]
-    args += [f"--{key}={json.dumps(value) if isinstance(value, (list, dict)) else value}"
-             for key, value in {**space.fixed, **params}.items()]
-    args += [
-        "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
-        "--trainer.enable_checkpointing=false", f"--trainer.logger.init_args.save_dir={log_dir}",
-    ]
-    return args + overrides
-
-
-def suggest(trial: optuna.Trial, key: str, distribution: optuna.distributions.BaseDistribution) -> Any:
-    """Ask ``trial`` for ``key``: an enqueued trial returns its planned value."""
-    if isinstance(distribution, optuna.distributions.CategoricalDistribution):
-        return trial.suggest_categorical(key, distribution.choices)
-    if isinstance(distribution, optuna.distributions.IntDistribution):
-        return trial.suggest_int(key, distribution.low, distribution.high)
-    return trial.suggest_float(key, distribution.low, distribution.high, log=distribution.log)
-
-
-class Objective:
-    """Trains one enqueued configuration and returns its validation objective."""
-
-    def __init__(self, space: SearchSpace, overrides: list[str], seed: int, log_dir: Path) -> None:
-        self.space, self.overrides, self.seed, self.log_dir = space, overrides, seed, log_dir
-
-    def __call__(self, trial: optuna.Trial) -> float:
-        config_id = trial.user_attrs.get("config_id")
-        if config_id is None:  # the queue ran dry between this worker's check and its pop: not a planned trial
-            trial.set_user_attr("fail_reason", "no planned configuration left (stray trial, ignored)")
-            raise optuna.TrialPruned()
-        params = {key: suggest(trial, key, distribution) for key, distribution in self.space.distributions.items()}
-        duplicate = duplicate_of(trial.study, trial.number, config_id)
-        if duplicate is not None:  # enqueued twice (concurrent tune starts, a retry racing a resume): run it once
-            trial.set_user_attr("skipped", f"config_id {config_id} is evaluated by trial {duplicate}")
-            raise optuna.TrialPruned()
-        trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
-        seed = self.seed + int(config_id)
-        start = time.perf_counter()
-        try:
-            args = cli_args(self.space, params, self.overrides, seed, self.log_dir / f"config-{config_id:04d}")
-            run = build_run(args)
-            results = run.fit()
-        except (KeyboardInterrupt, SystemExit) as interrupt:  # Lightning answers Ctrl-C with sys.exit(1)
-            raise TrialInterrupted(f"trial {trial.number} (config_id {config_id}) interrupted") from interrupt
-        return record_result(trial, seed, round(time.perf_counter() - start, 2), results, run.model.diverged)
-
-
-def record_result(trial: optuna.Trial, seed: int, wall_time_s: float, results: dict[str, Any],
-                  diverged: str | None) -> float:
-    """Record a finished trial's results as its user attributes; its objective (NaN for a diverged trial, which
-    Optuna records as FAILED; it counts among the N, with objective +inf)."""
-    trial.set_user_attr("seed", seed)
-    trial.set_user_attr("wall_time_s", wall_time_s)
-    trial.set_user_attr("epochs_run", results.get("epochs_run"))
-    trial.set_user_attr("best_epoch", results.get("best_epoch"))
-    for key, value in results.get("test", {}).items():
-        trial.set_user_attr(f"test/{key}", value)
-    trial.set_user_attr("test_loss", results.get("test", {}).get("loss"))
-    objective = results.get("best_val_loss", math.inf)
-    if diverged is not None or not math.isfinite(objective):
-        trial.set_user_attr("fail_reason", f"diverged: {diverged or 'no finite validation loss'}")
-        return math.nan
-    return objective
-
-
-def duplicate_of(study: optuna.Study, number: int, config_id: int) -> int | None:
-    """The trial that evaluates ``config_id`` instead of trial ``number``, if any.
-
-    That is one already complete or diverged, or an earlier-numbered one waiting or running: of several
-    enqueued copies exactly the lowest-numbered live one runs, whatever the order in which workers pop them.
-    """
-    for other in study.get_trials(deepcopy=False):
-        if other.number == number or other.user_attrs.get("config_id") != config_id:
-            continue
-        done = other.state == TrialState.COMPLETE or (other.state == TrialState.FAIL and "fail_reason" in other.user_attrs)
-        if done or (other.state in (TrialState.WAITING, TrialState.RUNNING) and other.number < number):
-            return other.number
-    return None
 
 
 def _pid_alive(pid: int) -> bool:
@@ -161,18 +102,23 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def fail_orphaned_trials(study: optuna.Study) -> int:
-    """Storages without heartbeats (SQLite, journal): fail RUNNING trials whose worker process on this host is gone.
+def local_worker(trial: optuna.trial.FrozenTrial) -> int | None:
+    """The process id of ``trial``'s worker if it runs on this host (its ``worker`` attribute, ``host:pid``)."""
+    host, _, pid = str(trial.user_attrs.get("worker", "")).rpartition(":")
+    return int(pid) if host == socket.gethostname() and pid.isdigit() else None
 
-    A worker killed mid-trial (SIGKILL, a crash, a lost terminal) leaves its trial RUNNING; its configuration is then
-    missing and re-enqueued by :func:`enqueue_missing`. Trials of workers on other hosts cannot be checked here.
-    """
-    host, failed = socket.gethostname(), 0
+
+def fail_orphaned_trials(study: optuna.Study) -> int:
+    """Fail the RUNNING trials whose worker process on this host is gone, at once (no grace period to wait out);
+    how many. A worker killed mid-trial (SIGKILL, a crash, a lost terminal) leaves its trial RUNNING; its
+    configuration is then missing and re-enqueued by :func:`enqueue_missing`."""
+    failed = 0
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        worker_host, _, pid = str(trial.user_attrs.get("worker", "")).rpartition(":")
-        if worker_host == host and pid.isdigit() and not _pid_alive(int(pid)):
+        pid = local_worker(trial)
+        if pid is not None and not _pid_alive(pid):
             try:
-                study._storage.set_trial_user_attr(trial._trial_id, "lost", f"worker {host}:{pid} exited mid-trial")
+                study._storage.set_trial_user_attr(trial._trial_id, "lost", f"worker {trial.user_attrs['worker']} "
+                                                                            "exited mid-trial")
                 study._storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
                 failed += 1
             except optuna.exceptions.UpdateFinishedTrialError:
@@ -180,51 +126,52 @@ def fail_orphaned_trials(study: optuna.Study) -> int:
     return failed
 
 
-def study_counts(study: optuna.Study) -> dict[str, Any]:
-    trials = study.get_trials(deepcopy=False)
-    planned = [t for t in trials if "config_id" in t.user_attrs]
-    complete = [t for t in planned if t.state == TrialState.COMPLETE]
-    diverged = [t for t in planned if t.state == TrialState.FAIL and "fail_reason" in t.user_attrs]
-    return {
-        "complete": complete,
-        "diverged": diverged,
-        "waiting": sum(t.state == TrialState.WAITING for t in planned),
-        "running": sum(t.state == TrialState.RUNNING for t in planned),
-        "trials": trials,
-    }
+def reclaim_lost_trials(study: optuna.Study) -> None:
+    """Fail the trials whose worker is gone: dead processes on this host at once, silent ones anywhere after the
+    heartbeat grace period (a live local worker's trial is never failed)."""
+    fail_orphaned_trials(study)
+    fail_stale_trials(study, alive=lambda trial: (pid := local_worker(trial)) is not None and _pid_alive(pid))
 
 
 class Progress:
-    """After each trial: one line per study with trials done / total, failed, best so far and an ETA."""
+    """After each trial: one line per study with trials done / total, failed, best so far and an ETA (a failed
+    trial's reason on a line before it)."""
 
     def __init__(self, total: int, workers: int) -> None:
         self.total, self.workers, self.start = total, workers, time.perf_counter()
 
     def __call__(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
         counts = study_counts(study)
-        done = len(counts["complete"]) + len(counts["diverged"])
-        best = min((t.value for t in counts["complete"]), default=math.nan)
+        if trial.state == TrialState.FAIL and "fail_reason" in trial.user_attrs and "config_id" in trial.user_attrs:
+            print(f"[{study.study_name}] trial {trial.number} (config_id {trial.user_attrs.get('config_id')}) "
+                  f"failed: {trial.user_attrs['fail_reason']}", flush=True)
+        done = len(counts["complete"]) + len(counts["failed"])
+        best = min((t.value for t in counts["complete"]), default=None)
         times = [t.user_attrs["wall_time_s"] for t in counts["complete"] if "wall_time_s" in t.user_attrs]
         remaining = self.total - done
         eta = remaining * (sum(times) / len(times)) / self.workers if times else math.nan
         eta_text = "?" if math.isnan(eta) else time.strftime("%Hh%Mm%Ss", time.gmtime(eta))
-        print(f"[{study.study_name}] {done}/{self.total} done, {len(counts['diverged'])} failed, "
-              f"best {best:.5g}, ETA {eta_text}", flush=True)
+        best_text = "none complete yet" if best is None else f"{best:.5g}"
+        print(f"[{study.study_name}] {done}/{self.total} done, {len(counts['failed'])} failed, "
+              f"best {best_text}, ETA {eta_text}", flush=True)
         if counts["waiting"] == 0:
             study.stop()
 
 
 def quiet_libraries() -> None:
-    """Per-trial chatter off (Lightning's info lines, experimental-feature warnings); the progress line stays."""
+    """Per-trial chatter off (Optuna's info lines, Lightning's, experimental-feature and deprecation warnings of
+    the libraries); the progress lines and warnings about the run stay."""
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
     optimize_logger = logging.getLogger("optuna.study._optimize")
-    if not any(isinstance(f, _OneLineInterrupts) for f in optimize_logger.filters):
-        optimize_logger.addFilter(_OneLineInterrupts())
+    if not any(isinstance(f, _QuietTrialLog) for f in optimize_logger.filters):
+        optimize_logger.addFilter(_QuietTrialLog())
     import lightning.pytorch  # noqa: F401  (first: importing it resets its loggers to INFO, e.g. in a spawned worker)
 
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     logging.getLogger("lightning.fabric").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     warnings.filterwarnings("ignore", message=".*smaller than the logging interval.*")
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated")  # Lightning's
 
 
 def run_worker(url: str, study_name: str, space: SearchSpace, overrides: list[str], seed: int, workers: int,
@@ -236,8 +183,6 @@ def run_worker(url: str, study_name: str, space: SearchSpace, overrides: list[st
         return
     log_dir = (Path(log_dir) if log_dir is not None else STUDIES_DIR / "runs") / study_name.replace("/", "_")
     if pack != 1:
-        from mtmoe.tuning.packs import PackWorker
-
         configurations = plan_configurations(space, space.trials, seed)
         PackWorker(study, space, overrides, seed, log_dir, pack, configurations).run()
         return
@@ -258,11 +203,12 @@ def _worker_process(*args: Any) -> None:
         sys.exit(2)
 
 
-def run_workers(worker_args: tuple, workers: int) -> bool:
-    """``workers`` local worker processes (or this one) pop WAITING trials until none is left; all ended well?"""
+def run_workers(worker_args: tuple, workers: int) -> None:
+    """``workers`` local worker processes (or this one) pop WAITING trials until none is left. A worker that
+    died leaves its trial to :func:`reclaim_lost_trials`; one that met bad input ends ``tune`` (exit 2)."""
     if workers == 1:
         run_worker(*worker_args)
-        return True
+        return
     context = multiprocessing.get_context("spawn")
     processes = [context.Process(target=_worker_process, args=worker_args) for _ in range(workers)]
     for process in processes:
@@ -279,64 +225,120 @@ def run_workers(worker_args: tuple, workers: int) -> bool:
             if process.is_alive():
                 process.terminate()
         raise
-    codes = [process.exitcode for process in processes]
-    if 2 in codes:
+    if any(process.exitcode == 2 for process in processes):
         sys.exit(2)
-    return all(code == 0 for code in codes)
 
 
 def enqueue_missing(study: optuna.Study, space: SearchSpace, configurations: list[dict]) -> int:
-    """Enqueue every configuration with no completed, diverged, waiting or running trial; how many were."""
+    """Enqueue every configuration with no completed, failed, waiting or running trial; how many were. One lost
+    :data:`MAX_LOST_ATTEMPTS` times is failed with its reason instead (a trial of its own)."""
     counts = study_counts(study)
-    accounted = {t.user_attrs["config_id"] for t in counts["complete"] + counts["diverged"]}
+    accounted = {t.user_attrs["config_id"] for t in counts["complete"] + counts["failed"]}
     accounted |= {t.user_attrs["config_id"] for t in counts["trials"]
                   if t.state in (TrialState.WAITING, TrialState.RUNNING) and "config_id" in t.user_attrs}
-    missing = [config_id for config_id in range(len(configurations)) if config_id not in accounted]
-    for config_id in missing:
+    lost: dict[int, int] = {}
+    for trial in counts["trials"]:
+        if is_lost(trial):
+            lost[trial.user_attrs["config_id"]] = lost.get(trial.user_attrs["config_id"], 0) + 1
+    enqueued = 0
+    for config_id in range(len(configurations)):
+        if config_id in accounted:
+            continue
         params = configurations[config_id]
-        study.enqueue_trial(params, user_attrs={"config_id": config_id, "config_hash": config_hash(space, params)})
-    return len(missing)
+        attrs = {"config_id": config_id, "config_hash": config_hash(space, params)}
+        if lost.get(config_id, 0) >= MAX_LOST_ATTEMPTS:
+            reason = (f"lost: {lost[config_id]} attempts ended without a result (its worker was killed, e.g. out of "
+                      "memory, or crashed; see the trial logs)")
+            study.add_trial(optuna.trial.create_trial(state=TrialState.FAIL, params=params,
+                                                      distributions=space.distributions,
+                                                      user_attrs={**attrs, "fail_reason": reason}))
+        else:
+            study.enqueue_trial(params, user_attrs=attrs)
+            enqueued += 1
+    return enqueued
 
 
 def prepare_study(url: str, study_name: str, space: SearchSpace, seed: int, configurations: list[dict],
-                  alpha: str | None = None) -> None:
-    """Create the study (or check that an existing one has the same space and seed) and enqueue what is missing.
+                  settings: dict[str, Any] | None = None, alpha: str | None = None) -> None:
+    """Create the study (or check that an existing one has the same identity: space, seed and settings) and enqueue
+    what is missing. Run it under :func:`~mtmoe.tuning.storage.setup_lock`.
 
-    A configuration is missing when it has no completed, diverged, waiting or running trial: never enqueued, or
+    A configuration is missing when it has no completed, failed, waiting or running trial: never enqueued, or
     lost to a crash or an interrupt (resume).
     """
     storage = storage_for(url)
+    identity = {"space_fingerprint": space.fingerprint, "seed": seed, "settings": _as_json(settings or {})}
     if study_name in optuna.get_all_study_names(storage):
-        attrs = optuna.load_study(study_name=study_name, storage=storage).user_attrs
-        if attrs.get("space_fingerprint") != space.fingerprint or attrs.get("seed") != seed:
-            raise UsageError(
-                f"study {study_name!r} exists with a different search space or seed "
-                f"(space {attrs.get('space_fingerprint')}, seed {attrs.get('seed')}; now {space.fingerprint}, "
-                f"seed {seed}): refusing to mix them; pass --study-name to start another study"
-            )
+        study = optuna.load_study(study_name=study_name, storage=storage)
+        check_identity(study_name, study, identity)
     study = optuna.create_study(study_name=study_name, storage=storage, direction="minimize",
                                 sampler=optuna.samplers.RandomSampler(seed=seed), load_if_exists=True)
-    attrs = {"space_fingerprint": space.fingerprint, "seed": seed, "data": space.data, "gate": space.gate,
-             "trials": space.trials}
+    with warnings.catch_warnings():  # "experimental" since Optuna 3.2
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        study.set_metric_names([OBJECTIVE_NAME])
+    attrs = {**identity, "data": space.data, "gate": space.gate, "trials": space.trials}
     if alpha is not None:
         attrs["alpha"] = alpha
     for key, value in attrs.items():
         study.set_user_attr(key, value)
-    if has_heartbeat(storage):
-        optuna.storages.fail_stale_trials(study)
-    else:
-        fail_orphaned_trials(study)
+    reclaim_lost_trials(study)
     enqueue_missing(study, space, configurations)
 
 
+def _as_json(value: Any) -> Any:
+    """``value`` as the storage gives it back (JSON): tuples become lists, paths and other objects text."""
+    return json.loads(json.dumps(value, default=lambda item: item.as_dict() if hasattr(item, "as_dict") else str(item)))
+
+
+def check_identity(study_name: str, study: optuna.Study, identity: dict[str, Any]) -> None:
+    """Refuse to add trials of another search space, seed or settings to an existing study (one line naming the
+    differences). A study from before settings were recorded takes this run's, with a warning."""
+    attrs = study.user_attrs
+    if "settings" not in attrs and "space_fingerprint" in attrs:
+        print(f"warning: study {study_name!r} has no recorded settings (created by an older mtmoe); recording this "
+              f"run's: {describe_settings(identity['settings'])}", file=sys.stderr, flush=True)
+        attrs = {**attrs, "settings": identity["settings"]}
+    if "space_fingerprint" not in attrs:  # created by hand or elsewhere, nothing recorded: adopt this identity
+        return
+    differences = [f"{name} {attrs.get(key)} there, {identity[key]} now"
+                   for key, name in (("space_fingerprint", "search space"), ("seed", "seed"))
+                   if attrs.get(key) != identity[key]]
+    stored, current = attrs["settings"], identity["settings"]
+    for key in sorted(set(stored) | set(current)):
+        if stored.get(key) != current.get(key):
+            there = json.dumps(stored[key]) if key in stored else "(not set)"
+            now = json.dumps(current[key]) if key in current else "(not set)"
+            differences.append(f"{key} {there} there, {now} now")
+    if differences:
+        raise UsageError(
+            f"study {study_name!r} exists with other settings ({'; '.join(differences)}): refusing to mix trials of "
+            "different settings; pass --study-name NAME to start another study, or another --storage"
+        )
+
+
 def parse_tune_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(prog="python -m mtmoe tune", exit_on_error=False, add_help=True)
-    parser.add_argument("--gate", required=True)
-    parser.add_argument("--data", required=True)
+    parser = OneLineParser(
+        prog="python -m mtmoe tune", exit_on_error=False, formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage="%(prog)s --gate GATE --data DATA [options]\n"
+              "           [--trainer.* ...] [--model.* ...] [--data.* ...] [--early_stopping.* ...]",
+        description="The paper's random search: --trials configurations of a gate's search space, drawn once from "
+                    "--seed, each\ntrained as `fit` would (early stopping on the validation loss) in an Optuna study "
+                    "that any number\nof workers and machines share and that a rerun of the same command resumes.",
+        epilog="Every other option is passed to each trial's `fit`: --trainer.*, --model.*, --data.*, "
+               "--early_stopping.*\n(e.g. --trainer.max_epochs 1 --model.alpha 0.1 --data.root DIR), after the "
+               "configuration's own\nvalues. What they change is part of the study's identity, with the search "
+               "space and the seed:\nrerunning with other values is refused (pass --study-name for a new study). "
+               "Folders, progress\ndisplay and the accelerator do not count, nor do --workers, --storage and "
+               "--log-dir.\nThe database password may come from PGPASSWORD or ~/.pgpass instead of the URL.",
+    )
+    parser.add_argument("--gate", required=True, help="registered gate (`python -m mtmoe gates`), NAME+ with local "
+                                                      "search")
+    parser.add_argument("--data", required=True, help="dataset (`python -m mtmoe datasets`)")
     parser.add_argument("--trials", type=int, default=None, help="configurations (default: the space file's)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the configurations and of the trials")
     parser.add_argument("--storage", default=None,
-                        help="RDB URL or journal:PATH (default: SQLite studies/optuna.db under the current directory)")
+                        help="RDB URL (postgresql://user@host/db) or journal:PATH, shared by the workers "
+                             "(default: SQLite studies/optuna.db under the current directory, one worker)")
     parser.add_argument("--workers", type=int, default=1, help="local worker processes")
     parser.add_argument("--pack", default=None,
                         help="trials each worker trains at once as one packed model: a number, or auto (the most that "
@@ -377,17 +379,30 @@ def _option_value(overrides: list[str], key: str) -> str | None:
     return value
 
 
-def check_overrides(space: SearchSpace, configurations: list[dict], overrides: list[str], seed: int,
-                    pack: int | str = 1) -> None:
+def _flat_config(namespace: Any) -> dict[str, Any]:
+    """A parsed configuration as ``{dotted key: value}``, keyed as on the command line (no ``init_args``)."""
+    return {key.replace(".init_args.", ".").removesuffix(".class_path"): value
+            for key, value in namespace.items()}
+
+
+def _neutral(key: str) -> bool:
+    return any(key == name or key.startswith(name + ".") for name in NEUTRAL_SETTINGS)
+
+
+def check_overrides(space: SearchSpace, configurations: list[dict], overrides: list[str],
+                    seed: int, pack: int | str = 1) -> tuple[dict[str, Any], str | None]:
     """Instantiate the CLI for one configuration (the one with the longest permutation window): bad overrides, a
     window longer than the run and settings a pack cannot honour fail here, before the storage is touched, not in
-    the middle of the study."""
-    longest = max(range(len(configurations)), key=lambda i: configurations[i].get("model.perm_epochs") or 0)
-    with tempfile.TemporaryDirectory() as scratch:
-        run = build_run(cli_args(space, configurations[longest], overrides, seed, Path(scratch)))
-        if pack != 1:
-            from mtmoe.tuning.packs import check_packable, resolve_capacity
+    the middle of the study.
 
+    Returns the study's settings (every non-neutral value the overrides change from the search space's run) and
+    the task weight alpha in force (``None`` where the dataset weights its tasks equally).
+    """
+    longest = max(range(len(configurations)), key=lambda i: configurations[i].get("model.perm_epochs") or 0)
+    params = configurations[longest]
+    with tempfile.TemporaryDirectory() as scratch:
+        run = build_run(cli_args(space, params, overrides, seed, Path(scratch)))
+        if pack != 1:
             check_packable(run)
             run.datamodule.prepare_data()
             run.datamodule.setup("fit")
@@ -399,6 +414,12 @@ def check_overrides(space: SearchSpace, configurations: list[dict], overrides: l
                 f"(--trainer.max_epochs={max_epochs}): the permutation would never be frozen; raise max_epochs "
                 "or pass --model.perm_epochs"
             )
+        plain = run.cli.parser.parse_args(translate_shortcuts(cli_args(space, params, [], seed, Path(scratch))))
+    given, default = _flat_config(run.config), _flat_config(plain)
+    settings = {key: given.get(key) for key in sorted(set(given) | set(default))
+                if not _neutral(key) and given.get(key) != default.get(key)}
+    alpha = f"{run.model.weights[0]:g}" if run.datamodule.info.task_weighting == "alpha" else None
+    return _as_json(settings), alpha
 
 
 def tune(argv: list[str]) -> None:
@@ -427,41 +448,56 @@ def _tune(argv: list[str]) -> None:
     url = args.storage or default_storage_url()
     if url.startswith("sqlite") and args.workers > 1:
         raise UsageError("SQLite serialises writers: use --storage postgresql://... or journal:PATH for --workers > 1")
-    alpha = _option_value(overrides, "model.alpha")
-    study_name = args.study_name or f"{args.data}/{args.gate}" + (f"/alpha={alpha}" if alpha else "")
+    given_alpha = _option_value(overrides, "model.alpha")
+    study_name = args.study_name or f"{args.data}/{args.gate}" + (f"/alpha={given_alpha}" if given_alpha else "")
     configurations = plan_configurations(space, trials, args.seed)
     pack = pack_size(args.pack, overrides)
-    check_overrides(space, configurations, overrides, args.seed, pack)
-    prepare_study(url, study_name, space, args.seed, configurations, alpha=alpha)
-    print(f"study {study_name!r}: {trials} configurations, storage {url}, {args.workers} worker(s)", flush=True)
+    settings, alpha = check_overrides(space, configurations, overrides, args.seed, pack)
+    with setup_lock(url):
+        prepare_study(url, study_name, space, args.seed, configurations, settings, alpha)
+    print(f"study {study_name!r}: {trials} configurations, settings: {describe_settings(settings)}; storage "
+          f"{display_url(url)}, {args.workers} worker(s)", flush=True)
     log_dir = Path(args.log_dir) if args.log_dir else STUDIES_DIR / "runs"
-    worker_args = (url, study_name, space, overrides, args.seed, args.workers, log_dir, pack)
+    run_until_accounted(url, study_name, space, configurations,
+                        (url, study_name, space, overrides, args.seed, args.workers, log_dir, pack))
+
+
+def run_until_accounted(url: str, study_name: str, space: SearchSpace, configurations: list[dict],
+                        worker_args: tuple) -> None:
+    """Run the workers until every configuration is complete or failed: a lost trial's configuration runs again
+    (or is failed after :data:`MAX_LOST_ATTEMPTS`), other workers' running trials are waited for. Exit 1 if the
+    study is left unfinished (nothing moved while trials still wait)."""
     storage = storage_for(url)
-    heartbeat = has_heartbeat(storage)
-    announced, done = False, -1
+    announced, progress = False, None
     while True:
-        clean = run_workers(worker_args, args.workers)
+        run_workers(worker_args, worker_args[5])
         study = optuna.load_study(study_name=study_name, storage=storage)
+        reclaim_lost_trials(study)
+        enqueue_missing(study, space, configurations)
         counts = study_counts(study)
-        progress, done = done, len(counts["complete"]) + len(counts["diverged"])
-        if counts["waiting"] and clean and done > progress:  # a retry enqueued after a worker stopped
+        state = (len(counts["complete"]) + len(counts["failed"]), counts["lost"])
+        if counts["waiting"] and state != progress:  # lost trials re-enqueued, or more work: run the workers again
+            progress = state
             continue
-        if not counts["running"] or not heartbeat:
+        if not counts["running"] or counts["waiting"]:
             break
-        if not announced:  # other workers' trials, or lost ones: a heartbeat storage fails those after the grace
+        if not announced:  # trials of workers elsewhere: done, or failed after the grace period and re-run here
             print(f"study {study_name!r}: waiting for {counts['running']} running trial(s) of other workers "
                   f"(a lost one is failed after {heartbeat_settings()[1]} s without a heartbeat and re-run here)",
                   flush=True)
             announced = True
         while counts["running"] and not counts["waiting"]:
             time.sleep(heartbeat_settings()[0])
-            optuna.storages.fail_stale_trials(study)
+            reclaim_lost_trials(study)
             enqueue_missing(study, space, configurations)
             counts = study_counts(study)
-    counts = study_counts(optuna.load_study(study_name=study_name, storage=storage))
-    print(f"study {study_name!r}: {len(counts['complete'])} complete, {len(counts['diverged'])} diverged, "
+        progress = None
+    print(f"study {study_name!r}: {len(counts['complete'])} complete, {len(counts['failed'])} failed, "
           f"{counts['waiting']} waiting", flush=True)
     if counts["waiting"] or counts["running"]:
-        print(f"study {study_name!r} is not finished: {counts['running']} trial(s) RUNNING in other workers, "
-              f"{counts['waiting']} waiting; run the same tune command again to resume", file=sys.stderr, flush=True)
+        others = sorted({str(t.user_attrs.get("worker", "?")) for t in counts["trials"]
+                         if t.state == TrialState.RUNNING and "config_id" in t.user_attrs})
+        print(f"study {study_name!r} is not finished: {counts['running']} trial(s) RUNNING in other workers "
+              f"({', '.join(others) or 'none'}), {counts['waiting']} waiting that this tune's workers could not "
+              "run; run the same tune command again to resume", file=sys.stderr, flush=True)
         sys.exit(1)

@@ -1,17 +1,20 @@
 """The trial table: the evaluated configurations of a dataset's tuning studies, one row each (``report`` and
 ``bootstrap`` compute from it; it never trains), and the options those commands share to find it.
 
-Columns: ``study, gate, alpha, config_id, trial, diverged, objective, test_loss, n_s`` and the per-task test
-metrics as ``<task>/<metric>``. A study is one row group per study name (user attributes ``data`` and ``gate``,
-written by ``tune``), so ``.../alpha=0.1`` and ``.../alpha=0.9`` are separate studies. A diverged trial (failed
-with a ``fail_reason``) is a row with objective ``+inf``; trials lost to a crash or an interrupt (failed without a
-reason, re-run on resume), waiting or running ones and skipped duplicates are not results and have no row; each
-``config_id`` counts once.
+Columns: ``study, gate, alpha, seed, settings, config_id, trial, failed, fail_reason, objective, test_loss, n_s``,
+``data`` and the per-task test metrics as ``<task>/<metric>``. A study is one row group per study name (user attributes
+``data`` and ``gate``, written by ``tune``), so ``.../alpha=0.1`` and ``.../alpha=0.9`` are separate studies; a
+study without an alpha of its own shows the dataset's default. A failed trial (failed with a ``fail_reason``:
+diverged, or lost too often) is a row with objective ``+inf`` and no test results; trials lost to a crash or an
+interrupt (failed without a reason, re-run), waiting or running ones and skipped duplicates are not results and
+have no row; each ``config_id`` counts once. Rows come in the paper's order (:func:`paper_order`).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +24,12 @@ import pandas as pd
 from optuna.trial import TrialState
 
 from mtmoe.errors import UsageError
+from mtmoe.files import write_atomic
 from mtmoe.lit.metrics import TASK_METRICS
-from mtmoe.tuning.storage import STUDIES_DIR, open_storage
+from mtmoe.tuning.storage import STUDIES_DIR, display_url, open_storage
+
+#: The paper's order of its gates (Tables 2-3); other gates follow by name, each "+" after its gate.
+PAPER_GATES = ("softmax", "topk", "topk+", "hash", "hash+", "dselect", "comet", "comet+")
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -33,13 +40,14 @@ class OneLineParser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog.rpartition(' ')[2]}: {message}")
 
 
-def studies_parser(command: str) -> argparse.ArgumentParser:
+def studies_parser(command: str, description: str) -> argparse.ArgumentParser:
     """``--data``, ``--storage``, ``--out``: how the commands that read the tuning studies (``report``,
     ``bootstrap``) find them and where they write."""
-    parser = OneLineParser(prog=f"python -m mtmoe {command}", exit_on_error=False)
+    parser = OneLineParser(prog=f"python -m mtmoe {command}", exit_on_error=False, description=description)
     parser.add_argument("--data", required=True, help="dataset (the studies' 'data' attribute)")
     parser.add_argument("--storage", default=None,
-                        help="RDB URL or journal:PATH (default: studies/optuna.db under the current directory)")
+                        help="RDB URL or journal:PATH that tune wrote (default: studies/optuna.db under the current "
+                             "directory); the password may come from PGPASSWORD or ~/.pgpass")
     parser.add_argument("--out", default=None,
                         help="output folder (default: studies/reports/<data>/ under the current directory)")
     return parser
@@ -57,38 +65,93 @@ def parse_strict(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.N
 
 
 def output_dir(out: str | None, name: str) -> Path:
-    """``--out``, else ``studies/reports/<name>/`` under the current directory."""
-    return Path(out) if out else STUDIES_DIR / "reports" / name
+    """``--out``, else ``studies/reports/<name>/`` under the current directory; a UsageError, before anything is
+    computed or created, unless it is (or can be made) a folder this process may write in."""
+    path = Path(out) if out else STUDIES_DIR / "reports" / name
+    existing = path.absolute()
+    while not existing.exists() and existing.parent != existing:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UsageError(f"cannot write the outputs to {path}: {existing} is a file, not a folder; pass --out FOLDER")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"cannot write the outputs to {path}: {existing} is not writable; pass --out FOLDER")
+    return path
 
 
-def trial_rows(study_name: str, attrs: dict[str, Any], trials: list) -> list[dict[str, Any]]:
-    """One row per evaluated configuration: complete trials, and diverged ones with objective +inf."""
+def write_outputs(out: Path, files: dict[str, str | bytes]) -> None:
+    """Write each ``{name: content}`` into ``out`` atomically; a filesystem error is one UsageError line."""
+    try:
+        for name, content in files.items():
+            write_atomic(content, out / name)
+    except OSError as error:
+        raise UsageError(f"cannot write the outputs to {out} ({error.strerror or error}): pass a writable --out "
+                         "folder, or free some space there") from None
+
+
+def describe_settings(settings: dict[str, Any] | None) -> str:
+    """A study's settings as text (``key=value, ...``); ``None``: not recorded (a study of an older mtmoe)."""
+    if settings is None:
+        return "not recorded"
+    return ", ".join(f"{key}={json.dumps(value)}" for key, value in sorted(settings.items())) or "none"
+
+
+def gate_order(gate: str) -> tuple:
+    """Sort key of a gate: the paper's order, then the others by name, each "+" after its gate."""
+    if gate in PAPER_GATES:
+        return (0, PAPER_GATES.index(gate), False)
+    return (1, gate.removesuffix("+"), gate.endswith("+"))
+
+
+def alpha_order(alpha: Any) -> float:
+    try:
+        return float(alpha)
+    except (TypeError, ValueError):
+        return math.inf
+
+
+def paper_order(frame: pd.DataFrame, gates: tuple[str, ...] = ("gate",)) -> pd.DataFrame:
+    """Rows sorted by dataset (where there is a ``data`` column), alpha (numerically), the paper's gate order of the
+    ``gates`` columns, and the study name; rows that tie keep their order."""
+    def key(i: int) -> tuple:
+        row = frame.iloc[i]
+        return (str(row.get("data", "")), alpha_order(row["alpha"]), *(gate_order(str(row[g])) for g in gates),
+                str(row.get("study", "")))
+
+    return frame.iloc[sorted(range(len(frame)), key=key)].reset_index(drop=True)
+
+
+def trial_rows(study_name: str, attrs: dict[str, Any], trials: list, alpha: str | None = None) -> list[dict[str, Any]]:
+    """One row per evaluated configuration: complete trials, and failed ones with objective +inf and no test
+    results (a diverged trial's metrics are not results). ``alpha``: the study's, where ``attrs`` has none."""
     rows: dict[int, dict[str, Any]] = {}
     for trial in sorted(trials, key=lambda t: t.number):
         user = trial.user_attrs
         if "config_id" not in user:
             continue
         if trial.state == TrialState.COMPLETE and trial.value is not None:
-            diverged, objective = False, float(trial.value)
-        elif trial.state == TrialState.FAIL and str(user.get("fail_reason", "")).startswith("diverged"):
-            diverged, objective = True, math.inf
+            reason, objective = "", float(trial.value)
+        elif trial.state == TrialState.FAIL and user.get("fail_reason"):
+            reason, objective = str(user["fail_reason"]), math.inf
         else:  # lost (crash, Ctrl-C), waiting, running, skipped duplicates: not a result
             continue
         config_id = int(user["config_id"])
-        if config_id in rows and not rows[config_id]["diverged"]:
+        if config_id in rows and not rows[config_id]["failed"]:
             continue  # a configuration counts once (its first complete evaluation)
-        tasks = sorted({k.split("/")[1] for k in user if k.startswith("test/") and k.endswith("/experts_per_sample")})
-        per_task_ns = [user[f"test/{t}/experts_per_sample"] for t in tasks]
         row = {
-            "study": study_name, "gate": attrs.get("gate"), "alpha": attrs.get("alpha", _alpha_of(study_name)),
-            "config_id": config_id, "trial": trial.number, "diverged": diverged, "objective": objective,
-            "test_loss": _number(user.get("test_loss")),
-            "n_s": float(np.mean([_number(v) for v in per_task_ns])) if per_task_ns else math.nan,
+            "study": study_name, "gate": attrs.get("gate"), "alpha": attrs.get("alpha", _alpha_of(study_name) or alpha),
+            "seed": attrs.get("seed"), "settings": describe_settings(attrs.get("settings")),
+            "config_id": config_id, "trial": trial.number, "failed": bool(reason), "fail_reason": reason,
+            "objective": objective, "test_loss": math.nan, "n_s": math.nan,
         }
-        for key, value in user.items():
-            parts = key.split("/")
-            if len(parts) == 3 and parts[0] == "test" and parts[2] in TASK_METRICS:
-                row[f"{parts[1]}/{parts[2]}"] = _number(value)
+        if not reason:
+            tasks = sorted({k.split("/")[1] for k in user if k.startswith("test/") and k.endswith("/experts_per_sample")})
+            per_task_ns = [_number(user[f"test/{t}/experts_per_sample"]) for t in tasks]
+            row["test_loss"] = _number(user.get("test_loss"))
+            row["n_s"] = float(np.mean(per_task_ns)) if per_task_ns else math.nan
+            for key, value in user.items():
+                parts = key.split("/")
+                if len(parts) == 3 and parts[0] == "test" and parts[2] in TASK_METRICS:
+                    row[f"{parts[1]}/{parts[2]}"] = _number(value)
         rows[config_id] = row
     return list(rows.values())
 
@@ -110,19 +173,37 @@ def _alpha_of(study_name: str) -> str | None:
     return alpha or None
 
 
+def default_alpha(data: str) -> str | None:
+    """The task weight alpha that ``data``'s runs use without ``--model.alpha`` (``None``: a dataset that weights its
+    tasks equally, or not a registered one)."""
+    import importlib
+
+    from mtmoe.data import DATASETS
+    from mtmoe.lit.module import task_weights
+
+    if data not in DATASETS:
+        return None
+    module_name, class_name = DATASETS[data].rsplit(".", 1)
+    info = getattr(importlib.import_module(module_name), class_name)(download=False).info
+    return f"{task_weights(info, None)[0]:g}" if info.task_weighting == "alpha" else None
+
+
 def collect(url: str | None, data: str) -> tuple[str, pd.DataFrame]:
-    """(storage URL, trial table) of the dataset's studies; ``url=None`` reads the default storage."""
+    """(storage URL, trial table in the paper's order) of the dataset's studies; ``url=None`` reads the default
+    storage."""
     url, storage = open_storage(url)
     rows: list[dict[str, Any]] = []
     names = []
+    alpha = default_alpha(data)
     for summary in optuna.get_all_study_summaries(storage, include_best_trial=False):
         if summary.user_attrs.get("data") != data or "gate" not in summary.user_attrs:
             continue
         names.append(summary.study_name)
         study = optuna.load_study(study_name=summary.study_name, storage=storage)
-        rows += trial_rows(summary.study_name, summary.user_attrs, study.get_trials(deepcopy=False))
+        rows += trial_rows(summary.study_name, summary.user_attrs, study.get_trials(deepcopy=False), alpha)
+    where = display_url(url)
     if not names:
-        raise UsageError(f"no studies for dataset {data!r} in {url} (run `python -m mtmoe tune --data {data}` first)")
+        raise UsageError(f"no studies for dataset {data!r} in {where} (run `python -m mtmoe tune --data {data}` first)")
     if not rows:
-        raise UsageError(f"the studies of {data!r} in {url} ({', '.join(sorted(names))}) have no finished trials yet")
-    return url, pd.DataFrame(rows)
+        raise UsageError(f"the studies of {data!r} in {where} ({', '.join(sorted(names))}) have no finished trials yet")
+    return url, paper_order(pd.DataFrame(rows).assign(data=data))

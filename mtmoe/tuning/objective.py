@@ -1,0 +1,150 @@
+"""One planned trial of a study: its configuration's ``fit`` arguments and planned values, whether another trial
+already evaluates it, the user attributes its results are recorded as, and the objective an unpacked worker runs;
+shared by the tune driver (:mod:`mtmoe.tuning.study`) and the trial-pack worker (:mod:`mtmoe.tuning.packs`)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import optuna
+from optuna.trial import TrialState
+
+from mtmoe.run import build_run
+from mtmoe.tuning.space import SearchSpace
+from mtmoe.tuning.storage import beating
+
+
+class TrialInterrupted(KeyboardInterrupt):
+    """Ctrl-C inside a trial (Lightning turns it into ``SystemExit(1)``): the trial is failed, re-run on resume."""
+
+
+def plan_configurations(space: SearchSpace, n: int, seed: int) -> list[dict[str, Any]]:
+    """The study's N configurations, drawn once from one seed by Optuna's RandomSampler."""
+    planner = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=seed))
+    configurations = []
+    for _ in range(n):
+        trial = planner.ask(space.distributions)
+        configurations.append(dict(trial.params))
+        planner.tell(trial, 0.0)
+    return configurations
+
+
+def config_hash(space: SearchSpace, params: dict[str, Any]) -> str:
+    payload = {**space.fixed, **params, "gate": space.gate, "data": space.data}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def cli_args(space: SearchSpace, params: dict[str, Any], overrides: list[str], seed: int, log_dir: Path) -> list[str]:
+    """The ``fit`` arguments of one configuration (``overrides`` from the ``tune`` command line come last)."""
+    args = ["--data", space.data, "--gate", space.gate, f"--seed_everything={seed}"]
+    args += [f"--{key}={json.dumps(value) if isinstance(value, (list, dict)) else value}"
+             for key, value in {**space.fixed, **params}.items()]
+    args += [
+        "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
+        "--trainer.enable_checkpointing=false", f"--trainer.logger.init_args.save_dir={log_dir}",
+    ]
+    return args + overrides
+
+
+def suggest(trial: optuna.Trial, key: str, distribution: optuna.distributions.BaseDistribution) -> Any:
+    """Ask ``trial`` for ``key``: an enqueued trial returns its planned value."""
+    if isinstance(distribution, optuna.distributions.CategoricalDistribution):
+        return trial.suggest_categorical(key, distribution.choices)
+    if isinstance(distribution, optuna.distributions.IntDistribution):
+        return trial.suggest_int(key, distribution.low, distribution.high)
+    return trial.suggest_float(key, distribution.low, distribution.high, log=distribution.log)
+
+
+class Objective:
+    """Trains one enqueued configuration and returns its validation objective."""
+
+    def __init__(self, space: SearchSpace, overrides: list[str], seed: int, log_dir: Path) -> None:
+        self.space, self.overrides, self.seed, self.log_dir = space, overrides, seed, log_dir
+
+    def __call__(self, trial: optuna.Trial) -> float:
+        trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
+        with beating(trial.study._storage, trial._trial_id):
+            return self._evaluate(trial)
+
+    def _evaluate(self, trial: optuna.Trial) -> float:
+        config_id = trial.user_attrs.get("config_id")
+        if config_id is None:  # the queue ran dry between this worker's check and its pop: not a planned trial
+            trial.set_user_attr("fail_reason", "no planned configuration left (stray trial, ignored)")
+            return math.nan  # failed, not pruned: dashboards leave a failed trial's empty parameters out of plots
+        params = {key: suggest(trial, key, distribution) for key, distribution in self.space.distributions.items()}
+        duplicate = duplicate_of(trial.study, trial.number, config_id)
+        if duplicate is not None:  # enqueued twice (concurrent tune starts, a retry racing a resume): run it once
+            trial.set_user_attr("skipped", f"config_id {config_id} is evaluated by trial {duplicate}")
+            raise optuna.TrialPruned()
+        seed = self.seed + int(config_id)
+        start = time.perf_counter()
+        try:
+            args = cli_args(self.space, params, self.overrides, seed, self.log_dir / f"config-{config_id:04d}")
+            run = build_run(args)
+            results = run.fit()
+        except (KeyboardInterrupt, SystemExit) as interrupt:  # Lightning answers Ctrl-C with sys.exit(1)
+            trial.set_user_attr("interrupted", True)  # not the configuration's fault: no lost attempt
+            raise TrialInterrupted(f"trial {trial.number} (config_id {config_id}) interrupted") from interrupt
+        return record_result(trial, seed, time.perf_counter() - start, results, run.model.diverged)
+
+
+def record_result(trial: optuna.Trial, seed: int, wall_time_s: float, results: dict, diverged: str | None) -> float:
+    """Record a finished trial's results as its user attributes (seed, wall time, epochs, ``test/<key>`` for every
+    test metric, ``test_loss``; a ``fail_reason`` when it diverged) and return its objective: the best epoch's
+    validation loss, or NaN for a diverged trial (Optuna records it FAILED; it counts among the N with +inf)."""
+    trial.set_user_attr("seed", seed)
+    trial.set_user_attr("wall_time_s", round(wall_time_s, 2))
+    trial.set_user_attr("epochs_run", results.get("epochs_run"))
+    trial.set_user_attr("best_epoch", results.get("best_epoch"))
+    for key, value in results.get("test", {}).items():
+        trial.set_user_attr(f"test/{key}", value)
+    trial.set_user_attr("test_loss", results.get("test", {}).get("loss"))
+    objective = results.get("best_val_loss", math.inf)
+    if diverged is not None or not math.isfinite(objective):
+        trial.set_user_attr("fail_reason", f"diverged: {diverged or 'no finite validation loss'}")
+        return math.nan
+    return objective
+
+
+def duplicate_of(study: optuna.Study, number: int, config_id: int) -> int | None:
+    """The trial that evaluates ``config_id`` instead of trial ``number``, if any.
+
+    That is one already complete or failed with a reason, or an earlier-numbered one waiting or running: of several
+    enqueued copies exactly the lowest-numbered live one runs, whatever the order in which workers pop them.
+    """
+    for other in study.get_trials(deepcopy=False):
+        if other.number == number or other.user_attrs.get("config_id") != config_id:
+            continue
+        done = other.state == TrialState.COMPLETE or (other.state == TrialState.FAIL and "fail_reason" in other.user_attrs)
+        if done or (other.state in (TrialState.WAITING, TrialState.RUNNING) and other.number < number):
+            return other.number
+    return None
+
+
+def is_lost(trial: optuna.trial.FrozenTrial) -> bool:
+    """A planned trial that ended without a result and through no choice of the user: its worker was killed or
+    crashed (not a diverged trial, a skipped duplicate or a Ctrl-C)."""
+    attrs = trial.user_attrs
+    return (trial.state == TrialState.FAIL and "config_id" in attrs
+            and not {"fail_reason", "interrupted", "skipped"} & set(attrs))
+
+
+def study_counts(study: optuna.Study) -> dict[str, Any]:
+    """The planned trials by outcome: ``complete`` and ``failed`` (with a ``fail_reason``: diverged, or lost too
+    often) trials, counts of ``lost`` attempts and of ``waiting`` and ``running`` trials, and all ``trials``."""
+    trials = study.get_trials(deepcopy=False)
+    planned = [t for t in trials if "config_id" in t.user_attrs]
+    return {
+        "complete": [t for t in planned if t.state == TrialState.COMPLETE],
+        "failed": [t for t in planned if t.state == TrialState.FAIL and "fail_reason" in t.user_attrs],
+        "lost": sum(map(is_lost, planned)),
+        "waiting": sum(t.state == TrialState.WAITING for t in planned),
+        "running": sum(t.state == TrialState.RUNNING for t in planned),
+        "trials": trials,
+    }

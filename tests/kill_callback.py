@@ -1,0 +1,19 @@
+"""A Lightning callback that SIGKILLs its own process when the model's learning rate is the given one: a trial
+whose every attempt is killed, as an out-of-memory kill would (``--trainer.callbacks+=kill_callback.KillAtLearningRate
+--trainer.callbacks.lr=0.002``; the tests folder on ``PYTHONPATH``)."""
+from __future__ import annotations
+
+import math
+import os
+import signal
+
+from lightning.pytorch.callbacks import Callback
+
+
+class KillAtLearningRate(Callback):
+    def __init__(self, lr: float) -> None:
+        self.lr = lr
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if math.isclose(pl_module.lr, self.lr):
+            os.kill(os.getpid(), signal.SIGKILL)
