@@ -35,7 +35,7 @@ from mtmoe.pack.train import PackTrainer, PackTrial, TrialResult, memory_per_tri
 from mtmoe.run import build_run
 from mtmoe.tuning.space import SearchSpace
 from mtmoe.tuning.objective import TrialInterrupted, cli_args, duplicate_of, record_result, study_counts, suggest
-from mtmoe.tuning.storage import has_heartbeat, heartbeat_settings, record_heartbeat
+from mtmoe.tuning.storage import heartbeat_settings, record_heartbeat
 
 #: Settings each trial of a pack may have its own value of (besides a gate's ``scalar_hyperparameters``).
 PER_TRIAL_KEYS = frozenset({"model.lr", "model.adam_eps", "model.alpha", "model.perm_epochs", "model.zeta",
@@ -60,9 +60,7 @@ class Heartbeats:
     trials a pack runs at once."""
 
     def __init__(self, storage: Any) -> None:
-        # a study's RDB storage sits behind Optuna's cache, which records heartbeats when the RDB does
-        rdb = getattr(storage, "_backend", storage)
-        self.storage = rdb if has_heartbeat(rdb) else storage
+        self.storage = storage
         self.ids, self.lock, self.stopped = set(), threading.Lock(), threading.Event()
         self.thread = threading.Thread(target=self._beat, daemon=True)
         self.thread.start()

@@ -158,8 +158,10 @@ def open_storage(url: str | None):
 
 
 def has_heartbeat(storage: Any) -> bool:
-    """RDB storages (SQLite, PostgreSQL) record Optuna's heartbeats; JournalStorage records :data:`HEARTBEAT_ATTR`."""
-    return isinstance(storage, optuna.storages.RDBStorage) and storage.get_heartbeat_interval() is not None
+    """RDB storages (SQLite, PostgreSQL) record Optuna's heartbeats; JournalStorage records :data:`HEARTBEAT_ATTR`.
+    A study's RDB storage sits behind Optuna's cache (``study._storage``), which passes heartbeats on."""
+    backend = getattr(storage, "_backend", storage)
+    return isinstance(backend, optuna.storages.RDBStorage) and backend.get_heartbeat_interval() is not None
 
 
 def record_heartbeat(storage: Any, trial_id: int) -> None:
