@@ -45,6 +45,7 @@ from optuna.trial import TrialState
 
 from mtmoe.errors import UsageError
 from mtmoe.run import build_run, translate_shortcuts
+from mtmoe.run_settings import dataset_info, resolve_dataset_settings
 from mtmoe.tuning.space import SearchSpace, load_space
 from mtmoe.tuning.storage import (
     STUDIES_DIR,
@@ -415,6 +416,7 @@ def check_overrides(space: SearchSpace, configurations: list[dict], overrides: l
                 "or pass --model.perm_epochs"
             )
         plain = run.cli.parser.parse_args(translate_shortcuts(cli_args(space, params, [], seed, Path(scratch))))
+        resolve_dataset_settings(plain.model, dataset_info(plain.data))  # the values in force, as run.config's
     given, default = _flat_config(run.config), _flat_config(plain)
     settings = {key: given.get(key) for key in sorted(set(given) | set(default))
                 if not _neutral(key) and given.get(key) != default.get(key)}
