@@ -29,6 +29,16 @@ def dropout_mask(like: Tensor, p: float) -> Tensor:
     return keep.to(like.dtype).mul_(1.0 / (1.0 - p))
 
 
+def autocast_bias(bias: Tensor) -> Tensor:
+    """``bias`` in autocast's dtype when autocast is on (a no-op otherwise).
+
+    ``F.linear`` under autocast casts its bias itself; vmap's batching rule for a trial pack (matmul, then add)
+    does not, and the add would promote the layer's whole bf16 output back to float32.
+    """
+    device = bias.device.type
+    return bias.to(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else bias
+
+
 class DenseExperts(nn.Module):
     """n experts, each ``Dense(units) -> ReLU -> Dropout(p)``; ``[B, in] -> [B, n, units]``.
 
@@ -45,7 +55,7 @@ class DenseExperts(nn.Module):
         self.linear = nn.Linear(in_features, n_experts * units)
 
     def forward(self, x: Tensor) -> Tensor:
-        h = self.linear(x).relu_()
+        h = F.linear(x, self.linear.weight, autocast_bias(self.linear.bias)).relu_()
         if self.training and self.dropout > 0:
             h = h * dropout_mask(h, self.dropout)
         return h.view(-1, self.n_experts, self.units)

@@ -18,7 +18,7 @@ import torch
 from torch.func import functional_call, vmap
 
 from mtmoe.dataset_info import DatasetInfo, TaskSpec
-from mtmoe.experts import DenseExperts
+from mtmoe.experts import DenseExperts, dropout_mask
 from mtmoe.gates import gate_class, list_gates
 from mtmoe.lit.module import MultiTaskMoE
 from mtmoe.losses import multitask_loss
@@ -166,6 +166,32 @@ def test_dropout_masks_are_drawn_per_trial() -> None:
     assert not torch.equal(kept[0], kept[1]) and not torch.equal(kept[1], kept[2])
     fractions = kept.float().sum(dim=(1, 2, 3)) / active.sum()
     assert torch.allclose(fractions, torch.full((P,), 0.5), atol=0.01)
+
+
+@pytest.mark.parametrize("p", [0.5, 0.2])
+def test_dropout_mask_is_inverted_dropout(p: float) -> None:
+    """Each value is 0 or itself / (1 - p), kept with probability 1 - p; the gradient flows through kept values."""
+    torch.manual_seed(0)
+    h = torch.rand(512, 1024, requires_grad=True)
+    out = h * dropout_mask(h, p)
+    kept = out != 0
+    assert torch.equal(out[kept], h[kept] * (1.0 / (1.0 - p)))
+    assert abs(kept.float().mean().item() - (1 - p)) < 0.005
+    out.sum().backward()
+    assert torch.equal(h.grad, kept.float() * (1.0 / (1.0 - p)))
+
+
+def test_packed_experts_stay_in_bf16_under_autocast() -> None:
+    """A pack's expert layer under bf16 autocast returns bf16, as the unpacked layer does: vmap's linear (matmul,
+    then add) would otherwise promote the output to float32 through the float32 bias."""
+    experts = DenseExperts(8, 64, 5, dropout=0.5).train()
+    params = {key: value.detach().expand(P, *value.shape) for key, value in experts.named_parameters()}
+    x = torch.randn(32, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        alone = experts(x)
+        packed = vmap(lambda params, x: functional_call(experts, params, (x,)), in_dims=(0, None),
+                      randomness="different")(params, x)
+    assert alone.dtype == packed.dtype == torch.bfloat16
 
 
 def test_packed_adam_equals_torch_adam_per_trial() -> None:
