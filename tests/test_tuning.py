@@ -117,6 +117,20 @@ def wait_for_running(storage, name: str, proc: subprocess.Popen, tmp: Path, log:
     pytest.fail("no trial was caught running")
 
 
+def interrupt_while_running(args: list[str], tmp: Path, root: Path, storage, name: str,
+                            min_age: float = 1.5) -> tuple[int, str, optuna.trial.FrozenTrial]:
+    """Start ``tune``, press Ctrl-C once a trial runs: its exit code, stderr and the trial caught running."""
+    proc = start_tune(args, tmp, root, "first")
+    try:
+        target = wait_for_running(storage, name, proc, tmp, "first", min_age=min_age)
+        os.kill(proc.pid, signal.SIGINT)
+        code = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return code, (tmp / "first.err").read_text(), target
+
+
 @pytest.fixture(autouse=True)
 def one_torch_thread():
     """Tiny models train 2-3x faster with one intra-op thread on a busy machine; restored afterwards."""
@@ -529,15 +543,7 @@ def test_ctrl_c_stops_cleanly_and_the_rerun_resumes(root_and_tmp) -> None:
     url = f"sqlite:///{tmp / 'int.db'}"
     optuna.storages.RDBStorage(url)  # the schema exists before the worker starts (no create race with the poller)
     args = tune_args(url, root, tmp / "runs", *SLOW, trials=2, name="int")
-    proc = start_tune(args, tmp, root, "first")
-    try:
-        target = wait_for_running(url, "int", proc, tmp, "first")
-        os.kill(proc.pid, signal.SIGINT)
-        code = proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    err = (tmp / "first.err").read_text()
+    code, err, target = interrupt_while_running(args, tmp, root, url, "int")
     assert code == 130, err
     assert "Traceback" not in err, err
     assert err.strip().splitlines()[-1].startswith("error: interrupted"), err

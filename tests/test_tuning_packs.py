@@ -14,7 +14,8 @@ import pytest
 from optuna.trial import TrialState
 
 from conftest import run_cli
-from test_tuning import assert_each_config_once, run_tune, start_tune, trials_of, tune_args, wait_for_running
+from test_tuning import (assert_each_config_once, interrupt_while_running, run_tune, start_tune, trials_of, tune_args,
+                         wait_for_running)
 
 FAST = ["--trainer.max_epochs=3", "--data.batch_size=64", "--model.expert_dropout=0"]
 # a pack that stays RUNNING for a while: 3 epochs of ~140 steps of 8 rows
@@ -73,15 +74,7 @@ def test_ctrl_c_fails_the_packs_trials_and_the_rerun_resumes(root_and_tmp) -> No
     url = f"sqlite:///{tmp / 'int.db'}"
     optuna.storages.RDBStorage(url)
     args = tune_args(url, root, tmp / "runs", *SLOW, "--pack", "3", trials=4, name="int")
-    proc = start_tune(args, tmp, root, "first")
-    try:
-        wait_for_running(url, "int", proc, tmp, "first", min_age=3)
-        os.kill(proc.pid, signal.SIGINT)
-        code = proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    err = (tmp / "first.err").read_text()
+    code, err, _ = interrupt_while_running(args, tmp, root, url, "int", min_age=3)
     assert code == 130 and "Traceback" not in err, err
     trials = trials_of(url, "int")
     interrupted = [t for t in trials if t.state == TrialState.FAIL]
