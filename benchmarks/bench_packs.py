@@ -4,6 +4,7 @@
     MTMOE_DATA=../shared/data python benchmarks/bench_packs.py --gates comet,topk,softmax,comet+ --packs 1,4,16,64 \\
         --device cuda --study 64x5 --study-pack auto                               # a GPU
     MTMOE_DATA=../shared/data python benchmarks/bench_packs.py --precision bf16-mixed --bf16-check 4
+    MTMOE_DATA=../shared/data python benchmarks/bench_packs.py --packs 1 --floor
 
 1. **Trial-epochs per hour.** Today's path is one Lightning ``fit`` of one configuration (``build_run(...).fit()``,
    what an unpacked ``tune`` trial runs); its rate is 3600 / (the second epoch's time, training and validation).
@@ -19,6 +20,8 @@
    dropout draws differ): their means and a paired t-test.
 4. **bf16** (``--bf16-check P``): the same P configurations trained for ``--epochs`` epochs in fp32, in fp32 with
    other seeds (seed noise) and in bf16-mixed; mean absolute difference of their test losses.
+5. **The matmul floor** (``--floor``): the expert layer's three matmuls (forward and the two gradients) of one
+   MovieLens step, timed alone in fp32 and in bf16, times the steps of an epoch: what no trial-epoch can undercut.
 
 Prints Markdown tables and writes them with a JSON copy to ``benchmarks/out/packs.{md,json}``.
 """
@@ -98,6 +101,22 @@ def packed_epoch_seconds(runs_args: list[list[str]], accelerator: str, precision
     return stamps[2] - stamps[1], per_trial
 
 
+def expert_matmul_floor(precision: str, steps: int, repeats: int = 20) -> float:
+    """Seconds per trial-epoch of the expert layer's three matmuls alone (forward, the two gradients) at MovieLens'
+    shape ([512, 256] x [256, 16 x 256]) in ``precision``: no trial trains faster on this device's matmul kernel."""
+    dtype = torch.bfloat16 if precision == "bf16-mixed" else torch.float32
+    x, w, g = (torch.randn(*shape).to(dtype) for shape in ((512, 256), (256, 4096), (512, 4096)))
+
+    def step() -> None:
+        x @ w, g @ w.T, x.T @ g
+
+    step()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        step()
+    return (time.perf_counter() - start) / repeats * steps
+
+
 def test_losses(runs_args: list[list[str]], accelerator: str, precision: str) -> list[float]:
     from mtmoe.pack.train import PackTrainer, PackTrial
     from mtmoe.run import build_run
@@ -142,6 +161,7 @@ def main() -> None:
     parser.add_argument("--study-pack", default="auto", help="--pack of the packed study")
     parser.add_argument("--bf16-check", type=int, default=0, help="P configurations to compare bf16 with fp32")
     parser.add_argument("--epochs", type=int, default=2, help="epochs of the bf16 check")
+    parser.add_argument("--floor", action="store_true", help="the expert matmuls' time per trial-epoch (CPU)")
     args = parser.parse_args()
     accelerator = "gpu" if args.device == "cuda" else "cpu"
     where = torch.cuda.get_device_name() if args.device == "cuda" else \
@@ -200,6 +220,17 @@ def main() -> None:
         tables += ["", f"{gate}, {args.bf16_check} configurations x {args.epochs} epochs: mean |test loss bf16 - fp32| "
                    f"{gap * 100:.3f} x1e-2, against {seed_gap * 100:.3f} x1e-2 between two seeds in fp32 "
                    f"(bf16 pack: {bf16_s:.0f} s)"]
+        print(tables[-1], flush=True)
+    if args.floor:
+        from mtmoe.run import build_run
+
+        data = build_run(configurations("comet", 1, 1)[0]).datamodule
+        data.setup("fit")
+        steps = -(-len(next(iter(data.splits["train"].values()))) // data.batch_size)
+        floors = {precision: expert_matmul_floor(precision, steps) for precision in ("32", "bf16-mixed")}
+        rows.append({"floor_steps": steps, "floor_s": floors})
+        tables += ["", f"Floor: the expert layer's three matmuls alone take {floors['32']:.2f} s per trial-epoch in "
+                   f"fp32 and {floors['bf16-mixed']:.2f} s in bf16 ({steps} training steps)"]
         print(tables[-1], flush=True)
     OUT.mkdir(exist_ok=True)
     write_atomic("\n".join(tables) + "\n", OUT / "packs.md")
