@@ -20,7 +20,6 @@ import json
 import math
 import os
 import socket
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -35,7 +34,7 @@ from mtmoe.pack.train import PackTrainer, PackTrial, TrialResult, memory_per_tri
 from mtmoe.run import build_run
 from mtmoe.tuning.space import SearchSpace
 from mtmoe.tuning.objective import TrialInterrupted, cli_args, duplicate_of, record_result, study_counts, suggest
-from mtmoe.tuning.storage import heartbeat_settings, record_heartbeat
+from mtmoe.tuning.storage import Heartbeats
 
 #: Settings each trial of a pack may have its own value of (besides a gate's ``scalar_hyperparameters``).
 PER_TRIAL_KEYS = frozenset({"model.lr", "model.adam_eps", "model.alpha", "model.perm_epochs", "model.zeta",
@@ -52,40 +51,6 @@ def pack_key(space: SearchSpace, params: dict[str, Any]) -> str:
     scalars = {f"model.gate.{name}" for name in gate_class(space.gate.removesuffix("+")).scalar_hyperparameters}
     shared = {k: v for k, v in {**space.fixed, **params}.items() if k not in PER_TRIAL_KEYS | scalars}
     return json.dumps(shared, sort_keys=True, default=str)
-
-
-class Heartbeats:
-    """Records a heartbeat for every trial in ``ids`` every interval (a daemon thread), in any storage
-    (:func:`mtmoe.tuning.storage.record_heartbeat`): what ``optimize`` does for its one trial, for the several
-    trials a pack runs at once."""
-
-    def __init__(self, storage: Any) -> None:
-        self.storage = storage
-        self.ids, self.lock, self.stopped = set(), threading.Lock(), threading.Event()
-        self.thread = threading.Thread(target=self._beat, daemon=True)
-        self.thread.start()
-
-    def add(self, trial_id: int) -> None:
-        with self.lock:
-            self.ids.add(trial_id)
-        record_heartbeat(self.storage, trial_id)
-
-    def remove(self, trial_id: int) -> None:
-        with self.lock:
-            self.ids.discard(trial_id)
-
-    def _beat(self) -> None:
-        while not self.stopped.wait(heartbeat_settings()[0]):
-            with self.lock:
-                ids = list(self.ids)
-            for trial_id in ids:
-                try:
-                    record_heartbeat(self.storage, trial_id)
-                except optuna.exceptions.UpdateFinishedTrialError:  # failed as stale meanwhile
-                    self.remove(trial_id)
-
-    def stop(self) -> None:
-        self.stopped.set()
 
 
 class PackWorker:

@@ -172,6 +172,41 @@ def record_heartbeat(storage: Any, trial_id: int) -> None:
         storage.set_trial_user_attr(trial_id, HEARTBEAT_ATTR, time.time())
 
 
+class Heartbeats:
+    """Records a heartbeat for every trial in ``ids`` now and every interval (a daemon thread), in any storage
+    (:func:`record_heartbeat`): what ``optimize`` does for its one trial, for the several trials a pack runs at once;
+    a trial failed as stale meanwhile is dropped."""
+
+    def __init__(self, storage: Any) -> None:
+        self.storage = storage
+        self.ids, self.lock, self.stopped = set(), threading.Lock(), threading.Event()
+        self.thread = threading.Thread(target=self._beat, daemon=True)
+        self.thread.start()
+
+    def add(self, trial_id: int) -> None:
+        with self.lock:
+            self.ids.add(trial_id)
+        record_heartbeat(self.storage, trial_id)
+
+    def remove(self, trial_id: int) -> None:
+        with self.lock:
+            self.ids.discard(trial_id)
+
+    def _beat(self) -> None:
+        while not self.stopped.wait(heartbeat_settings()[0]):
+            with self.lock:
+                ids = list(self.ids)
+            for trial_id in ids:
+                try:
+                    record_heartbeat(self.storage, trial_id)
+                except optuna.exceptions.UpdateFinishedTrialError:  # failed as stale meanwhile
+                    self.remove(trial_id)
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.thread.join()
+
+
 @contextmanager
 def beating(storage: Any, trial_id: int) -> Iterator[None]:
     """Record ``trial_id``'s heartbeat now and every interval while the block runs, where Optuna's ``optimize``
@@ -179,23 +214,12 @@ def beating(storage: Any, trial_id: int) -> Iterator[None]:
     if has_heartbeat(storage):
         yield
         return
-    record_heartbeat(storage, trial_id)
-    stopped = threading.Event()
-
-    def beat() -> None:
-        while not stopped.wait(heartbeat_settings()[0]):
-            try:
-                record_heartbeat(storage, trial_id)
-            except optuna.exceptions.UpdateFinishedTrialError:  # failed as stale meanwhile: nothing to keep alive
-                return
-
-    thread = threading.Thread(target=beat, daemon=True)
-    thread.start()
+    heartbeats = Heartbeats(storage)
+    heartbeats.add(trial_id)
     try:
         yield
     finally:
-        stopped.set()
-        thread.join()
+        heartbeats.stop()
 
 
 def fail_stale_trials(study: optuna.Study, alive: Callable[[FrozenTrial], bool] = lambda trial: False) -> None:
