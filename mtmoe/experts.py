@@ -14,19 +14,16 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from mtmoe.errors import UsageError
+from mtmoe.random import Stream
 
 
-def dropout_mask(like: Tensor, p: float) -> Tensor:
-    """Inverted-dropout multiplier for ``like``: ``1/(1-p)`` with probability 1 - p, else 0.
-
-    Each 64-bit random draw yields four 16-bit uniforms, compared with ``p`` quantised to 1/65536 (exact for
-    p = 0.5). On CPU, ``nn.Dropout``'s ``bernoulli_`` on the MovieLens expert layer ([512, 4096]) costs more than
-    the layer's matmul; this mask costs a few percent of it.
-    """
-    n = like.numel()
-    bits = torch.randint(-(2**63), 2**63 - 1, (-(-n // 4),), device=like.device).view(torch.int16)[:n]
-    keep = bits.view(like.shape) >= round(p * 65536) - 32768
-    return keep.to(like.dtype).mul_(1.0 / (1.0 - p))
+def dropout(h: Tensor, p: float, training: bool, stream: Stream | None) -> Tensor:
+    """Inverted dropout of ``h`` in training, with the mask drawn from the trial's ``stream`` (``mtmoe.random``)."""
+    if not training or p == 0:
+        return h
+    if stream is None:
+        raise ValueError("dropout in training draws from the model's random stream: pass stream=")
+    return stream.dropout(h, p)
 
 
 def autocast_bias(bias: Tensor) -> Tensor:
@@ -42,8 +39,7 @@ def autocast_bias(bias: Tensor) -> Tensor:
 class DenseExperts(nn.Module):
     """n experts, each ``Dense(units) -> ReLU -> Dropout(p)``; ``[B, in] -> [B, n, units]``.
 
-    Dropout multiplies by a bit-sampled mask (:func:`dropout_mask`): the semantics of ``nn.Dropout``, at a
-    fraction of its cost on CPU.
+    Dropout is ``nn.Dropout``'s inverted dropout with the mask drawn from the trial's random stream (:func:`dropout`).
     """
 
     def __init__(self, in_features: int, units: int, n_experts: int, dropout: float = 0.5) -> None:
@@ -54,11 +50,9 @@ class DenseExperts(nn.Module):
         self.out_features = units
         self.linear = nn.Linear(in_features, n_experts * units)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, stream: Stream | None = None) -> Tensor:
         h = F.linear(x, self.linear.weight, autocast_bias(self.linear.bias)).relu_()
-        if self.training and self.dropout > 0:
-            h = h * dropout_mask(h, self.dropout)
-        return h.view(-1, self.n_experts, self.units)
+        return dropout(h, self.dropout, self.training, stream).view(-1, self.n_experts, self.units)
 
     @torch.no_grad()
     def keras_init_(self) -> None:
@@ -112,7 +106,7 @@ class ConvExperts(nn.Module):
     Each expert is, per ``(kernel, filters)`` of ``conv_layers``, ``Conv(kernel, 'valid') -> ReLU -> MaxPool(2)``
     (Keras' defaults: stride-2 pooling that drops an odd last row/column), then flatten, then ``dense_layers`` times
     ``Dense(units) -> ReLU``; ``d`` is ``units``, or the flattened size without dense layers (CelebA). S1.2 names no
-    dropout for the image experts; ``dropout > 0`` applies :func:`dropout_mask` to the output as
+    dropout for the image experts; ``dropout > 0`` applies :func:`dropout` to the output as
     :class:`DenseExperts` does.
 
     All experts run at once: the first convolution is one ``Conv2d(C, n * filters)`` (every expert reads the same
@@ -150,7 +144,7 @@ class ConvExperts(nn.Module):
         self.dense = nn.ModuleList(GroupedLinear(n_experts, a, b) for a, b in zip(sizes, sizes[1:]))
         self.out_features = sizes[-1]
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, stream: Stream | None = None) -> Tensor:
         h = x
         for conv in self.convs:
             # max-pooling before the ReLU: the same values and gradients (max commutes with the monotone ReLU), the
@@ -159,9 +153,7 @@ class ConvExperts(nn.Module):
         h = h.reshape(h.shape[0], self.n_experts, self.flat_features)
         for dense in self.dense:
             h = dense(h).relu_()
-        if self.training and self.dropout > 0:
-            h = h * dropout_mask(h, self.dropout)
-        return h
+        return dropout(h, self.dropout, self.training, stream)
 
     @staticmethod
     def _layout(weight: Tensor) -> Tensor:

@@ -9,6 +9,7 @@ no such row contributes 0.
 """
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 from torch.nn import functional as F
 
@@ -50,7 +51,7 @@ def task_loss(task: TaskSpec, prediction: Tensor, batch: dict[str, Tensor]) -> t
     """Mean loss of one task over the rows it sees, and the number of those rows (a tensor)."""
     losses = row_losses(task, prediction, batch[task.name])
     if not task.masked:
-        return losses.mean(), losses.new_tensor(losses.shape[0])
+        return losses.mean(), torch.full((), losses.shape[0], dtype=torch.long, device=losses.device)
     mask = batch[f"{task.name}_mask"]
     count = mask.sum()
     return losses.where(mask, 0.0).sum() / count.clamp_min(1), count

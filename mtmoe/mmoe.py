@@ -4,6 +4,11 @@
 
 ``h`` is the shared bottom, the experts are shared by all tasks, and each task has its own gate of the same type.
 A plain ``nn.Module``: it knows nothing of Lightning, losses or metrics.
+
+Random draws in training (dropout, sampling gates) come from the model's own counter-based stream
+(:class:`mtmoe.random.Stream`): keyed by its ``seed`` buffer (the run's seed by default) and its ``step`` buffer (the
+training forward passes so far), a function of nothing else, so a trial draws the same whether it trains alone or in
+a pack, and a resumed run draws what the uninterrupted one draws.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ from mtmoe.errors import UsageError
 from mtmoe.experts import ConvExperts, DenseExperts, EmbeddingBottom, ImageBottom, Tower
 from mtmoe.gates.base import Gate, GateDims, GateOutput, RoutingInput, no_plus_variant
 from mtmoe.permutation import LocalSearch
+from mtmoe.random import Stream
 
 GateFactory = Callable[[GateDims], Gate]
 
@@ -43,7 +49,8 @@ class MMoE(nn.Module):
     ``h`` flattened (the concatenated embeddings for recommenders, the raw image for vision: official
     ``main_model.py``) and also sees the batch's stable sample ids and the experts' outputs. With
     ``local_search``, the gates' weights are permuted before they reach the experts (the "+" variants); a gate's
-    ``output_scale`` (SparseMixer's omega) multiplies its task's mixture element-wise.
+    ``output_scale`` (SparseMixer's omega) multiplies its task's mixture element-wise. ``seed`` keys the random
+    stream (default: ``torch.initial_seed()``, the run's seed).
     """
 
     def __init__(
@@ -53,6 +60,7 @@ class MMoE(nn.Module):
         gates: list[Gate],
         towers: list[nn.Module],
         local_search: LocalSearch | None = None,
+        seed: int | None = None,
     ) -> None:
         super().__init__()
         if len(gates) != len(towers):
@@ -63,9 +71,16 @@ class MMoE(nn.Module):
             raise no_plus_variant(name)
         self.gates, self.towers = nn.ModuleList(gates), nn.ModuleList(towers)
         self.local_search = local_search
+        seed = torch.initial_seed() if seed is None else seed
+        self.register_buffer("seed", torch.tensor(seed % 2**63, dtype=torch.long))
+        self.register_buffer("step", torch.zeros((), dtype=torch.long))
 
     def forward(self, batch: dict[str, Tensor]) -> MMoEOutput:
-        expert_outputs, gate_outputs = self.route(batch)
+        stream = None
+        if self.training:
+            stream = Stream(self.seed, self.step.clone())
+            self.step.add_(1)
+        expert_outputs, gate_outputs = self.route(batch, stream)
         weights = torch.stack([g.weights for g in gate_outputs], dim=1)  # [B, T, n]
         local_search_aux = None
         if self.local_search is not None:
@@ -75,12 +90,15 @@ class MMoE(nn.Module):
         scales = [gate_output.output_scale for gate_output in gate_outputs]
         return MMoEOutput(self.mix(expert_outputs, weights, scales), gate_outputs, local_search_aux)
 
-    def route(self, batch: dict[str, Tensor]) -> tuple[Tensor, list[GateOutput]]:
-        """The experts' outputs ``[B, n, ...]`` and every task gate's output, before local search."""
+    def route(self, batch: dict[str, Tensor], stream: Stream | None = None) -> tuple[Tensor, list[GateOutput]]:
+        """The experts' outputs ``[B, n, ...]`` and every task gate's output, before local search; ``stream`` (in
+        training) gives the experts and each task gate draws of their own."""
         h = self.bottom(batch)
-        expert_outputs = self.experts(h)  # [B, n, d]
-        routing = RoutingInput(x=h.flatten(1), sample_id=batch.get("sample_id"), expert_outputs=expert_outputs)
-        return expert_outputs, [gate(routing) for gate in self.gates]
+        expert_outputs = self.experts(h, None if stream is None else stream.child(0))  # [B, n, d]
+        return expert_outputs, [
+            gate(RoutingInput(x=h.flatten(1), sample_id=batch.get("sample_id"), expert_outputs=expert_outputs,
+                              stream=None if stream is None else stream.child(1 + t)))
+            for t, gate in enumerate(self.gates)]
 
     def mix(self, expert_outputs: Tensor, weights: Tensor, output_scales: list[Tensor | None]) -> list[Tensor]:
         """Each task's prediction from the experts' outputs and the (permuted) weights ``[B, T, n]``."""

@@ -5,18 +5,23 @@ experts. During a learning window of the first ``E_perm`` epochs it is turned in
 in log space (eq. 8) with a temperature going log-linearly from 1e-3 to 1e-7 and iterations linearly from 20 to
 150 (§4.3); a row and column entropy penalty (coefficient zeta) discourages fractional blocks. At the end of the
 window the last soft matrix is rounded to a hard permutation by linear assignment (eq. 5) and frozen: from then
-on training is exactly the base gate with re-indexed experts (a cached matrix, no Sinkhorn, no assignment solve).
-Evaluation always uses the rounded matrix, also inside the window (the official code's behaviour; ``eval_rounded``
-False evaluates with the current soft matrix instead).
+on training is exactly the base gate with re-indexed experts (a gather of the weights). Evaluation always uses the
+rounded matrix, also inside the window (the official code's behaviour; ``eval_rounded`` False evaluates with the
+current soft matrix instead).
 
 Convention (the official code's): weights are row vectors and ``w' = w P``, so gate slot ``i`` feeds expert
 ``col_ind[i]`` of the assignment. Permuting the weights by P is the same as permuting the experts (Section 4.1).
-The permuted weights are rescaled to the gate's own row sum: that is the official ``normalise`` for the simplex
+The permuted weights are rescaled to the gate's own row sums: that is the official ``normalise`` for the simplex
 gates (Softmax, Top-k, Hash-r, COMET) and keeps DSelect-k's un-normalised sum, so no gate needs code of its own.
 
-State (step counter, window length, last soft matrix, rounded matrix) lives in buffers, so it is checkpointed:
-resuming inside the window continues the schedules; resuming after it keeps the same permutation. The step counts
-training forward passes (micro-batches under gradient accumulation), as the official code does.
+State (step counter, window length, last soft matrix, rounded matrix) lives in device buffers, so it is
+checkpointed, and a training step reads nothing on the host: the schedule, the window test and the choice between
+the soft and the rounded matrix are tensor operations, so the step runs unchanged for a pack of trials each at its
+own point of its own window (``torch.func.vmap``) and inside a CUDA graph. The one host computation, the linear
+assignment, happens between steps: the training loop calls :meth:`LocalSearch.round_` (or
+:func:`round_to_permutations` on many trials' matrices at once) before the step that ends the window and before
+evaluating inside it (:meth:`LocalSearch.rounding_due` says when). The step counts training forward passes
+(micro-batches), as the official code does, and stops at the window's end.
 """
 from __future__ import annotations
 
@@ -27,17 +32,17 @@ import torch
 from scipy.optimize import linear_sum_assignment
 from torch import Tensor, nn
 
-from mtmoe.counters import HostCounters
 from mtmoe.errors import UsageError
-from mtmoe.sinkhorn import sinkhorn, sinkhorn_and_penalty
+from mtmoe.scalars import ScalarSettings
+from mtmoe.sinkhorn import sinkhorn_and_penalty
 
 TAU_START, TAU_END = 1e-3, 1e-7
 ITERATIONS_START, ITERATIONS_END = 20, 150
 
 
 def round_to_permutation(p: Tensor) -> Tensor | None:
-    """Nearest permutation matrix by linear assignment (eq. 5): ``linear_sum_assignment(-P)``, ``I[col_ind]``;
-    ``None`` for a matrix with non-finite entries (a diverged run: there is nothing to round)."""
+    """Nearest permutation matrices by linear assignment (eq. 5): ``linear_sum_assignment(-P)``, ``I[col_ind]``, for
+    ``p`` ``[m, n, n]``; ``None`` for matrices with non-finite entries (a diverged run: there is nothing to round)."""
     matrices = p.detach().double().cpu().numpy()
     if not np.isfinite(matrices).all():
         return None
@@ -48,21 +53,33 @@ def round_to_permutation(p: Tensor) -> Tensor | None:
     return out
 
 
-def schedule(step: int, window: int) -> tuple[float, int]:
-    """(tau, R) at a step of the window: tau log-linear 1e-3 -> 1e-7, R = int(20 + 130 t / T) (§3.3)."""
-    fraction = min(step / max(window, 1), 1.0)
-    tau = 10 ** (math.log10(TAU_START) + (math.log10(TAU_END) - math.log10(TAU_START)) * fraction)
-    return tau, int(ITERATIONS_START + (ITERATIONS_END - ITERATIONS_START) * fraction)
+def round_to_permutations(soft: Tensor, rounded: Tensor) -> Tensor:
+    """The rounding of each trial's latest soft matrices ``soft [..., m, n, n]`` (one transfer to the host for all),
+    or its previous ``rounded`` where it has none yet (all zeros: before its first training step) or a non-finite
+    one (a diverged trial keeps its last rounding)."""
+    host = soft.detach().cpu()
+    out = rounded.detach().cpu().clone()
+    for index in np.ndindex(*host.shape[:-3]):
+        if host[index].any() and (new := round_to_permutation(host[index])) is not None:
+            out[index] = new.to(out.dtype)
+    return out.to(rounded.device)
+
+
+def schedule(step: Tensor, window: Tensor) -> tuple[Tensor, Tensor]:
+    """(tau, R) at a step of the window, as tensors: tau log-linear 1e-3 -> 1e-7 (float64), R = int(20 + 130 t / T)
+    (int64), clamped at the window's end (§3.3)."""
+    fraction = (step.double() / window.clamp_min(1).double()).clamp(max=1.0)
+    log_tau = math.log10(TAU_START) + (math.log10(TAU_END) - math.log10(TAU_START)) * fraction
+    iterations = ITERATIONS_START + (ITERATIONS_END - ITERATIONS_START) * fraction
+    return torch.pow(10.0, log_tau), iterations.long()
 
 
 def _refresh_rounded_index(search: LocalSearch, incompatible_keys) -> None:
     search.rounded_index.copy_(search.rounded.argmax(-2))
 
 
-class LocalSearch(HostCounters):
+class LocalSearch(ScalarSettings):
     """Learned expert permutation for ``n_tasks`` task gates (shared by default; ``per_task`` gives one each).
-
-    The counters ``step``, ``window`` and ``rounded_at`` stay on the CPU (:class:`mtmoe.counters.HostCounters`).
 
     Args:
         n_experts: n.
@@ -71,9 +88,13 @@ class LocalSearch(HostCounters):
         zeta: coefficient of the row/column entropy penalty (paper: 1e-4; Table 1: 1e-5).
         per_task: one permutation per task gate instead of one shared by all (the official code shares one).
         eval_rounded: evaluate with the rounded permutation inside the window (official); False: the soft one.
+
+    ``may_search`` (default True) is a promise the training loop may make on the host: False says the window of
+    every trial run through this module is over, and the forward pass is then the rounded matrix's gather alone
+    (the same values, without computing the soft branch that the window test would discard).
     """
 
-    host_buffers = ("step", "window", "rounded_at")
+    scalar_names = ("zeta",)
 
     def __init__(
         self,
@@ -89,96 +110,97 @@ class LocalSearch(HostCounters):
             raise UsageError(f"perm_epochs must be >= 1, got {epochs}")
         if zeta < 0:
             raise UsageError(f"zeta must be >= 0, got {zeta}")
-        self.n_experts, self.epochs, self.zeta = n_experts, epochs, float(zeta)
+        self.n_experts, self.epochs = n_experts, epochs
         self.per_task, self.eval_rounded = per_task, eval_rounded
+        self.may_search, self.window_set = True, False
+        self.set_scalars(zeta=zeta)
         m = n_tasks if per_task else 1
         self.log_weights = nn.Parameter(torch.empty(m, n_experts, n_experts).uniform_(-0.05, 0.05))
         self.register_buffer("step", torch.zeros((), dtype=torch.long))
         self.register_buffer("window", torch.zeros((), dtype=torch.long))  # E_perm * steps per epoch, set at fit
         self.register_buffer("soft", torch.zeros(m, n_experts, n_experts))  # latest soft matrix (zeros: none yet)
         self.register_buffer("rounded", torch.eye(n_experts).repeat(m, 1, 1))
-        self.register_buffer("rounded_at", torch.full((), -1, dtype=torch.long))  # step ``rounded`` belongs to
         # rounded.argmax(-2), so that w P = w[..., index]: derived from ``rounded``, not saved, refreshed on loading
         self.register_buffer("rounded_index", torch.arange(n_experts).repeat(m, 1), persistent=False)
         self.register_load_state_dict_post_hook(_refresh_rounded_index)
-        self.last_stats: dict[str, float] = {}
 
     def set_window(self, steps_per_epoch: int) -> None:
         self.window.fill_(self.epochs * steps_per_epoch)
+        self.window_set = True
 
     @property
     def frozen(self) -> bool:
-        """True once the window is over: the permutation is the cached rounded matrix for good."""
+        """True once the window is over (reads the counters on the host: for reports and tests)."""
         return int(self.window) > 0 and int(self.step) >= int(self.window)
 
-    def hard(self) -> Tensor:
-        """The rounded permutation of the latest soft matrix, solved once per training step (cached)."""
-        if int(self.rounded_at) != int(self.step):
-            rounded = round_to_permutation(self.soft) if self.soft.any() else None  # no soft matrix yet: identity
-            if rounded is not None:  # (a diverged, non-finite one keeps the last rounding)
-                self.rounded.copy_(rounded)
-                self.rounded_index.copy_(self.rounded.argmax(-2))
-            self.rounded_at.fill_(int(self.step))
-        return self.rounded
+    def rounding_due(self, training: bool) -> bool:
+        """Whether the next forward pass needs :meth:`round_` first (reads the counters on the host): a training step
+        that ends the window, or an evaluation inside the window with ``eval_rounded``."""
+        step, window = int(self.step), int(self.window)
+        return step + 1 == window if training else self.eval_rounded and 0 < step < window
 
-    def permutes_by_rounding(self) -> bool:
-        """Whether the next forward pass permutes by the rounded matrix alone (a gather that advances no schedule):
-        after the window, and in evaluation unless ``eval_rounded`` is off inside the window."""
-        if self.training:
-            return self.frozen
-        return self.eval_rounded or self.frozen or not self.soft.any()
-
-    def matrices(self) -> tuple[Tensor, Tensor | None]:
-        """The permutation matrices ``[m, n, n]`` for this forward pass (:meth:`hard`'s buffer itself when it is
-        the rounded one) and the entropy penalty (``None`` outside training steps of the window, or with zeta 0)."""
-        if self.permutes_by_rounding():
-            return self.hard(), None
-        if not self.training:
-            with torch.no_grad():
-                return sinkhorn(self.log_weights, *schedule(int(self.step), int(self.window))), None
-        if int(self.window) == 0:
-            raise RuntimeError("LocalSearch.set_window(steps_per_epoch) must be called before training")
-        self.step += 1
-        if int(self.step) >= int(self.window):  # transition: round the last soft matrix once and freeze it
-            return self.hard(), None
-        tau, iterations = schedule(int(self.step), int(self.window))
-        p, penalty = sinkhorn_and_penalty(self.log_weights, tau, iterations, self.zeta)
-        self.soft.copy_(p.detach())
-        self.last_stats = {"tau": tau, "iterations": float(iterations)}
-        return p, penalty if self.zeta > 0 else None
+    def round_(self) -> None:
+        """Round the latest soft matrix to the permutation the next forward passes use (eq. 5, on the host)."""
+        self.rounded.copy_(round_to_permutations(self.soft, self.rounded))
+        self.rounded_index.copy_(self.rounded.argmax(-2))
 
     def forward(self, weights: Tensor) -> tuple[Tensor, Tensor | None]:
-        """Permute all task gates' weights ``[B, T, n]`` at once: ``w P`` (per task ``w_t P_t`` with ``per_task``).
+        """Permute all task gates' weights ``[B, T, n]`` at once: ``w P`` (per task ``w_t P_t`` with ``per_task``), and
+        the entropy penalty (``None`` in evaluation).
 
-        With the rounded permutation that is a gather of the weights (exact, and the only added operation after the
-        window). With a soft matrix the product is rescaled to each gate's own row sums. Weights are non-negative
-        and every row of a Sinkhorn matrix sums to at least 1/n, so a row of ``w P`` sums to 0 only where ``w``'s
-        does: the 1e-30 added to the sum keeps such rows 0 (with zero gradient) and is below float32's precision
-        for any row of weights summing to more than ~1e-23.
+        Inside the window (training) P is the soft matrix of this step's schedule and the product is rescaled to each
+        gate's own row sums; weights are non-negative and every row of a Sinkhorn matrix sums to at least 1/n, so a
+        row of ``w P`` sums to 0 only where ``w``'s does: the 1e-30 added to the sum keeps such rows 0 (with zero
+        gradient) and is below float32's precision for any row of weights summing to more than ~1e-23. Outside it
+        P is the rounded matrix, applied as a gather of the weights (exact).
         """
-        p, penalty = self.matrices()
-        if p is self.rounded:
-            return weights.gather(-1, self.rounded_index.expand(weights.shape)), penalty
+        hard = weights.gather(-1, self.rounded_index.expand(weights.shape))
+        if not self.training:
+            if self.eval_rounded or not self.may_search:
+                return hard, None
+            searching = (self.step < self.window) & self.soft.any()
+            with torch.no_grad():
+                p, _ = sinkhorn_and_penalty(self.log_weights, *self._schedule(self.step, searching),
+                                            torch.zeros_like(self.zeta))
+            return torch.where(searching, self._apply_soft(weights, p), hard), None
+        if not self.window_set:
+            raise RuntimeError("LocalSearch.set_window(steps_per_epoch) must be called before training")
+        if not self.may_search:
+            return hard, weights.new_zeros(())
+        step = torch.where(self.step < self.window, self.step + 1, self.step)  # stops at the window's end
+        self.step.copy_(step)
+        searching = step < self.window
+        p, penalty = sinkhorn_and_penalty(self.log_weights, *self._schedule(step, searching), self.zeta)
+        self.soft.copy_(torch.where(searching, p.detach(), self.soft))
+        permuted = torch.where(searching, self._apply_soft(weights, p), hard)
+        return permuted, torch.where(searching, penalty, 0.0).to(weights.dtype)
+
+    def _schedule(self, step: Tensor, searching: Tensor) -> tuple[Tensor, Tensor]:
+        """tau and R of ``step``; one iteration where the soft matrix is not used (its value is discarded)."""
+        tau, iterations = schedule(step, self.window)
+        return tau, torch.where(searching, iterations, 1)
+
+    def _apply_soft(self, weights: Tensor, p: Tensor) -> Tensor:
         if self.per_task:
-            permuted = torch.bmm(weights.transpose(0, 1), p).transpose(0, 1)  # [T, B, n] x [T, n, n]
+            permuted = torch.bmm(weights.transpose(0, 1), p.to(weights.dtype)).transpose(0, 1)  # [T, B, n] x [T, n, n]
         else:
-            permuted = weights @ p[0]
-        scale = weights.sum(-1, keepdim=True) / (permuted.sum(-1, keepdim=True) + 1e-30)
-        return permuted * scale, penalty
+            permuted = weights @ p[0].to(weights.dtype)
+        return permuted * (weights.sum(-1, keepdim=True) / (permuted.sum(-1, keepdim=True) + 1e-30))
 
     def assignment(self) -> list[list[int]]:
         """Per permutation matrix: the expert each gate slot feeds (``col_ind``) under the rounded matrix."""
-        return self.hard().argmax(-1).tolist()
+        return self.rounded.argmax(-1).tolist()
 
     def statistics(self) -> dict[str, float]:
         """Distance of the soft matrix from its rounding, experts moved from the identity, and schedule position."""
-        hard = self.hard()
+        hard = self.rounded
         moved = (hard.argmax(-1) != torch.arange(self.n_experts, device=hard.device)).sum(-1).float().mean()
-        stats = {
+        tau, iterations = schedule(self.step, self.window)
+        return {
             "step": float(self.step),
             "frozen": float(self.frozen),
             "moved_experts": float(moved),
             "soft_to_rounded_max_abs": float((self.soft - hard).abs().max()) if self.soft.any() else 0.0,
+            "tau": float(tau),
+            "iterations": float(iterations),
         }
-        stats.update({k: float(v) for k, v in self.last_stats.items()})
-        return stats

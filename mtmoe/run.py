@@ -34,7 +34,7 @@ from typing import Any
 import lightning.pytorch as pl
 from jsonargparse import Namespace
 from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
@@ -45,9 +45,9 @@ from mtmoe.errors import TrainingDiverged, UsageError
 from mtmoe.files import write_atomic
 from mtmoe.gates import gate_class, list_gates
 from mtmoe.gates.base import no_plus_variant
-from mtmoe.lit.callbacks import RandomStates, RestoreBestWeights
 from mtmoe.lit.module import MultiTaskMoE
 from mtmoe.lit.outputs import AtomicCheckpointIO, RunCheckpoint, RunLogger, run_checkpoints
+from mtmoe.pack.engine import EarlyStopping
 from mtmoe.run_settings import (
     check_run_settings, dataset_info, disagreements, given_model_settings, read_checkpoint, resolve_dataset_settings,
 )
@@ -98,11 +98,8 @@ class MTMoECLI(LightningCLI):
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("data.info", "model.info", apply_on="instantiate")
-        parser.add_lightning_class_args(EarlyStopping, "early_stopping")
-        parser.set_defaults(
-            {"early_stopping.monitor": "val/loss", "early_stopping.patience": 25, "early_stopping.mode": "min"}
-        )
-        parser.add_lightning_class_args(RestoreBestWeights, "restore_best")
+        parser.add_class_arguments(EarlyStopping, "early_stopping", help="Early stopping on the validation loss, "
+                                   "Keras' EarlyStopping(patience, min_delta, restore_best_weights=True)")
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         self.named = {arg[2:].partition("=")[0] for arg in args if arg.startswith("--")}
@@ -158,7 +155,7 @@ class MTMoECLI(LightningCLI):
         cannot run (an accelerator, a device count, a precision) is one error line."""
         config = self._get(self.config_init, "trainer", default={})
         given = config.get("callbacks") or []
-        callbacks = [*(given if isinstance(given, list) else [given]), RandomStates()]
+        callbacks = [*(given if isinstance(given, list) else [given])]
         checkpointing = config.get("enable_checkpointing") is not False and self.subcommand in (None, "fit")
         if checkpointing and not any(isinstance(c, ModelCheckpoint) for c in callbacks):
             callbacks += run_checkpoints()
@@ -182,6 +179,7 @@ class MTMoECLI(LightningCLI):
                 f"perm_epochs={search.epochs} is longer than the run (--trainer.max_epochs={max_epochs}); "
                 "the permutation would never be rounded and frozen"
             )
+        model.stopping = self._get(self.config_init, "early_stopping")
         with self.run_folder():
             self.trainer.fit(model, datamodule=datamodule, **kwargs)
             self.trainer.test(model, datamodule=datamodule, verbose=False)
@@ -217,10 +215,7 @@ class MTMoECLI(LightningCLI):
     def fit_summary(self, model: MultiTaskMoE) -> dict[str, Any]:
         """What ``fit`` adds to the results: epochs, the best epoch (whose weights were tested, and validated at
         that epoch), the checkpoints, and why it diverged if it did."""
-        restore = next((c for c in self.trainer.callbacks if isinstance(c, RestoreBestWeights)), None)
-        summary: dict[str, Any] = {"epochs_run": self.trainer.current_epoch}
-        if restore is not None and restore.best_epoch >= 0:
-            summary.update(best_epoch=restore.best_epoch, best_val_loss=restore.best_score)
+        summary = {key: value for key, value in model.engine.summary(0).items() if key != "val"}
         paths = {c.kind: c.best_model_path for c in self.trainer.callbacks if isinstance(c, RunCheckpoint)}
         if any(paths.values()):
             summary["checkpoints"] = {kind: path for kind, path in paths.items() if path}

@@ -4,7 +4,8 @@
   filled in so that ``--print_config``, the run's ``config.yaml`` and its checkpoints show the values in force;
 * :func:`read_checkpoint`, :func:`given_model_settings` and :func:`disagreements`: ``--ckpt_path``'s checkpoint
   decides the model; the settings a user gave must agree with it;
-* :func:`check_run_settings`: settings Lightning accepts that make a command meaningless.
+* :func:`check_run_settings`: settings Lightning accepts that make a command meaningless, and the trainer settings
+  the training engine does not honour (:data:`UNSUPPORTED_TRAINER_SETTINGS`; the same list for ``fit`` and ``tune``).
 
 Each problem is a :class:`~mtmoe.errors.UsageError`: one line, exit code 2 at the command line.
 """
@@ -25,6 +26,24 @@ from mtmoe.lit.module import task_weights
 
 #: Model settings whose ``None`` stands for the dataset's value (Supplement S1.2; ``mtmoe.mmoe.build_mmoe``).
 DATASET_SETTINGS = ("n_experts", "embedding_dim", "expert_units", "tower_units", "expert_dropout")
+#: Trainer settings the training engine (``mtmoe.pack.engine``, for ``fit`` and every packed trial alike) does not
+#: honour, with the value that is honoured and why: each is refused in one line unless it has that value. Every other
+#: ``--trainer.*`` setting is honoured (the loop is Lightning's).
+UNSUPPORTED_TRAINER_SETTINGS = {
+    "fast_dev_run": (False, "use --trainer.limit_train_batches, limit_val_batches and limit_test_batches"),
+    "min_epochs": (None, "each trial stops by its own early stopping"),
+    "max_steps": (-1, "a trial's budget is --trainer.max_epochs"),
+    "min_steps": (None, "each trial stops by its own early stopping"),
+    "max_time": (None, "a trial's budget is --trainer.max_epochs"),
+    "overfit_batches": (0.0, "use --trainer.limit_train_batches"),
+    "val_check_interval": (None, "trials are validated at the end of epochs (--trainer.check_val_every_n_epoch)"),
+    "accumulate_grad_batches": (1, "the engine's step is one batch, one update (use --data.batch_size)"),
+    "gradient_clip_val": (None, "the paper's Adam has no clipping"),
+    "gradient_clip_algorithm": (None, "the paper's Adam has no clipping"),
+    "reload_dataloaders_every_n_epochs": (0, "the splits stay on the device"),
+    "plugins": (None, "the engine trains in precision 32 or bf16-mixed on one device"),
+}
+ENGINE_PRECISIONS = ("32", "32-true", "bf16-mixed")
 
 
 def import_class(path: str) -> type:
@@ -106,9 +125,21 @@ def read_checkpoint(path: str) -> dict[str, Any]:
     return checkpoint
 
 
+def check_trainer_settings(trainer: Namespace) -> None:
+    """The trainer settings the training engine cannot honour: one line naming the setting."""
+    for key, (honoured, why) in UNSUPPORTED_TRAINER_SETTINGS.items():
+        value = trainer.get(key, honoured)
+        if value != honoured and not (key == "val_check_interval" and value == 1.0):
+            raise UsageError(f"--trainer.{key} {value} is not supported by mtmoe's training engine: {why}")
+    if str(trainer.precision) not in (*ENGINE_PRECISIONS, "None"):
+        raise UsageError(f"--trainer.precision {trainer.precision} is not supported by mtmoe's training engine: "
+                         f"train in {' or '.join(ENGINE_PRECISIONS)}")
+
+
 def check_run_settings(config: Namespace, command: str | None) -> None:
-    """Settings that are valid for Lightning but make the command meaningless."""
+    """Settings that are valid for Lightning but make the command meaningless, or that the engine does not honour."""
     trainer = config.trainer
+    check_trainer_settings(trainer)
     if command in (None, "fit"):
         if trainer.max_epochs is not None and (trainer.max_epochs == 0 or trainer.max_epochs < -1):
             raise UsageError("--trainer.max_epochs must be >= 1 (or -1: until early stopping), "

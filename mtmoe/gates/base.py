@@ -7,7 +7,9 @@ globals, no side-channel losses). The routing input carries everything a router 
 * ``x`` -- the routing features ``[B, p]`` (concatenated embeddings for recommenders, the flattened image for vision);
 * ``sample_id`` -- a stable integer id per sample (user id, image index) for pre-assigned routing (Hash-r);
 * ``expert_outputs`` -- the experts' outputs ``[B, n, ...]`` for routers that compete on responses (CompeteSMoE);
-  MMoE computes experts densely before gating, so they are always available at no extra cost.
+  MMoE computes experts densely before gating, so they are always available at no extra cost;
+* ``stream`` -- in training, the gate's own random stream (:class:`mtmoe.random.Stream`): a router that samples
+  draws from it, never from torch's global generator, so its draws depend on the trial alone (trial packs).
 
 Batch-level routers (Expert Choice, USMoE) see the whole mini-batch through ``x``; a router that changes the
 backward pass (SparseMixer) does so inside its own ``forward`` with a custom autograd function, and a router with
@@ -28,6 +30,8 @@ import torch
 from torch import Tensor, nn
 
 from mtmoe.errors import UsageError
+from mtmoe.random import Stream
+from mtmoe.scalars import ScalarSettings
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,7 @@ class RoutingInput:
     x: Tensor
     sample_id: Tensor | None = None
     expert_outputs: Tensor | None = None
+    stream: Stream | None = None
 
 
 @dataclass
@@ -56,7 +61,7 @@ class GateOutput:
     output_scale: Tensor | None = None  # ``expert_shape``: multiplies this task's mixture (SparseMixer's omega)
 
 
-class Gate(nn.Module):
+class Gate(ScalarSettings):
     """Base class of every router. Subclasses set the capability flags and implement ``forward``.
 
     ``max_active`` returns the number of non-zero weights the gate guarantees per sample once trained to
@@ -83,10 +88,10 @@ class Gate(nn.Module):
     batch_dependent: bool = False
     #: Hyperparameters a search space may tune for this gate (names of ``__init__`` keyword arguments).
     hyperparameters: ClassVar[tuple[str, ...]] = ()
-    #: Float hyperparameters kept as attributes of the same name and used only in tensor arithmetic, so that the
-    #: trials of a pack (``mtmoe.pack``) may each have their own (a ``[P]`` tensor under ``vmap``); any other
-    #: argument that differs between two trials puts them in separate packs.
-    scalar_hyperparameters: ClassVar[tuple[str, ...]] = ()
+    #: Float hyperparameters kept as float64 buffers of the same name (:mod:`mtmoe.scalars`) and used only in tensor
+    #: arithmetic, so that the trials of a pack (``mtmoe.pack``) may each have their own; any other argument that
+    #: differs between two trials puts them in separate packs.
+    scalar_names: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, dims: GateDims) -> None:
         super().__init__()

@@ -23,6 +23,7 @@ from mtmoe.errors import UsageError
 from mtmoe.gates.base import Gate, GateDims, GateOutput, RoutingInput, check_gamma, resolve_k, safe_log
 from mtmoe.gates.registry import register_gate
 from mtmoe.gates.smooth_step import smooth_step
+from mtmoe.scalars import cast
 
 
 def leaf_paths(n: int) -> list[list[tuple[int, bool]]]:
@@ -52,7 +53,7 @@ def path_index(n: int) -> Tensor:
 @register_gate("comet")
 class COMETGate(Gate):
     hyperparameters = ("k", "gamma", "entropy_reg")
-    scalar_hyperparameters = ("gamma", "entropy_reg")
+    scalar_names = ("gamma", "entropy_reg")
 
     def __init__(
         self,
@@ -64,16 +65,16 @@ class COMETGate(Gate):
     ) -> None:
         super().__init__(dims)
         self.k = resolve_k(k, dims)
-        self.gamma = check_gamma(gamma)
+        gamma = check_gamma(gamma)
         if entropy_reg < 0:
             raise UsageError(f"entropy_reg must be >= 0, got {entropy_reg}")
-        self.entropy_reg = float(entropy_reg)
+        self.set_scalars(gamma=gamma, entropy_reg=entropy_reg)
         n, p = dims.n_experts, dims.in_features
         self.split = nn.Linear(p, (n - 1) * self.k, bias=split_bias)
         self.leaf = nn.Linear(p, n * self.k)
-        nn.init.uniform_(self.split.weight, -self.gamma / 100, self.gamma / 100)
+        nn.init.uniform_(self.split.weight, -gamma / 100, gamma / 100)
         if split_bias:
-            nn.init.uniform_(self.split.bias, -self.gamma / 100, self.gamma / 100)
+            nn.init.uniform_(self.split.bias, -gamma / 100, gamma / 100)
         nn.init.uniform_(self.leaf.weight, -0.05, 0.05)
         nn.init.uniform_(self.leaf.bias, -0.05, 0.05)
         self.register_buffer("paths", path_index(n), persistent=False)
@@ -99,6 +100,6 @@ class COMETGate(Gate):
         aux, stats = self.zero(weights), {}
         if self.training:
             entropy = -(v * torch.log(v + 1e-6)).sum(dim=(1, 2)).mean()
-            aux = self.entropy_reg * entropy
+            aux = cast(self.entropy_reg, entropy) * entropy
             stats["entropy"] = entropy.detach()
         return GateOutput(weights, aux, stats)

@@ -70,6 +70,7 @@ from mtmoe.gates.base import (
 from mtmoe.gates.losses import router_z_loss, switch_balance_loss
 from mtmoe.gates.registry import register_gate
 from mtmoe.gates.softmax import keras_dense
+from mtmoe.scalars import cast
 
 
 _MIX = 0x45D9F3B  # the multiplier of a well-tested 32-bit integer hash (products stay below 2^59 in int64)
@@ -111,7 +112,7 @@ class CompetitionGate(Gate):
     ) -> None:
         super().__init__(dims)
         self.k = resolve_k(k, dims)
-        self.competition_prob = check_probability("competition_prob", competition_prob)
+        self.set_scalars(competition_prob=check_probability("competition_prob", competition_prob))
         if distill not in ("paper", "code"):
             raise UsageError(f"distill must be 'paper' or 'code', got {distill!r}")
         self.distill, self.competition_output = distill, bool(competition_output)
@@ -171,7 +172,7 @@ class CompeteSMoEGate(CompetitionGate):
     """
 
     hyperparameters = ("k", "competition_prob", "router_loss_coef")
-    scalar_hyperparameters = ("competition_prob", "router_loss_coef")
+    scalar_names = ("competition_prob", "router_loss_coef")
 
     def __init__(
         self,
@@ -185,7 +186,7 @@ class CompeteSMoEGate(CompetitionGate):
     ) -> None:
         super().__init__(dims, k, competition_prob, distill, competition_output, seed)
         check_non_negative(router_loss_coef=router_loss_coef)
-        self.router_loss_coef = float(router_loss_coef)
+        self.set_scalars(router_loss_coef=router_loss_coef)
         self.router = keras_dense(dims.in_features, dims.n_experts)
 
     def affinity(self, outputs: Tensor) -> Tensor:
@@ -198,7 +199,7 @@ class CompeteSMoEGate(CompetitionGate):
                          winners: Tensor, outputs: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         prediction = router_weights if self.distill == "paper" else logits.softmax(dim=-1)
         loss = F.mse_loss(prediction, weights.detach())
-        return self.router_loss_coef * loss, {"router_loss": loss.detach()}
+        return cast(self.router_loss_coef, loss) * loss, {"router_loss": loss.detach()}
 
 
 @register_gate("competesmoe-v2")
@@ -210,7 +211,7 @@ class CompeteSMoEV2Gate(CompetitionGate):
     """
 
     hyperparameters = ("k", "competition_prob", "distill_coef", "winner_weight", "diversity_coef")
-    scalar_hyperparameters = ("competition_prob", "distill_coef", "winner_weight", "diversity_coef")
+    scalar_names = ("competition_prob", "distill_coef", "winner_weight", "diversity_coef")
 
     def __init__(
         self,
@@ -230,9 +231,8 @@ class CompeteSMoEV2Gate(CompetitionGate):
         super().__init__(dims, k, competition_prob, distill, competition_output, seed)
         check_non_negative(distill_coef=distill_coef, winner_weight=winner_weight, diversity_coef=diversity_coef,
                            balance_coef=balance_coef, z_loss_coef=z_loss_coef)
-        self.distill_coef, self.winner_weight = float(distill_coef), float(winner_weight)
-        self.diversity_coef, self.balance_coef, self.z_loss_coef = (
-            float(diversity_coef), float(balance_coef), float(z_loss_coef))
+        self.set_scalars(distill_coef=distill_coef, winner_weight=winner_weight, diversity_coef=diversity_coef)
+        self.balance_coef, self.z_loss_coef = float(balance_coef), float(z_loss_coef)
         self.warmup = check_probability("warmup", warmup)
         self.register_buffer("warmup_steps", torch.zeros((), dtype=torch.long))
         self.router = nn.Linear(dims.in_features, dims.n_experts, bias=False)
@@ -258,14 +258,14 @@ class CompeteSMoEV2Gate(CompetitionGate):
         if self.distill == "code":
             router_weights, target = logits.softmax(dim=-1), scores.detach().softmax(dim=-1)
         winners_error = (target - router_weights).gather(-1, winners).square().mean()
-        return F.mse_loss(router_weights, target) + self.winner_weight * winners_error
+        return F.mse_loss(router_weights, target) + cast(self.winner_weight, winners_error) * winners_error
 
     def competition_loss(self, logits: Tensor, router_weights: Tensor, weights: Tensor, scores: Tensor,
                          winners: Tensor, outputs: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         distill = self.distillation(logits, router_weights, weights.detach(), scores, winners)
         diversity = self.diversity(outputs, winners)
         stats = {"distill_loss": distill.detach(), "diversity_loss": diversity.detach()}
-        return self.distill_coef * distill + self.diversity_coef * diversity, stats
+        return cast(self.distill_coef, distill) * distill + cast(self.diversity_coef, diversity) * diversity, stats
 
     def diversity(self, outputs: Tensor, winners: Tensor) -> Tensor:
         """Eq. (2): mean over samples of the mean off-diagonal cosine similarity of the K winners' outputs."""

@@ -27,6 +27,7 @@ from mtmoe.errors import UsageError
 from mtmoe.gates.base import Gate, GateDims, GateOutput, RoutingInput, check_gamma, resolve_k
 from mtmoe.gates.registry import register_gate
 from mtmoe.gates.smooth_step import smooth_step
+from mtmoe.scalars import cast
 
 
 def binary_codes(n: int) -> Tensor:
@@ -38,7 +39,7 @@ def binary_codes(n: int) -> Tensor:
 @register_gate("dselect")
 class DSelectKGate(Gate):
     hyperparameters = ("k", "gamma", "entropy_reg")
-    scalar_hyperparameters = ("gamma", "entropy_reg", "zeta")
+    scalar_names = ("gamma", "entropy_reg", "zeta")
 
     def __init__(
         self,
@@ -51,20 +52,21 @@ class DSelectKGate(Gate):
     ) -> None:
         super().__init__(dims)
         self.k = resolve_k(k, dims)
-        self.gamma = check_gamma(gamma)
+        gamma = check_gamma(gamma)
         if entropy_reg < 0 or zeta < 0:
             raise UsageError(f"entropy_reg and zeta must be >= 0, got {entropy_reg} and {zeta}")
         if entropy_reduction not in ("mean", "sum"):
             raise UsageError(f"entropy_reduction must be 'mean' or 'sum', got {entropy_reduction!r}")
-        self.entropy_reg, self.entropy_reduction, self.zeta = float(entropy_reg), entropy_reduction, float(zeta)
+        self.entropy_reduction = entropy_reduction
+        self.set_scalars(gamma=gamma, entropy_reg=entropy_reg, zeta=zeta)
         codes = binary_codes(dims.n_experts)
         self.m = codes.shape[1]
         self.power_of_two = dims.n_experts == 2**self.m
         self.register_buffer("codes", codes, persistent=False)
         self.selector_logits = nn.Linear(dims.in_features, self.k * self.m)  # z^(j) = Z_j x + c_j
         self.selector_mix = nn.Linear(dims.in_features, self.k)  # sigma = softmax(Ax + a)
-        nn.init.uniform_(self.selector_logits.weight, -self.gamma / 100, self.gamma / 100)
-        nn.init.uniform_(self.selector_logits.bias, -self.gamma / 100, self.gamma / 100)
+        nn.init.uniform_(self.selector_logits.weight, -gamma / 100, gamma / 100)
+        nn.init.uniform_(self.selector_logits.bias, -gamma / 100, gamma / 100)
         nn.init.uniform_(self.selector_mix.weight, -0.05, 0.05)
         nn.init.uniform_(self.selector_mix.bias, -0.05, 0.05)
 
@@ -84,10 +86,10 @@ class DSelectKGate(Gate):
         if self.training:
             entropy = -(r * torch.log(r + 1e-6)).sum(dim=(1, 2))
             entropy = entropy.mean() if self.entropy_reduction == "mean" else entropy.sum()
-            aux = self.entropy_reg * entropy
+            aux = cast(self.entropy_reg, entropy) * entropy
             stats["entropy"] = entropy.detach()
             if not self.power_of_two:
                 penalty = (1.0 / (r.sum(dim=-1) + 1e-6)).sum()
-                aux = aux + self.zeta * penalty
+                aux = aux + cast(self.zeta, penalty) * penalty
                 stats["non_power_of_2_penalty"] = penalty.detach()
         return GateOutput(weights, aux, stats)

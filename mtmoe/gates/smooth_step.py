@@ -12,11 +12,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from mtmoe.scalars import cast
 
-def smooth_step(t: Tensor, gamma: float) -> Tensor:
-    half = gamma / 2.0
+
+def smooth_step(t: Tensor, gamma: Tensor | float) -> Tensor:
+    """``S_gamma(t)``; ``gamma`` a float or a 0-d float64 tensor (a trial's setting), the coefficients computed in
+    float64 and cast once to ``t``'s dtype."""
+    gamma = torch.as_tensor(gamma, dtype=torch.float64, device=t.device)
+    half = cast(gamma / 2.0, t)
     # The cubic is evaluated on t clamped to [-half, half]: torch.where back-propagates 0 * d(cubic)/dt into the
     # unused branch, and for huge |t| (> ~1.8e19 in float32, > ~256 in float16) t**3 overflows so 0 * inf = NaN.
-    inner = t.clamp(-half, half)
-    cubic = -2.0 / gamma**3 * inner**3 + 1.5 / gamma * inner + 0.5
+    inner = torch.minimum(torch.maximum(t, -half), half)
+    cubic = cast(-2.0 / gamma**3, t) * inner**3 + cast(1.5 / gamma, t) * inner + 0.5
     return torch.where(t <= -half, torch.zeros_like(t), torch.where(t >= half, torch.ones_like(t), cubic))

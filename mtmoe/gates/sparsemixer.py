@@ -25,8 +25,8 @@ Top-1 routing as in the paper. With router logits ``theta`` (a linear router wit
 Rows are not on the simplex (``simplex = False``): the single weight is ``pi_D`` (halved on mid-point steps).
 
 Adaptations to per-sample routing with one gate per task [A] (routing-methods.md §5.5): token becomes sample, each
-task gate has its own router and its own ``omega``; sampling uses the global torch generator (reproducible under
-``--seed_everything``, like dropout). ``top_k = 2`` goes beyond the paper: the second expert is drawn as in the
+task gate has its own router and its own ``omega``; sampling draws from the gate's own random stream
+(``RoutingInput.stream``: reproducible under ``--seed_everything``, like dropout, and the same alone or in a pack). ``top_k = 2`` goes beyond the paper: the second expert is drawn as in the
 authors' later ``sparsemixer_v2`` (GRIN): the first choice is removed, the mask is recomputed against the new
 maximum and the sampling repeats; the two weights are not renormalised. Unlike ``sparsemixer_v2``, which switches
 to a third-order (Heun) mix without the factor 2, both experts here use this paper's estimator and keep ``omega``.
@@ -42,6 +42,7 @@ from mtmoe.gates.base import Gate, GateDims, GateOutput, RoutingInput, check_non
 from mtmoe.gates.losses import switch_balance_loss
 from mtmoe.gates.registry import register_gate
 from mtmoe.gates.softmax import keras_dense
+from mtmoe.scalars import cast
 
 
 class SparseMixerWeight(torch.autograd.Function):
@@ -65,8 +66,9 @@ class SparseMixerWeight(torch.autograd.Function):
         return 2 * grad, None
 
 
-def sampling_mask(logits: Tensor, r: float) -> Tensor:
+def sampling_mask(logits: Tensor, r: Tensor | float) -> Tensor:
     """Eq. (9)'s ``Delta``: the experts Switch's jitter can still pick; ``-inf`` logits (removed choices) never."""
+    r = cast(torch.as_tensor(r, dtype=torch.float64, device=logits.device), logits)
     best = logits.max(dim=-1, keepdim=True).values
     return ((best - logits) <= r * (best.abs() + logits.abs())) & (logits > float("-inf"))
 
@@ -75,7 +77,7 @@ def sampling_mask(logits: Tensor, r: float) -> Tensor:
 class SparseMixerGate(Gate):
     simplex = False
     hyperparameters = ("midpoint_prob",)
-    scalar_hyperparameters = ("midpoint_prob", "jitter")
+    scalar_names = ("midpoint_prob", "jitter")
 
     def __init__(
         self,
@@ -90,8 +92,8 @@ class SparseMixerGate(Gate):
         if top_k not in (1, 2):
             raise UsageError(f"top_k must be 1 (the paper) or 2 (an extension), got {top_k}")
         check_non_negative(jitter=jitter, balance_coef=balance_coef)
-        self.top_k, self.jitter, self.balance_coef = top_k, float(jitter), float(balance_coef)
-        self.midpoint_prob = check_probability("midpoint_prob", midpoint_prob)
+        self.top_k, self.balance_coef = top_k, float(balance_coef)
+        self.set_scalars(midpoint_prob=check_probability("midpoint_prob", midpoint_prob), jitter=jitter)
         self.router = keras_dense(dims.in_features, dims.n_experts, bias=False)  # the mask is not shift-invariant
         if output_scale and not dims.expert_shape:
             raise UsageError("sparsemixer's output scale needs the experts' output shape (GateDims.expert_shape)")
@@ -110,9 +112,13 @@ class SparseMixerGate(Gate):
             probabilities = masked.softmax(dim=-1)
             best = masked.argmax(dim=-1, keepdim=True)
             if self.training:
-                gumbel = -torch.empty_like(masked).exponential_().log()
-                chosen = (masked + gumbel).masked_fill(~keep, float("-inf")).argmax(dim=-1, keepdim=True)
-                midpoint = (chosen != best) & (torch.rand_like(masked[:, :1]) < self.midpoint_prob)
+                if routing.stream is None:
+                    raise ValueError("SparseMixerGate samples in training from RoutingInput.stream")
+                draws = routing.stream.child(choice)
+                gumbel = -(-draws.child(0).uniform_open(masked.shape, masked.device).log()).log()  # -log(Exp(1))
+                chosen = (masked + gumbel.to(masked.dtype)).masked_fill(~keep, float("-inf")).argmax(dim=-1, keepdim=True)
+                coin = draws.child(1).uniform_open(best.shape, masked.device)
+                midpoint = (chosen != best) & (coin < self.midpoint_prob)
                 scale = 1.0 - 0.5 * midpoint.to(logits.dtype)
                 weight = SparseMixerWeight.apply(probabilities.gather(-1, chosen), scale)
             else:

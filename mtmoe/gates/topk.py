@@ -2,7 +2,8 @@
 
 The mask is built from the top-k *indices*, so a selected logit that is exactly 0 is kept (the official code's
 ``== 0.0`` mask drops it). Noisy top-k adds ``eps * softplus(W_noise x)`` to the logits in training; it is off by
-default because every official config sets ``jitter: false`` (the paper's Top-k is noiseless).
+default because every official config sets ``jitter: false`` (the paper's Top-k is noiseless); its standard normal
+noise comes from the gate's random stream (``RoutingInput.stream``).
 """
 from __future__ import annotations
 
@@ -29,6 +30,9 @@ class TopKGate(Gate):
     def forward(self, routing: RoutingInput) -> GateOutput:
         logits = self.logits(routing.x)
         if self.noise is not None and self.training:
-            logits = logits + torch.randn_like(logits) * torch.nn.functional.softplus(self.noise(routing.x))
+            if routing.stream is None:
+                raise ValueError("noisy TopKGate samples in training from RoutingInput.stream")
+            noise = routing.stream.normal(logits.shape, logits.device).to(logits.dtype)
+            logits = logits + noise * torch.nn.functional.softplus(self.noise(routing.x))
         weights, _ = topk_softmax(logits, self.k)
         return GateOutput(weights, self.zero(logits))

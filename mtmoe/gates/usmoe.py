@@ -34,6 +34,7 @@ from mtmoe.gates.base import Gate, GateDims, GateOutput, RoutingInput, check_pro
 from mtmoe.gates.expert_choice import check_eval_policy
 from mtmoe.gates.registry import register_gate
 from mtmoe.gates.softmax import keras_dense
+from mtmoe.scalars import cast
 
 
 @register_gate("usmoe")
@@ -41,7 +42,7 @@ class USMoEGate(Gate):
     simplex = False
     batch_dependent = True
     hyperparameters = ("k", "alpha", "rescale_expert_choice")
-    scalar_hyperparameters = ("alpha",)
+    scalar_names = ("alpha",)
 
     def __init__(
         self,
@@ -53,7 +54,7 @@ class USMoEGate(Gate):
     ) -> None:
         super().__init__(dims)
         self.k = resolve_budget(k, dims)
-        self.alpha = check_probability("alpha", alpha)
+        self.set_scalars(alpha=check_probability("alpha", alpha))
         self.rescale_expert_choice = bool(rescale_expert_choice)
         self.batch_dependent = check_eval_policy(eval_policy) == "batch"
         self.router = keras_dense(dims.in_features, dims.n_experts)
@@ -77,11 +78,13 @@ class USMoEGate(Gate):
         b = logits.shape[0]
         if self.training or self.batch_dependent:
             expert_choice = logits.softmax(dim=0) * self.expert_choice_scale(b)
-            unified = (self.alpha * expert_choice + (1 - self.alpha) * token_choice).flatten()
+            alpha, rest = cast(self.alpha, logits), cast(1 - self.alpha, logits)
+            unified = (alpha * expert_choice + rest * token_choice).flatten()
             values, index = unified.topk(self.budget(b))
             weights = torch.zeros_like(unified).scatter(0, index, values).view_as(logits)
         else:
-            unified = self.alpha * self.expert_choice_scale(1) + (1 - self.alpha) * token_choice
+            alpha, rest = cast(self.alpha, logits), cast(1 - self.alpha, logits)
+            unified = alpha * self.expert_choice_scale(1) + rest * token_choice
             values, index = unified.topk(self.max_active(), dim=-1)
             weights = torch.zeros_like(unified).scatter(-1, index, values)
         return GateOutput(weights, self.zero(logits))

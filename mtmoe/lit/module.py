@@ -1,46 +1,107 @@
-"""``MultiTaskMoE``: the LightningModule around :class:`mtmoe.mmoe.MMoE` (losses, metrics, optimiser).
+"""Lightning over the training engine (:mod:`mtmoe.pack.engine`): one loop for ``fit`` and for ``tune``'s packs.
 
-Loss (comet-protocol.md §5): ``sum_t w_t L_t + sum over task gates of their auxiliary losses`` where, for the
-recommenders, ``w = (alpha, 1 - alpha)`` over (BCE of task 1, MSE of task 2 on rated rows only, via the batch's
-explicit mask), and for the other datasets the tasks are equally weighted. Auxiliary losses exist only in training
-mode, so ``val/loss`` and ``test/loss`` are pure task losses (what early stopping and model selection read).
+:class:`EngineModule` is a LightningModule with manual optimisation whose training step is the engine's step
+(forward, backward and Adam of every slot, captured in a CUDA graph on a GPU), whose validation and test steps
+are the engine's evaluation, and whose epoch end applies the engine's per-trial rules (divergence, early stopping,
+best weights). Lightning keeps what it is good at: the loop, ``--trainer.*`` (``max_epochs``,
+``limit_{train,val,test}_batches``, ``check_val_every_n_epoch``, precision, accelerator, ...), callbacks, loggers,
+checkpoints and the progress bar.
 
-Two test-loss definitions are logged (comet-protocol.md §7.4): ``loss`` is the official code's batch-size-weighted
-mean of per-batch losses (masked MSE within each batch), ``loss_dataset`` uses dataset-level task losses.
-AUROC is exact (torchmetrics ``BinaryAUROC(thresholds=None)``); the official Keras ``AUC()`` is binned.
+* :class:`MultiTaskMoE` (``fit``, ``validate``, ``test``): one trial, built from the command line's model settings;
+  it logs every epoch's results, stops when its trial ends, and restores the best epoch's weights at the end of fit;
+  checkpoints hold the net's weights and the engine's state (Adam's moments, the trial's progress and best weights),
+  so a resumed run continues exactly.
+* :class:`PackModule` (``tune --pack P``): P slots filled from a trial source, each finished trial tested and handed
+  back to the source, its slot refilled at the epoch's end, until the source runs dry.
+
+The loss (comet-protocol.md §5): ``sum_t w_t L_t`` plus the gates' auxiliary losses in training; validation and test
+losses are pure task losses, and ``loss`` is the official code's batch-size-weighted mean of per-batch losses
+(``loss_dataset`` uses dataset-level task losses). AUROC is exact; the official Keras ``AUC()`` is binned.
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities import rank_zero_info
 import torch
-from torch import Tensor, nn
-from torchmetrics import MeanMetric, MeanSquaredError, MetricCollection
-from torchmetrics.classification import BinaryAccuracy, BinaryAUROC, MulticlassAccuracy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_info
+from torch import Tensor
 
-from mtmoe.dataset_info import DatasetInfo, TaskSpec
+from mtmoe.data.base import shuffled_order
+from mtmoe.dataset_info import DatasetInfo
 from mtmoe.errors import UsageError
 from mtmoe.gates.base import Gate, GateDims
-from mtmoe.lit.metrics import RoutingStats
-from mtmoe.losses import multitask_loss, task_rows, task_weights
-from mtmoe.mmoe import MMoE, MMoEOutput, build_mmoe
+from mtmoe.losses import task_weights
+from mtmoe.mmoe import MMoE, build_mmoe
+from mtmoe.pack.engine import EarlyStopping, PackEngine, Trial, TrialResult
 
-STAGES = ("train", "val", "test")
-
-
-def task_metrics(task: TaskSpec) -> MetricCollection:
-    if task.kind == "binary":
-        return MetricCollection({"auroc": BinaryAUROC(thresholds=None), "accuracy": BinaryAccuracy()})
-    if task.kind == "regression":
-        return MetricCollection({"mse": MeanSquaredError()})
-    return MetricCollection({"accuracy": MulticlassAccuracy(num_classes=task.n_classes, average="micro")})
+warnings.filterwarnings("ignore", message=r".*`configure_optimizers` returned `None`.*")
 
 
-class MultiTaskMoE(pl.LightningModule):
-    """A multi-gate MoE on one dataset with one gate type, trained with Adam at a constant learning rate.
+def scalars(stage: str, results: dict[str, Any]) -> dict[str, float]:
+    """``results`` as loggable scalars: ``stage/key``, a vector's entries as ``stage/key/i``."""
+    out = {}
+    for key, value in results.items():
+        for i, v in enumerate(value) if isinstance(value, list) else [(None, value)]:
+            out[f"{stage}/{key}" + ("" if i is None else f"/{i}")] = v
+    return out
+
+
+class EngineModule(pl.LightningModule):
+    """The hooks both drivers share; subclasses make :attr:`engine` and say what happens when trials end."""
+
+    engine: PackEngine | None = None
+    val_results: list[dict[str, Any]] | None = None
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def configure_optimizers(self) -> None:
+        return None  # the engine's PackedAdam updates every slot inside the training step
+
+    def on_train_start(self) -> None:
+        """The epoch's length is known now (``limit_train_batches`` applied): local search's windows and the
+        gates' warm-ups count in it."""
+        self.engine.set_steps_per_epoch(int(self.trainer.num_training_batches))
+
+    def on_train_epoch_start(self) -> None:
+        self.engine.start_epoch()
+        self.val_results = None
+
+    def on_validation_epoch_start(self) -> None:
+        self.engine.eval_metrics.reset()
+        self.engine.prepare_evaluation()
+
+    def on_test_epoch_start(self) -> None:
+        self.on_validation_epoch_start()
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        self.engine.eval_step(batch)
+
+    def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        self.engine.eval_step(batch)
+
+    def on_validation_epoch_end(self) -> None:
+        results = self.engine.eval_metrics.results()
+        if not self.trainer.sanity_checking:
+            self.val_results = results
+            self.evaluated("val", results)
+
+    def on_test_epoch_end(self) -> None:
+        self.evaluated("test", self.engine.eval_metrics.results())
+
+    def evaluated(self, stage: str, results: list[dict[str, Any]]) -> None:
+        """Every slot's results of a validation (``val``) or test (``test``) pass, as they are computed."""
+
+
+class MultiTaskMoE(EngineModule):
+    """A multi-gate MoE on one dataset with one gate type, trained with Adam at a constant learning rate: one trial
+    of the engine.
 
     Args:
         gate: the gate type, a callable ``GateDims -> Gate`` (on the command line: ``--gate comet`` or
@@ -48,8 +109,11 @@ class MultiTaskMoE(pl.LightningModule):
         info: the dataset's description, linked from the DataModule by the CLI.
         lr: Adam's learning rate.
         alpha: weight of task 1 for the two-task recommenders (paper: 0.1 and 0.9; default 0.9).
-        n_experts, embedding_dim, expert_units, tower_units, expert_dropout: architecture overrides
-            (``None``: the paper's value for the dataset, Supplement S1.2).
+        n_experts: experts (default: the paper's for the dataset, Supplement S1.2).
+        embedding_dim: user and item embedding size of the recommenders (default: the paper's).
+        expert_units: units of an expert's dense layer (default: the paper's).
+        tower_units: units of a task tower's hidden layer (default: the paper's).
+        expert_dropout: dropout after an expert (default: the paper's, 0.5 on the recommenders).
         keras_init: initialise bottom, experts and towers as Keras does (the official code); False: PyTorch's.
         adam_eps: Adam's epsilon; 1e-7 is Keras' default (the official code), 1e-8 PyTorch's.
         perm_epochs: E_perm, the permutation-learning window in epochs; set, it makes the "+" variant of the gate
@@ -57,6 +121,8 @@ class MultiTaskMoE(pl.LightningModule):
         zeta: the permutation's row/column entropy coefficient (paper: 1e-4; Table 1: 1e-5).
         perm_per_task: one permutation per task gate instead of one shared by all (the official code shares one).
         perm_eval_rounded: evaluate with the rounded permutation inside the window (official); False: soft.
+        cuda_graphs: on a GPU, capture the training step in a CUDA graph and replay it (the same results);
+            False runs it eagerly.
     """
 
     def __init__(
@@ -76,148 +142,101 @@ class MultiTaskMoE(pl.LightningModule):
         zeta: float = 1e-4,
         perm_per_task: bool = False,
         perm_eval_rounded: bool = True,
+        cuda_graphs: bool = True,
     ) -> None:
         super().__init__()
-        if gate is None:
-            raise UsageError("no gate chosen: pass --gate NAME (see `python -m mtmoe gates`)")
         if info is None:
             raise UsageError("no dataset description: pass --data NAME")
-        if not lr > 0:
-            raise UsageError(f"lr must be > 0, got {lr}")
-        if n_experts is not None and n_experts < 2:
-            raise UsageError(f"n_experts must be >= 2, got {n_experts}")
         # ``info`` is derived from the data (linked by the CLI), so checkpoints stay loadable with weights_only=True;
         # ``MultiTaskMoE.load_from_checkpoint(path, info=datamodule.info)`` rebuilds the model.
         self.save_hyperparameters(ignore=["info"], logger=False)
-        self.info, self.lr, self.adam_eps = info, lr, adam_eps
-        self.weights = task_weights(info, alpha)
-        local_search = (
-            None
-            if perm_epochs is None
-            else {"epochs": perm_epochs, "zeta": zeta, "per_task": perm_per_task, "eval_rounded": perm_eval_rounded}
-        )
-        self.net: MMoE = build_mmoe(
-            info, gate, n_experts, embedding_dim, expert_units, tower_units, expert_dropout, keras_init, local_search
-        )
-        n = self.net.experts.n_experts
-        for stage in STAGES:  # separate metric objects per split and task (torchmetrics' rule)
-            collections = {
-                task.name: MetricCollection(
-                    {**task_metrics(task), "loss": MeanMetric(), "routing": RoutingStats(n, self.net.gates[0].simplex)},
-                    compute_groups=False,
-                )
-                for task in info.tasks
-            }
-            setattr(self, f"{stage}_metrics", nn.ModuleDict(collections))
-            setattr(self, f"{stage}_batch_loss", MeanMetric())  # batch-size-weighted mean of batch losses
+        self.info, self.cuda_graphs = info, cuda_graphs
+        self.trial = build_trial(info, None, gate=gate, lr=lr, alpha=alpha, n_experts=n_experts,
+                                 embedding_dim=embedding_dim, expert_units=expert_units, tower_units=tower_units,
+                                 expert_dropout=expert_dropout, keras_init=keras_init, adam_eps=adam_eps,
+                                 perm_epochs=perm_epochs, zeta=zeta, perm_per_task=perm_per_task,
+                                 perm_eval_rounded=perm_eval_rounded)
+        self.net: MMoE = self.trial.net
+        self.stopping = EarlyStopping()  # the command line's --early_stopping.* (set by the CLI)
         self.last_results: dict[str, dict[str, float | list[float]]] = {}
-        self.diverged: str | None = None  # why, once a training or validation loss is NaN or infinite
-        self._transition_reported = False
+        self._engine_state: dict[str, Any] | None = None  # from a checkpoint, applied once the engine exists
+        self._frozen_reported = False
 
-    def forward(self, batch: dict[str, Tensor]) -> MMoEOutput:
+    @property
+    def diverged(self) -> str | None:
+        """Why the fit failed, once a training or validation loss was NaN or infinite."""
+        return self.trial.diverged
+
+    def forward(self, batch: dict[str, Tensor]):
         return self.net(batch)
 
-    def _step(self, batch: dict[str, Tensor], stage: str) -> Tensor:
-        output = self.net(batch)
-        batch_size = next(iter(batch.values())).shape[0]
-        loss, task_losses, counts = multitask_loss(self.info.tasks, self.weights, output.predictions, batch)
-        for task, prediction, gate_output, value, count in zip(
-            self.info.tasks, output.predictions, output.gates, task_losses, counts
-        ):
-            metrics = getattr(self, f"{stage}_metrics")[task.name]
-            metrics["loss"].update(value.detach(), count)
-            metrics["routing"].update(gate_output.weights)
-            if stage != "train":
-                prediction, target = task_rows(task, prediction, batch)  # the rows the task's metrics see
-                if task.kind == "binary":
-                    prediction = prediction.sigmoid()
-                    target = target.long()
-                for name, metric in metrics.items():
-                    if name not in ("loss", "routing") and target.shape[0] > 0:
-                        metric.update(prediction.detach(), target)
-        getattr(self, f"{stage}_batch_loss").update(loss.detach(), batch_size)
-        if stage == "train":
-            aux = output.aux_loss
-            self.log("train/aux_loss", aux, batch_size=batch_size, on_step=False, on_epoch=True)
-            return loss + aux
-        return loss
+    # ------------------------------------------------------------------------------------------- the engine
+    def _make_engine(self) -> None:
+        if self.engine is not None:
+            return
+        max_epochs = self.trainer.max_epochs
+        self.trial.max_epochs = max_epochs if max_epochs is not None and max_epochs > 0 else None
+        self.trial.patience, self.trial.min_delta = self.stopping.patience, self.stopping.min_delta
+        self.engine = PackEngine(self.net, self.info.tasks, 1, self.device, self.cuda_graphs)
+        self.engine.load(0, self.trial)
+        if self._engine_state is not None:
+            self.engine.load_state_dict(self._engine_state)
+            self._engine_state = None
 
-    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        return self._step(batch, "train")
+    def on_fit_start(self) -> None:
+        self._make_engine()
 
-    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
-        self._step(batch, "val")
+    def on_validation_start(self) -> None:
+        self._make_engine()
 
-    def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
-        self._step(batch, "test")
+    def on_test_start(self) -> None:
+        self._make_engine()
 
-    def epoch_results(self, stage: str) -> dict[str, float | list[float]]:
-        """Compute and reset the metrics ``stage``'s steps accumulated (vectors included): what reports show."""
-        batch_loss = getattr(self, f"{stage}_batch_loss")
-        results: dict[str, float | list[float]] = {"loss": float(batch_loss.compute())}
-        batch_loss.reset()
-        for task in self.info.tasks:
-            collection = getattr(self, f"{stage}_metrics")[task.name]
-            for name, metric in collection.items():
-                if metric.update_count == 0:
-                    continue
-                value = metric.compute()
-                for key, v in (value if isinstance(value, dict) else {name: value}).items():
-                    results[f"{task.name}/{key}"] = v.tolist() if v.numel() > 1 else float(v)
-            collection.reset()
-        results["loss_dataset"] = sum(w * results[f"{t.name}/loss"] for w, t in zip(self.weights, self.info.tasks))
-        return results
-
-    @torch.no_grad()
-    def evaluate(self, batches, stage: str) -> dict[str, float | list[float]]:
-        """``stage``'s results on ``batches`` in eval mode, without a Trainer (trial packs test this way)."""
-        self.eval()
-        for batch in batches:
-            self._step(batch, stage)
-        return self.epoch_results(stage)
-
-    def _log_epoch(self, stage: str) -> None:
-        """Compute, log and reset the epoch's metrics; keep val/test results for reports."""
-        results = self.epoch_results(stage)
-        if not math.isfinite(results["loss"]) and self.diverged is None and not self.trainer.sanity_checking:
-            self.diverged = f"{stage} loss {results['loss']} at epoch {self.current_epoch}"
-        scalars = {}
-        for key, value in results.items():
-            for i, v in enumerate(value) if isinstance(value, list) else [(None, value)]:
-                scalars[f"{stage}/{key}" + ("" if i is None else f"/{i}")] = v
-        self.log(f"{stage}/loss", scalars.pop(f"{stage}/loss"), prog_bar=True)
-        self.log_dict(scalars)
-        if stage != "train":
-            self.last_results[stage] = results
-
-    def on_train_start(self) -> None:
-        """Local search's window is E_perm epochs of the actual training loader (not a hard-coded step count);
-        gates with a schedule in fractions of the run learn its planned training forward passes."""
-        batches = int(self.trainer.num_training_batches)
-        if self.net.local_search is not None:
-            self.net.local_search.set_window(batches)
-        epochs = self.trainer.max_epochs
-        for gate in self.net.gates:
-            gate.set_training_steps(batches * epochs if epochs is not None and epochs > 0 else None)
-
-    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
+    # ------------------------------------------------------------------------------------------- training
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        self.engine.train_step({key: tensor.unsqueeze(0) for key, tensor in batch.items()})
         search = self.net.local_search
-        if search is not None and search.frozen and not self._transition_reported:
-            self._transition_reported = True
+        if search is not None and not self._frozen_reported and self.trial.steps >= self.trial.window:
+            self._frozen_reported = True
             stats = search.statistics()
-            rank_zero_info(
-                f"local search: permutation frozen at step {int(search.step)}, "
-                f"{stats['moved_experts']:.0f} experts moved from the identity; gate slot -> expert: "
-                f"{search.assignment()}"
-            )
+            rank_zero_info(f"local search: permutation frozen at step {self.trial.steps}, "
+                           f"{stats['moved_experts']:.0f} experts moved from the identity; gate slot -> expert: "
+                           f"{search.assignment()}")
+
+    def evaluated(self, stage: str, results: list[dict[str, Any]]) -> None:
+        self._log_results(stage, results[0])
+        if self.trainer.state.fn != TrainerFn.FITTING:  # validate, test: the results of these weights
+            self.last_results[stage] = results[0]
 
     def on_train_epoch_end(self) -> None:
-        self._log_epoch("train")
+        ended = self.engine.end_epoch(self.val_results)
+        record = self.trial.history[-1]
+        self._log_results("train", record["train"], prog_bar=False)
         if self.net.local_search is not None:
             self.log_dict({f"perm/{k}": v for k, v in self.net.local_search.statistics().items()})
+        if ended:
+            self.trainer.should_stop = True
 
+    def on_fit_end(self) -> None:
+        """The best epoch's weights back (Keras' ``restore_best_weights``) with that epoch's validation results:
+        ``fit`` then tests them."""
+        self.engine.restore_best(0)
+        summary = self.engine.summary(0)
+        if "val" in summary:
+            self.last_results["val"] = summary["val"]
+
+    def _log_results(self, stage: str, results: dict[str, Any], prog_bar: bool = True) -> None:
+        if self.trainer.sanity_checking:
+            return
+        logged = scalars(stage, results)
+        self.log(f"{stage}/loss", logged.pop(f"{stage}/loss"), prog_bar=prog_bar)
+        self.log_dict(logged)
+
+    # ------------------------------------------------------------------------------------------- checkpoints
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["dataset"] = self.info.name  # the model's shapes follow the dataset: checked on loading
+        if self.engine is not None:
+            checkpoint["engine"] = self.engine.state_dict()
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         """A checkpoint must be of this dataset and its permutation match this model's experts: say so in one
@@ -233,12 +252,125 @@ class MultiTaskMoE(pl.LightningModule):
                 f"the checkpoint holds permutations of shape {tuple(saved.shape)} but this model has {expected} "
                 "(check --gate, --model.n_experts and --model.perm_per_task)"
             )
+        self._engine_state = checkpoint.get("engine")
 
-    def on_validation_epoch_end(self) -> None:
-        self._log_epoch("val")
 
-    def on_test_epoch_end(self) -> None:
-        self._log_epoch("test")
+def build_trial(info: DatasetInfo, key: Any, gate: Callable[[GateDims], Gate] | None, lr: float = 1e-4,
+                alpha: float | None = None, n_experts: int | None = None, embedding_dim: int | None = None,
+                expert_units: int | None = None, tower_units: int | None = None, expert_dropout: float | None = None,
+                keras_init: bool = True, adam_eps: float = 1e-7, perm_epochs: int | None = None, zeta: float = 1e-4,
+                perm_per_task: bool = False, perm_eval_rounded: bool = True, data_seed: int = 0,
+                max_epochs: int | None = None, stopping: EarlyStopping = EarlyStopping()) -> Trial:
+    """A trial of the model settings :class:`MultiTaskMoE` takes (the one place they become a net and its training
+    settings), its net initialised from torch's global generator as it stands (seed it first)."""
+    if gate is None:
+        raise UsageError("no gate chosen: pass --gate NAME (see `python -m mtmoe gates`)")
+    if not lr > 0:
+        raise UsageError(f"lr must be > 0, got {lr}")
+    if n_experts is not None and n_experts < 2:
+        raise UsageError(f"n_experts must be >= 2, got {n_experts}")
+    weights = task_weights(info, alpha)
+    local_search = None if perm_epochs is None else {
+        "epochs": perm_epochs, "zeta": zeta, "per_task": perm_per_task, "eval_rounded": perm_eval_rounded}
+    net = build_mmoe(info, gate, n_experts, embedding_dim, expert_units, tower_units, expert_dropout, keras_init,
+                     local_search)
+    return Trial(key, net, tuple(weights), lr, adam_eps, data_seed, max_epochs, stopping.patience, stopping.min_delta)
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.Adam(self.parameters(), lr=self.lr, eps=self.adam_eps, fused=True)
+
+class PackBatches:
+    """Training batches of a pack: at step s every slot gets rows ``s*B .. (s+1)*B`` of its own trial's order for
+    its own epoch (:func:`mtmoe.data.base.shuffled_order` of its data seed), as ``[P, B, ...]`` tensors; an empty
+    slot gets the rows in order. The orders are drawn when an epoch starts, for the trials in the slots then."""
+
+    def __init__(self, module: PackModule) -> None:
+        self.module = module
+
+    def __len__(self) -> int:
+        return -(-self.module.n_train // self.module.batch_size)
+
+    def __iter__(self) -> Iterator[dict[str, Tensor]]:
+        module = self.module
+        split, n = module.splits["train"], module.n_train
+        orders = torch.stack([shuffled_order(n, trial.data_seed, trial.epochs_run) if trial is not None
+                              else torch.arange(n) for trial in module.engine.slots]).to(module.device)
+        for start in range(0, n, module.batch_size):
+            index = orders[:, start:start + module.batch_size]
+            yield {key: tensor[index] for key, tensor in split.items()}
+
+
+def eval_batches(split: dict[str, Tensor], size: int) -> list[dict[str, Tensor]]:
+    n = len(next(iter(split.values())))
+    return [{key: tensor[start:start + size] for key, tensor in split.items()} for start in range(0, n, size)]
+
+
+class PackModule(EngineModule):
+    """``tune --pack P``: trains the trials ``next_trial`` gives, P at a time, each slot refilled at the end of the
+    epoch its trial ended in; ``finished`` receives every trial's result (its test results those of its best
+    weights, on ``limit_test_batches`` of the test split), ``on_epoch`` the module after each epoch (progress).
+    Once ``next_trial`` has run dry the pack shrinks to its running trials, and the fit stops when none is left.
+
+    Args:
+        info: the dataset's description.
+        splits: the dataset's train/val/test tensors.
+        batch_size, eval_batch_size: as the DataModule's (shared by the pack).
+        capacity: P.
+        next_trial: the next trial to train (built on the CPU), or ``None`` when there is none.
+        cuda_graphs: as :class:`MultiTaskMoE`'s.
+    """
+
+    def __init__(self, info: DatasetInfo, splits: dict[str, dict[str, Tensor]], batch_size: int,
+                 eval_batch_size: int, capacity: int, next_trial: Callable[[], Trial | None],
+                 finished: Callable[[TrialResult], None], on_epoch: Callable[[PackModule], None] | None = None,
+                 cuda_graphs: bool = True) -> None:
+        super().__init__()
+        self.info, self.splits, self.capacity = info, splits, capacity
+        self.batch_size, self.eval_batch_size = batch_size, eval_batch_size
+        self.next_trial, self.finished, self.on_epoch = next_trial, finished, on_epoch
+        self.cuda_graphs, self.exhausted = cuda_graphs, False
+        self.n_train = len(next(iter(splits["train"].values())))
+
+    def train_dataloader(self) -> PackBatches:
+        return PackBatches(self)
+
+    def val_dataloader(self) -> list[dict[str, Tensor]]:
+        return eval_batches(self.splits["val"], self.eval_batch_size)
+
+    def test_batches(self) -> list[dict[str, Tensor]]:
+        """The test split's batches ``limit_test_batches`` keeps (Lightning's rule: a count, or a fraction)."""
+        batches = eval_batches(self.splits["test"], self.eval_batch_size)
+        limit = self.trainer.limit_test_batches
+        keep = min(len(batches), limit) if isinstance(limit, int) else max(1, int(len(batches) * limit))
+        return batches[:keep]
+
+    def on_fit_start(self) -> None:
+        self.splits = {name: {key: t.to(self.device) for key, t in split.items()} for name, split in self.splits.items()}
+        first = self.next_trial()
+        if first is None:
+            self.trainer.should_stop = True
+            return
+        self.engine = PackEngine(first.net, self.info.tasks, self.capacity, self.device, self.cuda_graphs)
+        self.engine.load(0, first)
+        self._refill()
+
+    def _refill(self) -> None:
+        for slot in self.engine.free_slots():
+            trial = None if self.exhausted else self.next_trial()
+            if trial is None:
+                self.exhausted = True
+                break
+            self.engine.load(slot, trial)
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        self.engine.train_step(batch)
+
+    def on_train_epoch_end(self) -> None:
+        ended = self.engine.end_epoch(self.val_results)
+        for result in self.engine.finish(ended, self.test_batches()) if ended else []:
+            self.finished(result)
+        self._refill()
+        if not self.engine.running:
+            self.trainer.should_stop = True
+        elif self.exhausted and self.engine.free_slots():
+            self.engine = self.engine.compacted()
+        if self.on_epoch is not None:
+            self.on_epoch(self)

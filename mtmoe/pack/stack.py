@@ -1,15 +1,16 @@
-"""P modules of one structure as one set of stacked tensors with a leading trial axis (horizontal fusion).
+"""P modules of one structure as stacked tensors with a leading trial axis (horizontal fusion, as HFTA does).
 
-Every parameter is one *stacked leaf* ``[P, *shape]`` (contiguous, so autograd writes its gradient once, in the
-parameter's own layout) and every buffer one stacked tensor ``[P, *shape]``; :meth:`TrialStack.tensors` lists both,
-and a per-trial operation (a best-weights snapshot, a refill) is one indexed copy per tensor.
+Parameters live in one flat ``[P, N]`` float32 tensor (``flat``), their gradients in another (``flat_grad``): each
+named parameter is a leaf tensor ``[P, *shape]`` that aliases its columns of ``flat``, with its ``.grad`` aliasing
+the same columns of ``flat_grad``, so autograd accumulates every gradient in place into one tensor and the
+optimiser updates all trials' parameters with a handful of element-wise operations on ``[P, N]``
+(:class:`mtmoe.pack.adam.PackedAdam`). Every buffer (counters, a gate's float64 settings, local search's state, ...)
+is one stacked tensor ``[P, *shape]``. A per-trial operation (a refill, a best-weights snapshot) is one indexed
+copy per tensor.
 
-The P original modules stay alive and usable: after :meth:`TrialStack.load`, trial p's module holds views of row
-p (parameters, which do not require grad) and of slot p of every stacked buffer, so its own methods (checkpoints,
-statistics, local search's host-side schedule, evaluation with the plain code path) see and change the packed
-state. Buffers listed in a module's ``host_buffers`` (:class:`mtmoe.counters.HostCounters`) are Python-side
-counters, and the buffers under the prefixes given as ``own`` belong to submodules the pack runs per trial (local
-search): both stay in each trial's module, unstacked (:meth:`TrialStack.own_buffers`).
+A trial's own module, once loaded, holds views of its slot (parameters that do not require grad, and buffers), so
+its own methods (statistics, checkpoints) see the packed state; :meth:`TrialStack.unload` gives it back tensors of
+its own (the best weights, say), after which refilling the slot cannot change it.
 """
 from __future__ import annotations
 
@@ -22,26 +23,37 @@ def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
     return (module.get_submodule(path) if path else module), leaf
 
 
-def host_buffer_names(module: nn.Module) -> set[str]:
-    """Qualified names of the buffers modules keep on the host as Python-side counters."""
-    return {f"{prefix}.{name}" if prefix else name
-            for prefix, sub in module.named_modules() for name in getattr(sub, "host_buffers", ())}
-
-
 class TrialStack:
     """Stacked parameters and buffers of ``capacity`` slots, each loadable from a module of the same structure."""
 
-    def __init__(self, example: nn.Module, capacity: int, device: torch.device | str, own: tuple[str, ...] = ()) -> None:
+    def __init__(self, example: nn.Module, capacity: int, device: torch.device | str) -> None:
         self.capacity, self.device = capacity, torch.device(device)
-        host = host_buffer_names(example)
-        self.shapes = {name: tuple(p.shape) for name, p in example.named_parameters()}
-        self.params = {name: torch.zeros(capacity, *p.shape, dtype=p.dtype, device=self.device).requires_grad_()
-                       for name, p in example.named_parameters()}
+        parameters = dict(example.named_parameters())
+        dtypes = {p.dtype for p in parameters.values()}
+        if len(dtypes) > 1:
+            raise ValueError(f"a pack stacks parameters of one dtype, got {sorted(map(str, dtypes))}")
+        self.shapes = {name: tuple(p.shape) for name, p in parameters.items()}
+        self.columns: dict[str, slice] = {}
+        start = 0
+        for name, p in parameters.items():
+            self.columns[name] = slice(start, start + p.numel())
+            start += p.numel()
+        dtype = dtypes.pop() if dtypes else torch.float32
+        self.flat = torch.zeros(capacity, start, dtype=dtype, device=self.device)
+        self.flat_grad = torch.zeros_like(self.flat)
+        self.params: dict[str, Tensor] = {}
+        for name, shape in self.shapes.items():
+            leaf = self._columns(self.flat, name).requires_grad_()
+            leaf.grad = self._columns(self.flat_grad, name)
+            self.params[name] = leaf
         self.buffers = {name: torch.zeros(capacity, *b.shape, dtype=b.dtype, device=self.device)
-                        for name, b in example.named_buffers() if name not in host and not name.startswith(own)}
+                        for name, b in example.named_buffers()}
+
+    def _columns(self, flat: Tensor, name: str) -> Tensor:
+        return flat[:, self.columns[name]].view(flat.shape[0], *self.shapes[name])
 
     def tensors(self) -> dict[str, Tensor]:
-        """Every stacked parameter (detached) and buffer, by name."""
+        """The trials' state by name: every parameter (detached) and buffer, ``[P, ...]`` each."""
         return {**{name: leaf.detach() for name, leaf in self.params.items()}, **self.buffers}
 
     @torch.no_grad()
@@ -59,25 +71,37 @@ class TrialStack:
             stacked[slot].copy_(owner._buffers[leaf])
             owner._buffers[leaf] = stacked[slot]
 
-    def own_buffers(self, module: nn.Module) -> dict[str, Tensor]:
-        """The buffers of a trial's module that are not stacked (host counters, per-trial submodules' state)."""
-        return {name: b for name, b in module.named_buffers() if name not in self.buffers}
-
-    def zero_grad(self) -> None:
-        for leaf in self.params.values():
-            leaf.grad = None
+    @torch.no_grad()
+    def unload(self, slot: int, module: nn.Module, state: dict[str, Tensor] | None = None) -> None:
+        """Give ``module`` tensors of its own again, with ``slot``'s values in ``state`` (default: the live stack)."""
+        state = self.tensors() if state is None else state
+        for name in self.params:
+            owner, leaf = _owner(module, name)
+            owner._parameters[leaf] = nn.Parameter(state[name][slot].clone(), requires_grad=True)
+        for name in self.buffers:
+            owner, leaf = _owner(module, name)
+            owner._buffers[leaf] = state[name][slot].clone()
 
     @torch.no_grad()
-    def snapshot(self, slots: Tensor, into: dict[str, Tensor] | None) -> dict[str, Tensor]:
-        """Copy the parameters and buffers of ``slots`` (a long tensor) into a snapshot of the whole stack
-        (created on first use): the best-weights store of early stopping."""
+    def snapshot(self, mask: Tensor, into: dict[str, Tensor] | None) -> dict[str, Tensor]:
+        """The state of the slots where ``mask [P]`` is true copied into a snapshot of the whole stack (created on
+        first use): the best-weights store of early stopping, one ``where`` per tensor."""
         if into is None:
-            into = {name: tensor.clone() for name, tensor in self.tensors().items()}
+            return {name: tensor.clone() for name, tensor in self.tensors().items()}
         for name, tensor in self.tensors().items():
-            into[name][slots] = tensor[slots]
+            keep = mask.view(-1, *(1,) * (tensor.dim() - 1))
+            into[name].copy_(torch.where(keep, tensor, into[name]))
         return into
 
     @torch.no_grad()
     def restore(self, slot: int, snapshot: dict[str, Tensor]) -> None:
         for name, tensor in self.tensors().items():
             tensor[slot] = snapshot[name][slot]
+
+    @torch.no_grad()
+    def take(self, other: TrialStack, slots: list[int]) -> None:
+        """The state of ``other``'s ``slots``, in that order (a pack shrunk to its running trials)."""
+        index = torch.tensor(slots, device=self.device)
+        self.flat.copy_(other.flat[index])
+        for name, tensor in self.buffers.items():
+            tensor.copy_(other.buffers[name][index])

@@ -1,6 +1,6 @@
 """One planned trial of a study: its configuration's ``fit`` arguments and planned values, whether another trial
-already evaluates it, the user attributes its results are recorded as, and the objective an unpacked worker runs;
-shared by the tune driver (:mod:`mtmoe.tuning.study`) and the trial-pack worker (:mod:`mtmoe.tuning.packs`)."""
+already evaluates it, and the user attributes its results are recorded as; shared by the tune driver
+(:mod:`mtmoe.tuning.study`) and its worker (:mod:`mtmoe.tuning.packs`)."""
 from __future__ import annotations
 
 import hashlib
@@ -59,39 +59,6 @@ def suggest(trial: optuna.Trial, key: str, distribution: optuna.distributions.Ba
     if isinstance(distribution, optuna.distributions.IntDistribution):
         return trial.suggest_int(key, distribution.low, distribution.high)
     return trial.suggest_float(key, distribution.low, distribution.high, log=distribution.log)
-
-
-class Objective:
-    """Trains one enqueued configuration and returns its validation objective."""
-
-    def __init__(self, space: SearchSpace, overrides: list[str], seed: int, log_dir: Path) -> None:
-        self.space, self.overrides, self.seed, self.log_dir = space, overrides, seed, log_dir
-
-    def __call__(self, trial: optuna.Trial) -> float:
-        trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
-        with beating(trial.study._storage, trial._trial_id):
-            return self._evaluate(trial)
-
-    def _evaluate(self, trial: optuna.Trial) -> float:
-        config_id = trial.user_attrs.get("config_id")
-        if config_id is None:  # the queue ran dry between this worker's check and its pop: not a planned trial
-            trial.set_user_attr("fail_reason", "no planned configuration left (stray trial, ignored)")
-            return math.nan  # failed, not pruned: dashboards leave a failed trial's empty parameters out of plots
-        params = {key: suggest(trial, key, distribution) for key, distribution in self.space.distributions.items()}
-        duplicate = duplicate_of(trial.study, trial.number, config_id)
-        if duplicate is not None:  # enqueued twice (concurrent tune starts, a retry racing a resume): run it once
-            trial.set_user_attr("skipped", f"config_id {config_id} is evaluated by trial {duplicate}")
-            raise optuna.TrialPruned()
-        seed = self.seed + int(config_id)
-        start = time.perf_counter()
-        try:
-            args = cli_args(self.space, params, self.overrides, seed, self.log_dir / f"config-{config_id:04d}")
-            run = build_run(args)
-            results = run.fit()
-        except (KeyboardInterrupt, SystemExit) as interrupt:  # Lightning answers Ctrl-C with sys.exit(1)
-            trial.set_user_attr("interrupted", True)  # not the configuration's fault: no lost attempt
-            raise TrialInterrupted(f"trial {trial.number} (config_id {config_id}) interrupted") from interrupt
-        return record_result(trial, seed, time.perf_counter() - start, results, run.model.diverged)
 
 
 def record_result(trial: optuna.Trial, seed: int, wall_time_s: float, results: dict, diverged: str | None) -> float:

@@ -1,26 +1,36 @@
-"""``tune --pack P``: a worker trains up to P of the study's planned configurations at once, as one packed model
-(:mod:`mtmoe.pack`), and tells each trial its own result.
+"""The tune worker: it trains the study's planned configurations ``--pack P`` at a time through the training engine
+(:class:`mtmoe.lit.module.PackModule` over :class:`mtmoe.pack.engine.PackEngine`, the engine ``fit`` runs), and
+tells each trial its own result. ``--pack 1`` trains one at a time, with the same engine.
 
-* **Same plan, same trials.** The worker claims enqueued (WAITING) trials one by one, as Optuna's ``ask`` pops them
-  (a trial moves to RUNNING only if it is still WAITING, so workers never share one), builds each with the run
-  builder from the same ``fit`` arguments and seed as an unpacked trial (``seed + config_id``), and records the
-  same user attributes (:func:`mtmoe.tuning.study.record_result`). Report, bootstrap and optuna-dashboard see
-  packed trials like any other.
+* **Same plan, same trials.** The worker claims enqueued (WAITING) trials one by one (a trial moves to RUNNING only
+  if it is still WAITING, so workers never share one) and builds each from its planned values and its seed
+  (``seed + config_id``) exactly as ``fit --seed_everything=seed`` with the same settings builds it; it records the
+  same user attributes (:func:`mtmoe.tuning.objective.record_result`), each epoch's validation loss as the trial's
+  intermediate value (optuna-dashboard's learning curves), and each trial's per-epoch log and results as
+  ``<log-dir>/config-NNNN/metrics.csv`` and ``results.json``.
+* **Values, not strings.** The settings trials share (dataset, structure, trainer options) are parsed once per
+  structure, by the run builder from the first trial's ``fit`` arguments (:class:`TrialFactory`); every trial after
+  it is its planned values applied to them, a net built and loaded into a slot: no command line, CLI or Trainer per
+  trial.
 * **Structure.** Trials share a pack only if they agree on everything but per-trial settings (learning rate, Adam's
-  epsilon, alpha, E_perm, zeta, epochs, patience and a gate's ``scalar_hyperparameters``): :func:`pack_key`. A
-  worker packs the structure of the first waiting trial, then the next structure, and so on.
-* **Refill.** A finished trial's slot takes the next waiting trial of the structure at the next epoch boundary.
-* **Faults.** Every running trial of the pack has its heartbeat recorded (RDB storages) and the worker's pid as
-  ``worker`` (all storages): a worker killed mid-pack leaves trials that the next ``tune`` fails and re-runs. Ctrl-C
-  fails the pack's running trials (re-run on resume) and stops the worker.
+  epsilon, alpha, E_perm, zeta, epochs, early stopping and a gate's ``scalar_names``): :func:`pack_key`. A worker
+  packs the structure of the first waiting trial, then the next structure, and so on.
+* **Refill.** A finished trial's slot takes the next waiting trial of the structure at the end of that epoch; at
+  each epoch the worker also fails the trials of workers that died or went silent (the heartbeat grace period) and
+  claims their configurations again, so a dead worker's trials come back within an epoch of a free slot.
+* **Faults.** Every running trial of the pack has its heartbeat recorded (every storage) and the worker's pid as
+  ``worker``: a worker killed mid-pack leaves trials that the next ``tune`` (or a live worker) fails and re-runs.
+  Ctrl-C or SIGTERM fails the pack's running trials as interrupted (re-run on resume) and stops the worker.
 """
 from __future__ import annotations
 
+import csv
 import json
 import math
 import os
 import socket
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -29,59 +39,107 @@ import torch
 from optuna.trial import TrialState
 
 from mtmoe.errors import UsageError
+from mtmoe.files import write_atomic
 from mtmoe.gates import gate_class
-from mtmoe.pack.train import PackTrainer, PackTrial, TrialResult, memory_per_trial
-from mtmoe.run import build_run
-from mtmoe.tuning.space import SearchSpace
+from mtmoe.lit.module import PackModule, build_trial
+from mtmoe.pack.engine import EarlyStopping, Trial, TrialResult
+from mtmoe.pack.memory import memory_per_trial
+from mtmoe.run import Run, build_run
+from mtmoe.run_settings import import_class
 from mtmoe.tuning.objective import TrialInterrupted, cli_args, duplicate_of, record_result, study_counts, suggest
-from mtmoe.tuning.storage import Heartbeats
+from mtmoe.tuning.space import SearchSpace
+from mtmoe.tuning.storage import Heartbeats, heartbeat_settings
 
-#: Settings each trial of a pack may have its own value of (besides a gate's ``scalar_hyperparameters``).
+#: Settings each trial of a pack may have its own value of (besides a gate's ``scalar_names``).
 PER_TRIAL_KEYS = frozenset({"model.lr", "model.adam_eps", "model.alpha", "model.perm_epochs", "model.zeta",
-                            "trainer.max_epochs", "early_stopping.patience"})
-#: Trainer settings a pack honours; any other one that differs from its default needs ``--pack 1``.
-PACK_TRAINER_KEYS = frozenset({"accelerator", "devices", "precision", "max_epochs", "logger", "enable_progress_bar",
-                               "enable_model_summary", "enable_checkpointing", "default_root_dir", "callbacks",
-                               "log_every_n_steps", "deterministic", "benchmark"})
-PRECISIONS = {"32": "32", "32-true": "32", "bf16-mixed": "bf16-mixed"}
+                            "trainer.max_epochs", "early_stopping.patience", "early_stopping.min_delta"})
+#: Trainer settings of a pack: the pack runs until its trials end (each by its own max_epochs and early stopping),
+#: and each trial's log is written by the worker.
+PACK_TRAINER = {"max_epochs": -1, "logger": False, "enable_progress_bar": False, "enable_model_summary": False}
 
 
 def pack_key(space: SearchSpace, params: dict[str, Any]) -> str:
     """What trials must share to be packed together: every setting of the configuration but the per-trial ones."""
-    scalars = {f"model.gate.{name}" for name in gate_class(space.gate.removesuffix("+")).scalar_hyperparameters}
+    scalars = {f"model.gate.{name}" for name in gate_class(space.gate.removesuffix("+")).scalar_names}
     shared = {k: v for k, v in {**space.fixed, **params}.items() if k not in PER_TRIAL_KEYS | scalars}
     return json.dumps(shared, sort_keys=True, default=str)
+
+
+class TrialFactory:
+    """Trials of one structure from planned values: the structure's settings as one run built from the command line
+    parsed them (``run``), each trial's values applied to those settings and its net built under its own seed, as
+    ``fit --seed_everything=seed`` builds it (the run builder seeds the global generators, then builds the net)."""
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
+        config = run.config
+        self.model = {key: value for key, value in config.model.as_dict().items() if key not in ("gate", "info")}
+        self.gate_class = import_class(config.model.gate.class_path)
+        self.gate_args = config.model.gate.get("init_args", {})
+        self.gate_args = dict(self.gate_args.as_dict() if hasattr(self.gate_args, "as_dict") else self.gate_args)
+        self.max_epochs = config.trainer.max_epochs
+        self.stopping = {"patience": config.early_stopping.patience, "min_delta": config.early_stopping.min_delta}
+        self.data_seed = config.data.get("init_args", {}).get("seed")
+
+    def build(self, key: Any, params: dict[str, Any], seed: int) -> Trial:
+        model, gate_args = dict(self.model), dict(self.gate_args)
+        max_epochs, stopping = self.max_epochs, dict(self.stopping)
+        for name, value in params.items():
+            group, _, setting = name.partition(".")
+            if name.startswith("model.gate."):
+                gate_args[name.removeprefix("model.gate.")] = value
+            elif group == "model":
+                model[setting] = value
+            elif name == "trainer.max_epochs":
+                max_epochs = value
+            elif group == "early_stopping":
+                stopping[setting] = value
+        model.pop("cuda_graphs", None)
+        torch.manual_seed(seed)
+        return build_trial(self.run.datamodule.info, key, gate=partial(self.gate_class, **gate_args), **model,
+                           data_seed=seed if self.data_seed is None else self.data_seed,
+                           max_epochs=max_epochs if max_epochs is not None and max_epochs > 0 else None,
+                           stopping=EarlyStopping(**stopping))
 
 
 class PackWorker:
     """Claims, packs, trains and reports the waiting trials of one study, one structure at a time."""
 
     def __init__(self, study: optuna.Study, space: SearchSpace, overrides: list[str], seed: int, log_dir: Path,
-                 capacity: int | str, configurations: list[dict[str, Any]]) -> None:
+                 capacity: int | str, configurations: list[dict[str, Any]], reclaim=None) -> None:
         self.study, self.space, self.overrides, self.seed, self.log_dir = study, space, overrides, seed, log_dir
-        self.capacity = capacity
+        self.capacity, self.reclaim = capacity, reclaim
         self.progress = PackProgress(study, space.trials)
         self.keys = {config_id: pack_key(space, params) for config_id, params in enumerate(configurations)}
         self.heartbeats = Heartbeats(study._storage)
         self.running: dict[int, optuna.Trial] = {}  # trial id -> trial, claimed and not yet told
         self.worker = f"{socket.gethostname()}:{os.getpid()}"
+        self.last_reclaim = time.monotonic()
 
     def run(self) -> None:
         """Pack and train until no waiting trial is left; Ctrl-C fails the running ones (re-run on resume)."""
         try:
             while (claimed := self._claim(None)) is not None:
-                first, run = claimed
-                key = self.keys[first.key[0].user_attrs["config_id"]]
-                trainer = self._trainer(run, key)
-                queue = [first]
+                trial, params, config_id = claimed
+                key = self.keys[config_id]
+                seed = self.seed + config_id
+                run = build_run(cli_args(self.space, params, self.overrides, seed, self.log_dir / "pack"))
+                factory = TrialFactory(run)
+                first = factory.build((trial, seed, config_id), params, seed)
 
-                def next_trial() -> PackTrial | None:
-                    if queue:
-                        return queue.pop()
+                def next_trial(key: str = key, factory: TrialFactory = factory) -> Trial | None:
+                    nonlocal first
+                    if first is not None:
+                        trial, first = first, None
+                        return trial
                     claimed = self._claim(key)
-                    return None if claimed is None else claimed[0]
+                    if claimed is None:
+                        return None
+                    optuna_trial, params, config_id = claimed
+                    return factory.build((optuna_trial, self.seed + config_id, config_id), params,
+                                         self.seed + config_id)
 
-                trainer.run(next_trial, self._finished, self._progress)
+                self._train(run, key, next_trial)
         except (KeyboardInterrupt, SystemExit) as interrupt:  # Lightning code may answer Ctrl-C with sys.exit(1)
             self._release()
             raise TrialInterrupted(f"{len(self.running)} packed trial(s) interrupted") from interrupt
@@ -92,14 +150,30 @@ class PackWorker:
         finally:
             self.heartbeats.stop()
 
+    def _train(self, run: Run, key: str, next_trial) -> None:
+        datamodule = run.datamodule
+        datamodule.prepare_data()
+        datamodule.setup("fit")
+        waiting = sum(1 for t in self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+                      if self.keys.get(t.user_attrs.get("config_id")) == key)
+        capacity = resolve_capacity(self.capacity, run, waiting + 1)
+        module = PackModule(datamodule.info, datamodule.splits, datamodule.batch_size, datamodule.eval_batch_size,
+                            capacity, next_trial, self._finished, self._epoch, run.config.model.cuda_graphs)
+        trainer = run.cli.instantiate_trainer(**PACK_TRAINER)
+        trainer.fit(module)
+
     def _release(self) -> None:
         """Fail the running trials as interrupted (no reason, no lost attempt): ``tune`` runs them again."""
         for trial_id in list(self.running):
             self.study._storage.set_trial_user_attr(trial_id, "interrupted", True)
             self.study._storage.set_trial_state_values(trial_id, TrialState.FAIL)
 
-    def _claim(self, key: str | None) -> tuple[PackTrial, Any] | None:
-        """The next waiting planned trial of structure ``key`` (any, for ``None``), RUNNING and built, with its run."""
+    def _claim(self, key: str | None) -> tuple[optuna.Trial, dict[str, Any], int] | None:
+        """The next waiting planned trial of structure ``key`` (any, for ``None``), RUNNING, with its planned values
+        and config_id; stale trials of dead workers are failed and re-enqueued first (at most every heartbeat)."""
+        if self.reclaim is not None and time.monotonic() - self.last_reclaim >= heartbeat_settings()[0]:
+            self.last_reclaim = time.monotonic()
+            self.reclaim(self.study)
         storage = self.study._storage
         for waiting in self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
             config_id = waiting.user_attrs.get("config_id")
@@ -113,57 +187,80 @@ class PackWorker:
             self.running[trial._trial_id] = trial
             params = {name: suggest(trial, name, dist) for name, dist in self.space.distributions.items()}
             duplicate = duplicate_of(self.study, trial.number, config_id)
-            if duplicate is not None:  # enqueued twice: run once, as the unpacked objective does
+            if duplicate is not None:  # enqueued twice: run once
                 trial.set_user_attr("skipped", f"config_id {config_id} is evaluated by trial {duplicate}")
                 self._tell(trial, state=TrialState.PRUNED)
                 continue
-            seed = self.seed + int(config_id)
-            run = build_run(cli_args(self.space, params, self.overrides, seed, self.log_dir / f"config-{config_id:04d}"))
-            check_packable(run)
-            trial_in_pack = PackTrial((trial, seed), run.model, run.datamodule.seed, run.trainer.max_epochs,
-                                      run.config.early_stopping.patience)
-            return trial_in_pack, run
+            return trial, params, int(config_id)
         return None
 
-    def _trainer(self, run: Any, key: str) -> PackTrainer:
-        """The pack for ``run``'s structure: its data, device, precision and number of slots."""
-        datamodule = run.datamodule
-        datamodule.prepare_data()
-        datamodule.setup("fit")
-        device = run.trainer.strategy.root_device
-        waiting = sum(1 for t in self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
-                      if self.keys.get(t.user_attrs.get("config_id")) == key)
-        capacity = resolve_capacity(self.capacity, run, waiting + 1)
-        return PackTrainer(datamodule.splits, datamodule.batch_size, datamodule.eval_batch_size, capacity, device,
-                           PRECISIONS[str(run.trainer.precision)])
-
     def _finished(self, result: TrialResult) -> None:
-        trial, seed = result.key
+        trial, seed, config_id = result.key
+        self._write_log(config_id, result)
         objective = record_result(trial, seed, result.wall_time_s, result.results, result.diverged)
         if math.isnan(objective):
+            print(f"[{self.study.study_name}] trial {trial.number} (config_id {config_id}) failed: "
+                  f"{trial.user_attrs.get('fail_reason', trial.system_attrs.get('fail_reason', 'no result'))}",
+                  flush=True)
             self._tell(trial, state=TrialState.FAIL)
         else:
             self._tell(trial, values=objective)
         self.progress.finished += 1
+
+    def _write_log(self, config_id: int, result: TrialResult) -> None:
+        """``config-NNNN/metrics.csv`` (one row per epoch, the columns Lightning's CSV logger writes for ``fit``) and
+        ``results.json``, as ``fit`` writes them."""
+        folder = self.log_dir / f"config-{config_id:04d}"
+        history = result.results.get("history", [])
+        rows = []
+        for record in history:
+            row = {"epoch": record["epoch"]}
+            for stage in ("train", "val"):
+                for name, value in record.get(stage, {}).items():
+                    if isinstance(value, list):
+                        row.update({f"{stage}/{name}/{i}": v for i, v in enumerate(value)})
+                    else:
+                        row[f"{stage}/{name}"] = value
+            rows.append(row)
+        columns = list(dict.fromkeys(column for row in rows for column in row))
+        folder.mkdir(parents=True, exist_ok=True)
+        if rows:
+            with open(folder / "metrics.csv", "w", newline="") as file:
+                writer = csv.DictWriter(file, columns)
+                writer.writeheader()
+                writer.writerows(rows)
+        results = {key: value for key, value in result.results.items() if key != "history"}
+        write_atomic(json.dumps({**results, "diverged": result.diverged}, indent=2, default=str) + "\n",
+                     folder / "results.json")
+
+    def _epoch(self, module: PackModule) -> None:
+        """Each running trial's validation loss of this epoch as its intermediate value; the progress line."""
+        for _, trial in module.engine.running:
+            record = trial.history[-1] if trial.history else None
+            if record is not None and "val" in record and math.isfinite(record["val"]["loss"]):
+                optuna_trial = trial.key[0]
+                try:
+                    optuna_trial.report(record["val"]["loss"], record["epoch"])
+                except optuna.exceptions.UpdateFinishedTrialError:  # failed as stale meanwhile
+                    pass
+        self.progress(module)
 
     def _tell(self, trial: optuna.Trial, **kwargs: Any) -> None:
         self.study.tell(trial, **kwargs)
         self.heartbeats.remove(trial._trial_id)
         self.running.pop(trial._trial_id, None)
 
-    def _progress(self, trainer: PackTrainer) -> None:
-        self.progress(trainer)
-
 
 class PackProgress:
-    """One line per study at most every ``every`` seconds and when trials end: trials done / total, running in
-    this pack, failed, best so far and an ETA from this worker's rate of finishing trials."""
+    """One line per pack epoch at most every ``every`` seconds, and whenever trials end: trials done / total, those
+    running in this pack and its epochs, failed, best so far, and an ETA from this worker's rate of finishing trials."""
 
     def __init__(self, study: optuna.Study, total: int, every: float = 10.0) -> None:
         self.study, self.total, self.every = study, total, every
-        self.start, self.last, self.finished, self.reported = time.perf_counter(), -math.inf, 0, 0
+        self.start, self.last, self.finished, self.reported, self.epochs = time.perf_counter(), -math.inf, 0, 0, 0
 
-    def __call__(self, trainer: PackTrainer) -> None:
+    def __call__(self, module: PackModule) -> None:
+        self.epochs += 1
         now = time.perf_counter()
         if now - self.last < self.every and self.finished == self.reported:
             return
@@ -173,46 +270,31 @@ class PackProgress:
         best = min((t.value for t in counts["complete"]), default=None)
         rate = self.finished / (now - self.start)
         eta = time.strftime("%Hh%Mm%Ss", time.gmtime((self.total - done) / rate)) if rate > 0 else "?"
-        print(f"[{self.study.study_name}] {done}/{self.total} done, {len(trainer.running)} running in a pack of "
-              f"{trainer.capacity}, {len(counts['failed'])} failed, best {'-' if best is None else f'{best:.5g}'}, "
-              f"ETA {eta}", flush=True)
+        running = len(module.engine.running) if module.engine is not None else 0
+        print(f"[{self.study.study_name}] {done}/{self.total} done, {running} running in a pack of "
+              f"{module.engine.capacity if module.engine is not None else 0} (pack epoch {self.epochs}), "
+              f"{len(counts['failed'])} failed, best {'-' if best is None else f'{best:.5g}'}, ETA {eta}", flush=True)
 
 
-def check_packable(run: Any) -> None:
-    """A pack trains as ``fit`` does with the trainer settings it honours; others need ``--pack 1``."""
-    defaults = run.cli.parser.get_defaults()
-    for group, honoured in (("trainer", PACK_TRAINER_KEYS), ("early_stopping", {"patience"})):
-        config = run.config[group]
-        for key in sorted(set(vars(config)) - honoured):
-            if config[key] != defaults.get(f"{group}.{key}"):
-                raise UsageError(f"--{group}.{key} is not supported by trial packs; run with --pack 1")
-    if str(run.trainer.precision) not in PRECISIONS:
-        raise UsageError(f"trial packs train in precision 32 or bf16-mixed, not {run.trainer.precision}; "
-                         "run with --pack 1")
-    if run.trainer.num_devices != 1:
-        raise UsageError("a trial pack trains on one device: run one worker per device (--workers)")
+#: On a CPU, without a measurement, the pack size ``bench_packs.py`` measured fastest on this project's VMs.
+CPU_PACK = 8
 
 
-#: On a CPU the pack size the benchmark measured fastest (benchmarks/bench_packs.py); on a GPU the memory decides.
-CPU_AUTO_PACK = 8
-
-
-def resolve_capacity(requested: int | str, run: Any, trials: int) -> int:
+def resolve_capacity(requested: int | str, run: Run, trials: int) -> int:
     """``--pack``'s number of slots: ``auto`` fits the device (on a GPU as many trials as 80% of its free memory
-    holds, :func:`mtmoe.pack.train.memory_per_trial`; on a CPU ``CPU_AUTO_PACK``), never more than the trials there
+    holds, :func:`mtmoe.pack.memory.memory_per_trial`; on a CPU :data:`CPU_PACK`), never more than the trials there
     are to run; a number is checked against the device's memory."""
     device, datamodule = run.trainer.strategy.root_device, run.datamodule
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        per_trial = memory_per_trial(run.model, datamodule.splits, datamodule.batch_size, datamodule.eval_batch_size,
-                                     device, PRECISIONS[str(run.trainer.precision)])
+        per_trial = memory_per_trial(run.model.net, datamodule, device, str(run.trainer.precision))
         fits = int(0.8 * free / per_trial)
     else:
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         per_trial = 5 * sum(p.numel() * p.element_size() for p in run.model.net.parameters())  # + grads, moments, best
         fits = int(free / per_trial)
     if requested == "auto":
-        return max(1, min(fits, trials, CPU_AUTO_PACK if device.type != "cuda" else trials))
+        return max(1, min(fits, trials, CPU_PACK if device.type != "cuda" else trials))
     if int(requested) > fits:
         raise UsageError(f"a pack of {requested} trials does not fit in the memory of {device} ({free / 2**30:.1f} "
                          f"GiB free, about {per_trial / 2**20:.0f} MiB per trial): pass --pack {max(1, fits)} or "

@@ -66,7 +66,8 @@ def _valid_keys(gate: str, data: str) -> dict[str, set[str]]:
     import importlib
 
     import lightning.pytorch as pl
-    from lightning.pytorch.callbacks import EarlyStopping
+
+    from mtmoe.pack.engine import EarlyStopping
 
     from mtmoe.data import DATASETS
     from mtmoe.gates import gate_class

@@ -57,14 +57,13 @@ from mtmoe.tuning.storage import (
     storage_for,
 )
 from mtmoe.tuning.objective import (
-    Objective,
     cli_args,
     config_hash,
     is_lost,
     plan_configurations,
     study_counts,
 )
-from mtmoe.tuning.packs import PackWorker, check_packable, resolve_capacity
+from mtmoe.tuning.packs import PackWorker, resolve_capacity
 from mtmoe.tuning.trials import OneLineParser, describe_settings
 
 #: Attempts of a configuration that may end without a result (worker killed or crashed) before it is failed.
@@ -134,31 +133,6 @@ def reclaim_lost_trials(study: optuna.Study) -> None:
     fail_stale_trials(study, alive=lambda trial: (pid := local_worker(trial)) is not None and _pid_alive(pid))
 
 
-class Progress:
-    """After each trial: one line per study with trials done / total, failed, best so far and an ETA (a failed
-    trial's reason on a line before it)."""
-
-    def __init__(self, total: int, workers: int) -> None:
-        self.total, self.workers, self.start = total, workers, time.perf_counter()
-
-    def __call__(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
-        counts = study_counts(study)
-        if trial.state == TrialState.FAIL and "fail_reason" in trial.user_attrs and "config_id" in trial.user_attrs:
-            print(f"[{study.study_name}] trial {trial.number} (config_id {trial.user_attrs.get('config_id')}) "
-                  f"failed: {trial.user_attrs['fail_reason']}", flush=True)
-        done = len(counts["complete"]) + len(counts["failed"])
-        best = min((t.value for t in counts["complete"]), default=None)
-        times = [t.user_attrs["wall_time_s"] for t in counts["complete"] if "wall_time_s" in t.user_attrs]
-        remaining = self.total - done
-        eta = remaining * (sum(times) / len(times)) / self.workers if times else math.nan
-        eta_text = "?" if math.isnan(eta) else time.strftime("%Hh%Mm%Ss", time.gmtime(eta))
-        best_text = "none complete yet" if best is None else f"{best:.5g}"
-        print(f"[{study.study_name}] {done}/{self.total} done, {len(counts['failed'])} failed, "
-              f"best {best_text}, ETA {eta_text}", flush=True)
-        if counts["waiting"] == 0:
-            study.stop()
-
-
 def quiet_libraries() -> None:
     """Per-trial chatter off (Optuna's info lines, Lightning's, experimental-feature and deprecation warnings of
     the libraries); the progress lines and warnings about the run stay."""
@@ -177,17 +151,20 @@ def quiet_libraries() -> None:
 
 def run_worker(url: str, study_name: str, space: SearchSpace, overrides: list[str], seed: int, workers: int,
                log_dir: Path | None = None, pack: int | str = 1) -> None:
-    """One worker: pops enqueued configurations until none is left, ``pack`` at a time (:mod:`mtmoe.tuning.packs`)."""
+    """One worker: pops enqueued configurations until none is left, ``pack`` at a time (:mod:`mtmoe.tuning.packs`);
+    between epochs it also takes back the trials of workers that died (:func:`reclaim_lost_trials`)."""
     quiet_libraries()
     study = optuna.load_study(study_name=study_name, storage=storage_for(url))
     if study_counts(study)["waiting"] == 0:
         return
     log_dir = (Path(log_dir) if log_dir is not None else STUDIES_DIR / "runs") / study_name.replace("/", "_")
-    if pack != 1:
-        configurations = plan_configurations(space, space.trials, seed)
-        PackWorker(study, space, overrides, seed, log_dir, pack, configurations).run()
-        return
-    study.optimize(Objective(space, overrides, seed, log_dir), callbacks=[Progress(space.trials, workers)], catch=())
+    configurations = plan_configurations(space, space.trials, seed)
+
+    def reclaim(study: optuna.Study) -> None:
+        reclaim_lost_trials(study)
+        enqueue_missing(study, space, configurations)
+
+    PackWorker(study, space, overrides, seed, log_dir, pack, configurations, reclaim).run()
 
 
 def _worker_process(*args: Any) -> None:
@@ -404,7 +381,6 @@ def check_overrides(space: SearchSpace, configurations: list[dict], overrides: l
     with tempfile.TemporaryDirectory() as scratch:
         run = build_run(cli_args(space, params, overrides, seed, Path(scratch)))
         if pack != 1:
-            check_packable(run)
             run.datamodule.prepare_data()
             run.datamodule.setup("fit")
             resolve_capacity(pack, run, len(configurations))

@@ -1,0 +1,372 @@
+"""The training engine: P trials of one model structure trained as one model, each with its own hyperparameters,
+data order, random stream, early stopping, best weights and divergence; ``fit`` is a pack of one.
+
+A step of the pack runs the plain modules' own code (:class:`mtmoe.mmoe.MMoE`, its gates and local search, and
+:func:`mtmoe.losses.multitask_loss`) under ``torch.func.vmap`` over the stacked tensors of
+:class:`~mtmoe.pack.stack.TrialStack`, then one backward pass and one :class:`~mtmoe.pack.adam.PackedAdam` update
+of every trial: each kernel is launched once per pack, whatever P. Nothing in a step reads a device value on the
+host: a trial's schedules are its own buffers (local search's window, CompeteSMoE's coin, the random stream's
+step), its losses and routing statistics accumulate on the device (:class:`~mtmoe.pack.metrics.PackMetrics`), and
+on a GPU the whole step (forward, backward, Adam) is captured once per batch shape in a CUDA graph and replayed
+(:class:`~mtmoe.pack.graphs.CapturedStep`; ``cuda_graphs=False`` runs it eagerly). ``vmap`` runs with
+``randomness="error"``: a trial's every random draw comes from its own counter-based stream (:mod:`mtmoe.random`),
+so it depends on its seed and its own step alone, not on its slot, its neighbours or the pack size.
+
+Per epoch, the driver (:class:`mtmoe.lit.module.EngineModule`, inside Lightning) calls :meth:`PackEngine.train_step`
+for each batch, :meth:`PackEngine.eval_step` for each validation batch and :meth:`PackEngine.end_epoch`, which reads
+the epoch's losses once and applies each trial's rules as ``fit`` does for one trial alone (Keras'
+``EarlyStopping(patience, min_delta, restore_best_weights=True)``): a non-finite validation or training loss ends the
+trial as diverged; a validation loss below the best by more than ``min_delta`` is the new best (its weights and
+validation results kept on the device, in one snapshot for all trials); ``patience`` validations without one, or
+``max_epochs`` epochs, end it. The one host-side computation of a trial's model, local search's linear assignment
+(eq. 5 of the COMET paper), runs between steps, for the trials that need it (:meth:`_round_permutations`).
+"""
+from __future__ import annotations
+
+import copy
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.func import functional_call, vmap
+
+from mtmoe.dataset_info import TaskSpec
+from mtmoe.losses import multitask_loss
+from mtmoe.mmoe import MMoE
+from mtmoe.pack.adam import PackedAdam
+from mtmoe.pack.graphs import CapturedStep
+from mtmoe.pack.metrics import PackMetrics
+from mtmoe.pack.stack import TrialStack
+from mtmoe.permutation import round_to_permutations
+
+LOG_WEIGHTS = "local_search.log_weights"
+
+
+@dataclass
+class EarlyStopping:
+    """Keras' ``EarlyStopping(monitor="val_loss", patience, min_delta, restore_best_weights=True)``: a trial stops
+    after ``patience`` validations without a validation loss below its best by more than ``min_delta``, and its
+    best epoch's weights are the ones tested (the paper: patience 25)."""
+
+    patience: int = 25
+    min_delta: float = 0.0
+
+
+@dataclass
+class Trial:
+    """One configuration to train: its built net (initialised under its own seed) and its own settings.
+
+    ``key`` is the caller's; the fields after ``min_delta`` are the trial's progress, kept by the engine.
+    """
+
+    key: Any
+    net: MMoE
+    task_weights: tuple[float, ...]
+    lr: float
+    adam_eps: float
+    data_seed: int
+    max_epochs: int | None  # None: until early stopping
+    patience: int
+    min_delta: float = 0.0
+    epochs_run: int = 0
+    steps: int = 0  # training forward passes so far (a host-side mirror of the trial's own counters)
+    window: int = 0  # local search's window in steps (0: no local search)
+    rounded_at: int = -1  # the step whose soft permutation was last rounded
+    best_score: float = math.inf
+    best_epoch: int = -1
+    best_results: dict[str, Any] | None = None  # the best epoch's validation results
+    wait: int = 0
+    diverged: str | None = None
+    history: list[dict[str, Any]] = field(default_factory=list)  # per epoch: its train (and val) results
+    started: float = field(default_factory=time.perf_counter)
+
+    def stopped(self) -> bool:
+        return (self.diverged is not None or self.wait >= self.patience
+                or (self.max_epochs is not None and self.epochs_run >= self.max_epochs))
+
+
+@dataclass
+class TrialResult:
+    """What ``fit`` reports for a trial: ``results`` has ``epochs_run``, ``best_epoch``, ``best_val_loss``, the
+    ``val`` results of the best epoch and the ``test`` results of its weights; ``diverged`` says why it failed."""
+
+    key: Any
+    results: dict[str, Any]
+    diverged: str | None
+    wall_time_s: float
+
+
+class PackEngine:
+    """``capacity`` slots of one model structure, on ``device``.
+
+    Args:
+        example: a net of the pack's structure (its values are not used).
+        tasks: the dataset's tasks.
+        capacity: P, the number of slots.
+        device: where the stacked tensors live.
+        cuda_graphs: on a GPU, capture the training step in CUDA graphs (default) or run it eagerly.
+
+    The training batches per epoch (local search's windows and the gates' warm-ups count in them) are set with
+    :meth:`set_steps_per_epoch` before the first training step.
+    """
+
+    TRIAL_PROGRESS = ("epochs_run", "best_score", "best_epoch", "best_results", "wait", "diverged", "history",
+                      "rounded_at")
+
+    def __init__(self, example: MMoE, tasks: tuple[TaskSpec, ...], capacity: int, device: torch.device | str,
+                 cuda_graphs: bool = True) -> None:
+        self.tasks, self.capacity, self.steps_per_epoch = tasks, capacity, None
+        self.device = torch.device(device)
+        self.stack = TrialStack(example, capacity, self.device)
+        self.adam = PackedAdam(self.stack)
+        self.template = copy.deepcopy(example).to("meta")
+        self.search = self.template.local_search
+        self.task_weights = torch.zeros(capacity, len(tasks), device=self.device)
+        gate = example.gates[0]
+        n_experts = example.experts.n_experts
+        self.train_metrics = PackMetrics(tasks, n_experts, gate.simplex, capacity, self.device, self.task_weights)
+        self.eval_metrics = PackMetrics(tasks, n_experts, gate.simplex, capacity, self.device, self.task_weights)
+        self.aux_sum = torch.zeros(capacity, device=self.device)
+        self.slots: list[Trial | None] = [None] * capacity
+        self.best: dict[str, Tensor] | None = None
+        self.captured = CapturedStep(self._train_step) if cuda_graphs and self.device.type == "cuda" else None
+        self._forward = {training: vmap(self._trial_losses, in_dims=(0, 0 if training else None, 0, None),
+                                        randomness="error") for training in (True, False)}
+
+    # ----------------------------------------------------------------------------------------------- slots
+    @property
+    def running(self) -> list[tuple[int, Trial]]:
+        return [(slot, trial) for slot, trial in enumerate(self.slots) if trial is not None]
+
+    def free_slots(self) -> list[int]:
+        return [slot for slot, trial in enumerate(self.slots) if trial is None]
+
+    def load(self, slot: int, trial: Trial) -> None:
+        """Put a trial into ``slot``: the stack takes its net's values (the net keeps views of them), Adam starts
+        fresh with its learning rate and epsilon, its schedules learn the epoch's length."""
+        net = trial.net.to(self.device)
+        if net.local_search is not None:
+            trial.steps = int(net.local_search.step)
+        self._schedule(trial)
+        self.stack.load(slot, net)
+        self.adam.reset(slot, trial.lr, trial.adam_eps)
+        self.task_weights[slot] = torch.tensor(trial.task_weights, dtype=self.task_weights.dtype)
+        trial.started = time.perf_counter()
+        self.slots[slot] = trial
+
+    def set_steps_per_epoch(self, steps: int) -> None:
+        self.steps_per_epoch = steps
+        for _, trial in self.running:
+            self._schedule(trial)
+
+    def _schedule(self, trial: Trial) -> None:
+        """A trial's schedules in steps: local search's window and the gates' warm-ups (CompeteSMoE v2)."""
+        if self.steps_per_epoch is None:
+            return
+        if trial.net.local_search is not None:
+            trial.net.local_search.set_window(self.steps_per_epoch)
+            trial.window = trial.net.local_search.epochs * self.steps_per_epoch
+        for gate in trial.net.gates:
+            gate.set_training_steps(None if trial.max_epochs is None else self.steps_per_epoch * trial.max_epochs)
+
+    def compacted(self) -> PackEngine:
+        """A pack of the running trials only (their state, Adam moments and best-weights snapshots move along), to
+        continue with once no trial is left to refill the free slots: no work goes to empty slots."""
+        keep = [slot for slot, _ in self.running]
+        trials = [self.slots[slot] for slot in keep]
+        smaller = PackEngine(trials[0].net, self.tasks, len(keep), self.device, self.captured is not None)
+        smaller.steps_per_epoch = self.steps_per_epoch
+        smaller.stack.take(self.stack, keep)
+        smaller.adam.take(self.adam, keep)
+        smaller.task_weights.copy_(self.task_weights[keep])
+        index = torch.tensor(keep, device=self.device)
+        smaller.best = None if self.best is None else {name: t[index] for name, t in self.best.items()}
+        for new, trial in enumerate(trials):  # the nets follow their state into the new stack
+            self.stack.unload(keep[new], trial.net)
+            smaller.stack.load(new, trial.net)
+        smaller.slots = trials
+        return smaller
+
+    # ----------------------------------------------------------------------------------------------- steps
+    def _trial_losses(self, tensors: dict[str, Tensor], batch: dict[str, Tensor], task_weights: Tensor,
+                      training: bool) -> tuple[Tensor, ...]:
+        """One trial's forward pass and losses (vmapped over the trials)."""
+        output = functional_call(self.template, tensors, (batch,))
+        loss, task_losses, counts = multitask_loss(self.tasks, task_weights, output.predictions, batch)
+        weights = torch.stack([gate.weights for gate in output.gates], dim=1)  # [B, T, n]
+        aux = output.aux_loss if training else loss.new_zeros(())
+        return loss, aux, torch.stack(task_losses), torch.stack(counts).to(loss.dtype), output.predictions, weights
+
+    def _tensors(self) -> dict[str, Tensor]:
+        return {**self.stack.params, **self.stack.buffers}
+
+    def train_step(self, batch: dict[str, Tensor]) -> None:
+        """One optimisation step of every slot on its own rows ``batch`` (``[P, B, ...]`` tensors)."""
+        if self.search is not None:
+            self._round_permutations([slot for slot, trial in self.running if trial.steps + 1 == trial.window])
+            self.search.may_search = any(trial.steps + 1 < trial.window for _, trial in self.running)
+        for _, trial in self.running:
+            trial.steps += 1
+        if self.captured is None:
+            self._train_step(batch)
+        else:
+            size = next(iter(batch.values())).shape[1]
+            self.captured((size, self.search is not None and self.search.may_search), batch)
+
+    def _train_step(self, batch: dict[str, Tensor]) -> None:
+        self.template.train()
+        self.stack.flat_grad.zero_()
+        loss, aux, task_losses, counts, predictions, weights = self._forward[True](
+            self._tensors(), batch, self.task_weights, True)
+        (loss + aux).float().sum().backward()
+        skip = None
+        if self.search is not None:
+            step, window = self.stack.buffers["local_search.step"], self.stack.buffers["local_search.window"]
+            skip = {LOG_WEIGHTS: step >= window}  # the step used the rounded matrix: no gradient, as alone
+        self.adam.step(skip)
+        with torch.no_grad():
+            self.train_metrics.update(predictions, task_losses, counts, loss.detach(), batch, weights,
+                                      prediction_metrics=False)
+            self.aux_sum.add_(aux.detach().float() * weights.shape[1])
+
+    @torch.no_grad()
+    def eval_step(self, batch: dict[str, Tensor]) -> None:
+        """Evaluate every slot on one shared batch (``[B, ...]`` tensors) into :attr:`eval_metrics` (after
+        :meth:`prepare_evaluation`)."""
+        self.template.eval()
+        loss, _, task_losses, counts, predictions, weights = self._forward[False](
+            self._tensors(), batch, self.task_weights, False)
+        self.eval_metrics.update(predictions, task_losses, counts, loss, batch, weights)
+
+    @torch.no_grad()
+    def evaluate(self, slots: list[int], state: dict[str, Tensor], batches) -> list[dict[str, Any]]:
+        """The results of ``slots`` with their tensors taken from ``state`` (a best-weights snapshot, say) on
+        ``batches``: the same vmapped forward pass and metrics as :meth:`eval_step`, for those trials alone."""
+        index = torch.tensor(slots, device=self.device)
+        tensors = {name: tensor[index] for name, tensor in state.items()}
+        task_weights = self.task_weights[index]
+        gate = self.template.gates[0]
+        metrics = PackMetrics(self.tasks, self.template.experts.n_experts, gate.simplex, len(slots), self.device,
+                              task_weights)
+        if self.search is not None:  # the snapshot's rounding is that of its epoch's validation
+            self.search.may_search = not self.search.eval_rounded
+        self.template.eval()
+        for batch in batches:
+            loss, _, task_losses, counts, predictions, weights = self._forward[False](tensors, batch, task_weights,
+                                                                                       False)
+            metrics.update(predictions, task_losses, counts, loss, batch, weights)
+        return metrics.results()
+
+    def prepare_evaluation(self) -> None:
+        """Before evaluating the live slots: the rounded permutation of the trials inside their window is that of
+        their latest soft matrix (the official evaluation), or with ``eval_rounded`` off the soft matrix is used."""
+        if self.search is None:
+            return
+        inside = [slot for slot, trial in self.running if 0 < trial.steps < trial.window]
+        if self.search.eval_rounded:
+            self._round_permutations([slot for slot in inside if self.slots[slot].rounded_at != self.slots[slot].steps])
+        self.search.may_search = not self.search.eval_rounded and bool(inside)
+
+    def _round_permutations(self, due: list[int]) -> None:
+        """Local search's one host-side computation, between steps: round the latest soft matrices of ``due``'s
+        trials (one transfer for all of them)."""
+        if not due:
+            return
+        index = torch.tensor(due, device=self.device)
+        soft, rounded = self.stack.buffers["local_search.soft"], self.stack.buffers["local_search.rounded"]
+        rounded[index] = round_to_permutations(soft[index], rounded[index])
+        self.stack.buffers["local_search.rounded_index"][index] = rounded[index].argmax(-2)
+        for slot in due:
+            self.slots[slot].rounded_at = self.slots[slot].steps
+
+    # ----------------------------------------------------------------------------------------------- epochs
+    def start_epoch(self) -> None:
+        self.train_metrics.reset()
+        self.eval_metrics.reset()
+        self.aux_sum.zero_()
+
+    def end_epoch(self, val: list[dict[str, Any]] | None) -> list[int]:
+        """Apply each trial's rules to the epoch just run, given its validation results per slot (``None``: no
+        validation this epoch), and return the slots whose trial ended. Reads the epoch's training values once."""
+        train = self.train_metrics.results()
+        aux = (self.aux_sum / self.train_metrics.batch_loss_weight).tolist()
+        improved = torch.zeros(self.capacity, dtype=torch.bool)
+        ended = []
+        for slot, trial in self.running:
+            epoch = trial.epochs_run
+            trial.epochs_run += 1
+            record = {"epoch": epoch, "train": {**train[slot], "aux_loss": aux[slot]}}
+            if val is not None:
+                record["val"] = val[slot]
+            trial.history.append(record)
+            losses = ([("val", val[slot]["loss"])] if val is not None else []) + [("train", train[slot]["loss"])]
+            for stage, value in losses:  # Lightning's hook order: validation ends before the training epoch
+                if not math.isfinite(value) and trial.diverged is None:
+                    trial.diverged = f"{stage} loss {value} at epoch {epoch}"
+            if val is not None:
+                score = val[slot]["loss"]
+                if trial.diverged is None and score < trial.best_score - trial.min_delta:
+                    trial.best_score, trial.best_epoch, trial.wait = score, epoch, 0
+                    trial.best_results = val[slot]
+                    improved[slot] = True
+                else:
+                    trial.wait += 1
+            if trial.stopped():
+                ended.append(slot)
+        if improved.any():
+            self.best = self.stack.snapshot(improved.to(self.device), self.best)
+        return ended
+
+    # ----------------------------------------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs beside the nets' own state: Adam's state, each trial's progress and the best
+        weights (``fit`` saves it in its checkpoints)."""
+        return {"adam": self.adam.state_dict(), "best": self.best,
+                "trials": [None if trial is None else {name: getattr(trial, name) for name in self.TRIAL_PROGRESS}
+                           for trial in self.slots]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.adam.load_state_dict(state["adam"])
+        self.best = None if state["best"] is None else {name: t.to(self.device) for name, t in state["best"].items()}
+        for trial, progress in zip(self.slots, state["trials"]):
+            if trial is not None and progress is not None:
+                for name, value in progress.items():
+                    setattr(trial, name, value)
+
+    # ----------------------------------------------------------------------------------------------- results
+    def summary(self, slot: int) -> dict[str, Any]:
+        """The trial's epochs, its best epoch and the best epoch's validation results (what ``fit`` reports beside
+        the test results)."""
+        trial = self.slots[slot]
+        results: dict[str, Any] = {"epochs_run": trial.epochs_run}
+        if trial.diverged is None and trial.best_epoch >= 0:
+            results.update(best_epoch=trial.best_epoch, best_val_loss=trial.best_score, val=trial.best_results)
+        return results
+
+    def restore_best(self, slot: int) -> None:
+        """The best epoch's weights and buffers back into ``slot`` (its net sees them)."""
+        if self.best is not None and self.slots[slot].best_epoch >= 0:
+            self.stack.restore(slot, self.best)
+
+    def finish(self, slots: list[int], test_batches) -> list[TrialResult]:
+        """End ``slots``' trials: test their best weights (all of them in one pass), give each net its own copy of
+        them (refilling the slot can no longer change it) and free the slots."""
+        tested = [slot for slot in slots if self.slots[slot].diverged is None and self.slots[slot].best_epoch >= 0]
+        tests = dict(zip(tested, self.evaluate(tested, self.best, test_batches))) if tested else {}
+        out = []
+        for slot in slots:
+            trial = self.slots[slot]
+            results = {**self.summary(slot), "history": trial.history}
+            state = self.best if slot in tests else None
+            self.stack.unload(slot, trial.net, state)
+            if slot in tests:
+                results["test"] = tests[slot]
+                if trial.net.local_search is not None:
+                    results["permutation"] = {"assignment": trial.net.local_search.assignment(),
+                                              **trial.net.local_search.statistics()}
+            out.append(TrialResult(trial.key, results, trial.diverged, round(time.perf_counter() - trial.started, 2)))
+            self.slots[slot] = None
+        return out

@@ -1,0 +1,50 @@
+"""A training step captured once in a CUDA graph and replayed (PyTorch's "whole-network capture").
+
+:class:`CapturedStep` runs a step function of static-shaped input tensors: eagerly for its first calls of each
+``key`` (the batch shape and anything else that changes which kernels run), on a side stream, so that lazy
+initialisation (cuBLAS handles, Triton's compilation, the allocator) happens outside a capture; then it captures
+one call and replays the graph from then on, with the inputs copied into the captured call's static buffers.
+Every call, eager, captured or replayed, is a real step: capturing records the kernels without running them, so the
+captured call is replayed at once. The graphs of one step share a memory pool (they never run concurrently).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+
+import torch
+from torch import Tensor
+
+EAGER_CALLS = 3  # per key, before capture (PyTorch's documented warm-up)
+
+
+class CapturedStep:
+    """``step(inputs)`` for dicts of CUDA tensors, captured per ``key`` after :data:`EAGER_CALLS` eager calls."""
+
+    def __init__(self, step: Callable[[dict[str, Tensor]], None]) -> None:
+        self.step = step
+        self.graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, dict[str, Tensor]]] = {}
+        self.calls: dict[Hashable, int] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def __call__(self, key: Hashable, inputs: dict[str, Tensor]) -> None:
+        if key in self.graphs:
+            graph, static = self.graphs[key]
+            for name, tensor in inputs.items():
+                static[name].copy_(tensor)
+            graph.replay()
+            return
+        calls = self.calls.get(key, 0)
+        self.calls[key] = calls + 1
+        if calls < EAGER_CALLS:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self.step(inputs)
+            torch.cuda.current_stream().wait_stream(side)
+            return
+        static = {name: tensor.clone() for name, tensor in inputs.items()}
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self.step(static)
+        self.graphs[key] = (graph, static)
+        graph.replay()

@@ -1,0 +1,39 @@
+"""The device memory one more trial adds to a pack, measured (``tune --pack auto`` and its checks)."""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from mtmoe.mmoe import MMoE
+from mtmoe.pack.engine import PackEngine, Trial
+
+
+def memory_per_trial(net: MMoE, datamodule, device: torch.device, precision: str = "32") -> int:
+    """Bytes per trial on a GPU: the difference of the peaks of a training step and an evaluation batch in packs
+    of two and of one throwaway copy of ``net``, plus its best-weights snapshot."""
+    split = datamodule.splits["train"]
+    size = datamodule.batch_size
+
+    def peak(capacity: int) -> int:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        engine = PackEngine(net, datamodule.info.tasks, capacity, device, cuda_graphs=False)
+        for slot in range(capacity):
+            engine.load(slot, Trial(None, copy.deepcopy(net), (1.0,) * len(datamodule.info.tasks), 1e-4, 1e-7, 0,
+                                    1, 1))
+        engine.set_steps_per_epoch(1)
+        index = torch.arange(size).expand(capacity, -1)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
+            engine.train_step({key: tensor[index].to(device) for key, tensor in split.items()})
+            engine.eval_step({key: tensor[:datamodule.eval_batch_size].to(device)
+                              for key, tensor in datamodule.splits["val"].items()})
+        torch.cuda.synchronize(device)
+        used = torch.cuda.max_memory_allocated(device) - base
+        del engine
+        return used
+
+    one = peak(1)
+    snapshot = sum(t.numel() * t.element_size() for t in (*net.parameters(), *net.buffers()))
+    return max(peak(2) - one, 1) + snapshot
