@@ -179,6 +179,7 @@ def test_evaluation_images_without_simplex():
     assert "left/simplex_violations" not in results[0] and "left/accuracy" in results[0]
 
 
+@pytest.mark.filterwarnings("ignore:No (positive|negative) samples in targets")
 def test_per_trial_batches_and_single_class_trials():
     """Each trial its own rows; trial 1 sees only negatives, trial 2 only positives: AUROC 0, as torchmetrics."""
     data = epoch(RECSYS, shared=False, seed=3)
@@ -189,6 +190,7 @@ def test_per_trial_batches_and_single_class_trials():
     assert [trial["watch/auroc"] for trial in results][1:] == [0.0, 0.0] and results[0]["watch/auroc"] > 0
 
 
+@pytest.mark.filterwarnings("ignore:Encountered `nan` values")
 def test_training_epoch_counts_losses_and_routing_only():
     """Without prediction metrics; trial 2's NaN loss in batch 1 is left out of its means, as ``MeanMetric`` does."""
     data = epoch(RECSYS, shared=False, seed=4)

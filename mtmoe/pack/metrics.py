@@ -5,6 +5,8 @@ computed for P trials at once on the device (:class:`PackMetrics`).
 weights, no host read); ``results`` reads every trial's values back in one transfer. Keys, their order and the cases
 that leave a key out are those of ``epoch_results``.
 
+Sums accumulate in the dtypes torchmetrics and ``RoutingStats`` use (float32 losses and squared errors, int64
+counts, float64 routing sums), so that values equal theirs; AUROC is computed once per epoch, in float64.
 How the values relate to torchmetrics' on the same per-batch inputs (finite predictions):
 
 * ``loss`` and ``<task>/loss``: equal, bit for bit (``MeanMetric``'s float32 products and sums; a NaN batch value is
@@ -71,7 +73,7 @@ class PackMetrics:
         self.tasks, self.n_experts, self.simplex, self.capacity = tasks, n_experts, simplex, capacity
         self.device = torch.device(device)
         self.task_weights = task_weights
-        self.every_trial = torch.ones(capacity, dtype=torch.bool, device=self.device)
+        self._every_trial = torch.ones(capacity, dtype=torch.bool, device=self.device)
         P, T, n = capacity, len(tasks), n_experts
 
         def zeros(*shape: int, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -93,14 +95,14 @@ class PackMetrics:
             t: [] for t, task in enumerate(tasks) if task.kind == "binary"}
 
     @property
-    def sums(self) -> tuple[Tensor, ...]:
+    def _sums(self) -> tuple[Tensor, ...]:
         return (self.batch_loss_sum, self.batch_loss_weight, self.task_loss_sum, self.task_loss_weight, self.updates,
                 self.rows, self.correct, self.squared_error, self.weight_sum, self.selected, self.violations,
                 self.empty, self.routed_rows)
 
     def reset(self) -> None:
         """Forget everything accumulated (a new epoch)."""
-        for tensor in self.sums:
+        for tensor in self._sums:
             tensor.zero_()
         for batches in self.scored.values():
             batches.clear()
@@ -127,7 +129,7 @@ class PackMetrics:
             active: ``[P]`` bool, the trials this batch counts for (``None``: all); the others' sums stay as they are.
             prediction_metrics: False counts losses and routing statistics only (a training epoch).
         """
-        live = self.every_trial if active is None else active
+        live = self._every_trial if active is None else active
         batch_size = weights.shape[1]
         self._add_mean(self.batch_loss_sum, self.batch_loss_weight, batch_loss,
                        torch.full_like(self.batch_loss_weight, batch_size), live)
@@ -221,7 +223,7 @@ class PackMetrics:
         columns, presence = self._columns()
         widths = [1 if values.ndim == 1 else values.shape[1] for _, values, _ in columns]
         table = torch.cat([values.double().view(self.capacity, -1) for _, values, _ in columns]
-                          + [presence.double(), self.task_weights.double()], dim=1).tolist()
+                          + [presence.double(), self.task_weights.to(self.device, torch.float64)], dim=1).tolist()
         n_values = sum(widths)
         results = []
         for row in table:
