@@ -47,7 +47,7 @@ from mtmoe.errors import UsageError  # noqa: E402
 from mtmoe.files import write_atomic, write_csv_atomic  # noqa: E402
 from mtmoe.gates import gate_class, list_gates  # noqa: E402
 from mtmoe.lit.callbacks import EpochTimer, RestoreBestWeights  # noqa: E402
-from mtmoe.lit.metrics import TASK_METRICS  # noqa: E402
+from mtmoe.tuning.trials import TASK_METRICS  # noqa: E402
 from mtmoe.lit.module import MultiTaskMoE  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out"

@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from mtmoe.errors import UsageError  # noqa: E402
-from mtmoe.lit.metrics import TASK_METRICS  # noqa: E402
+from mtmoe.tuning.trials import TASK_METRICS  # noqa: E402
 from mtmoe.files import write_atomic, write_csv_atomic  # noqa: E402
 from mtmoe.tuning.space import SearchSpace, load_space  # noqa: E402
 

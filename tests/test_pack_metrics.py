@@ -1,6 +1,5 @@
-"""``PackMetrics`` (``mtmoe.pack.metrics``): each trial of a pack gets what ``MultiTaskMoE.epoch_results`` reports for
-it alone (the module's own ``_step`` and ``epoch_results`` on the same network outputs, torchmetrics and
-``RoutingStats`` behind them): the same keys in the same order, the same values within ``RELATIVE_TOLERANCES``
+"""``PackMetrics`` (``mtmoe.pack.metrics``): each trial of a pack gets what one trial alone got from torchmetrics and
+``RoutingStats`` before the engine (``tests/metrics_reference.py``, on the same network outputs): the same keys in the same order, the same values within ``RELATIVE_TOLERANCES``
 (every other value exactly), for shared batches (evaluation) and per-trial batches (training), with ties in the binary
 predictions, a masked regression task, trials whose rows hold one class, trials left out by ``active``, and a task
 that sees no row. ``update``'s tensor operations do not depend on the pack's size and never read the host.
@@ -18,10 +17,10 @@ from torchmetrics.functional.classification import binary_auroc as torchmetrics_
 from mtmoe.dataset_info import DatasetInfo, TaskSpec
 from mtmoe.gates import gate_class
 from mtmoe.gates.base import GateOutput
-from mtmoe.lit.module import MultiTaskMoE
 from mtmoe.losses import multitask_loss, task_weights
 from mtmoe.mmoe import MMoEOutput
 from mtmoe.pack.metrics import PackMetrics, binary_auroc
+from metrics_reference import TrialMetrics
 
 RECSYS = (TaskSpec("watch", "binary"), TaskSpec("rating", "regression", masked=True))  # MovieLens' shape
 IMAGES = (TaskSpec("left", "multiclass", 10), TaskSpec("right", "multiclass", 10))  # MultiMNIST's shape
@@ -44,25 +43,13 @@ def alphas(tasks: tuple[TaskSpec, ...]) -> tuple[float | None, ...]:
     return ALPHAS if tasks == RECSYS else (None,) * P
 
 
-class Replay(nn.Module):
-    """Stands for a trial's network: returns the given outputs in turn."""
-
-    def __init__(self, outputs: list[MMoEOutput]) -> None:
-        super().__init__()
-        self.outputs = iter(outputs)
-
-    def forward(self, batch: Batch) -> MMoEOutput:
-        return next(self.outputs)
-
-
 def module_results(tasks, gate: str, alpha, batches: list[Batch], outputs: list[MMoEOutput], stage: str) -> dict:
-    """What ``MultiTaskMoE`` reports for one trial whose network output ``outputs`` on ``batches``."""
-    module = MultiTaskMoE(gate=gate_class(gate), info=dataset(tasks), alpha=alpha)
-    module.net = Replay(outputs)
-    module.log = lambda *args, **kwargs: None  # the training step's aux_loss, outside a Trainer
-    for batch in batches:
-        module._step(batch, stage)
-    return module.epoch_results(stage)
+    """What one trial alone reported (torchmetrics, ``RoutingStats``) for network outputs ``outputs`` on ``batches``."""
+    info = dataset(tasks)
+    reference = TrialMetrics(tasks, task_weights(info, alpha), N_EXPERTS, gate_class(gate).simplex, stage)
+    for batch, output in zip(batches, outputs):
+        reference.update(batch, output.predictions, [g.weights for g in output.gates])
+    return reference.results()
 
 
 def targets(tasks, size: int, g: torch.Generator) -> Batch:

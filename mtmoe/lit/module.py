@@ -39,7 +39,7 @@ from mtmoe.losses import task_weights
 from mtmoe.mmoe import MMoE, build_mmoe
 from mtmoe.pack.engine import EarlyStopping, PackEngine, Trial, TrialResult
 
-warnings.filterwarnings("ignore", message=r".*`configure_optimizers` returned `None`.*")
+warnings.filterwarnings("ignore", message=r".*configure_optimizers` returned `None`.*")
 
 
 def scalars(stage: str, results: dict[str, Any]) -> dict[str, float]:

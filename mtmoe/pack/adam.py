@@ -3,8 +3,10 @@
 The update of ``torch.optim.Adam`` (Kingma and Ba, Algorithm 1, with PyTorch's bias corrections; ``weight_decay``
 0, no amsgrad) on the flat ``[P, N]`` parameters and gradients, each trial with its own learning rate, epsilon and
 step count as ``[P]`` device tensors: the number of kernels does not depend on P, nothing is read on the host, and
-the step can be captured in a CUDA graph. Per trial it equals ``torch.optim.Adam`` to float32 rounding (its fused
-kernel uses fused multiply-adds; tested).
+the step can be captured in a CUDA graph. The arithmetic is that of ``torch.optim.Adam(fused=True)``'s CPU kernel,
+operation for operation (the coefficients in float64, cast once; the moments and the update in float32), so on a
+CPU a trial follows ``fit``'s former optimiser bitwise; CUDA's fused kernel contracts some products into fused
+multiply-adds, which element-wise kernels do not reproduce: there the two agree to float32 rounding (tested).
 
 As ``torch.optim.Adam`` leaves a parameter whose gradient is ``None`` as it is, :meth:`PackedAdam.step` leaves the
 parameters a trial did not use in the step (``skip``: local search's matrix once the permutation is frozen) with
@@ -28,9 +30,9 @@ class PackedAdam:
         self.exp_avg = torch.zeros_like(stack.flat)
         self.exp_avg_sq = torch.zeros_like(stack.flat)
         capacity, device = stack.capacity, stack.device
-        self.steps = torch.zeros(capacity, 1, device=device)
-        self.lr = torch.zeros(capacity, 1, device=device)
-        self.eps = torch.zeros(capacity, 1, device=device)
+        self.steps = torch.zeros(capacity, 1, dtype=torch.float64, device=device)
+        self.lr = torch.zeros(capacity, 1, dtype=torch.float64, device=device)
+        self.eps = torch.zeros(capacity, 1, dtype=torch.float64, device=device)
 
     @torch.no_grad()
     def reset(self, slot: int, lr: float, eps: float) -> None:
@@ -66,12 +68,14 @@ class PackedAdam:
                 for name, mask in (skip or {}).items()}
         self.steps.add_(1.0)
         beta1, beta2 = BETAS
+        dtype = param.dtype
+        step_size = (self.lr / (1 - torch.pow(beta1, self.steps))).to(dtype)  # [P, 1]: per-trial coefficients
+        bias_correction2_sqrt = (1 - torch.pow(beta2, self.steps)).sqrt().to(dtype)
+        eps = self.eps.to(dtype)
         exp_avg.lerp_(grad, 1 - beta1)
-        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        bias_correction1 = 1 - torch.pow(beta1, self.steps)
-        bias_correction2_sqrt = (1 - torch.pow(beta2, self.steps)).sqrt_()
-        denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(self.eps)
-        param.sub_((exp_avg / denom).mul_(self.lr / bias_correction1))
+        exp_avg_sq.mul_(beta2).add_(grad * (1 - beta2) * grad)
+        denom = exp_avg_sq.sqrt().div_(bias_correction2_sqrt).add_(eps)
+        param.sub_((step_size * exp_avg).div_(denom))
         for name, (mask, saved) in kept.items():
             columns = self.stack.columns[name]
             for tensor, old in zip((param, exp_avg, exp_avg_sq), saved):

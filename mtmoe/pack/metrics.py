@@ -27,8 +27,8 @@ import torch
 from torch import Tensor
 
 from mtmoe.dataset_info import TaskSpec
-from mtmoe.lit.metrics import SIMPLEX_TOLERANCE
 
+SIMPLEX_TOLERANCE = 1e-5  # a simplex gate's row summing further from 1 counts as a violation
 BINARY_THRESHOLD = 0.5  # BinaryAccuracy's default threshold on the probability
 ROUTING_KEYS = ("experts_per_sample", "utilisation", "selection_rate", "unused_experts", "zero_expert_fraction",
                 "simplex_violations")  # RoutingStats' order

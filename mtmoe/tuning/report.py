@@ -30,9 +30,10 @@ from typing import Any
 
 import pandas as pd
 
-from mtmoe.lit.metrics import TASK_METRICS
 from mtmoe.tuning.storage import display_url
-from mtmoe.tuning.trials import as_text, collect, output_dir, paper_order, parse_strict, studies_parser, write_outputs
+from mtmoe.tuning.trials import (
+    TASK_METRICS, as_text, collect, output_dir, paper_order, parse_strict, studies_parser, write_outputs,
+)
 
 TOP_FRACTION = 0.05
 SIGNIFICANCE = 0.05
