@@ -297,8 +297,9 @@ class LogSinkhorn(torch.autograd.Function):
                                  out, n, max_iterations, BLOCK=_block(n))
             return out, None, None, None, None
         g = grad.detach().to("cpu", torch.float64, copy=True, memory_format=torch.contiguous_format)
-        _backward_cpu(g.numpy(), grad_penalty.detach().cpu().double().numpy(), d_penalty.numpy(), rows.numpy(),
-                      cols.numpy(), tau.cpu().numpy(), iterations.cpu().numpy())
+        g_penalty = grad_penalty.detach().to("cpu", torch.float64).contiguous()
+        _backward_cpu(g.numpy(), g_penalty.numpy(), d_penalty.numpy(), rows.numpy(), cols.numpy(), tau.cpu().numpy(),
+                      iterations.cpu().numpy())
         return g.to(grad.device, grad.dtype), None, None, None, None
 
     @staticmethod
