@@ -322,7 +322,9 @@ def log_sinkhorn(u: Tensor, tau: Tensor, iterations: Tensor, entropy_scale: Tens
     Matrix ``b`` is ``iterations[b]`` log-space rounds on ``u[b] / tau[b]``, its penalty ``entropy_scale[b] *
     H(P_b)``: the column entropy of ``P_b`` plus the row entropy of ``P_b`` normalised by its row sums, with
     ``log(x + 1e-6)`` (the official code's). ``tau`` and ``entropy_scale`` are float64 ``[M]`` and ``iterations``
-    int64 ``[M]`` with ``1 <= R <= max_iterations``, on ``u``'s device; the gradient flows to ``u`` only.
+    int64 ``[M]``, on ``u``'s device; the gradient flows to ``u`` only. R must be in ``[1, max_iterations]``, the
+    room of the saved softmaxes: a ValueError otherwise, except on CUDA, where checking would synchronise and the
+    kernels clamp R into that range instead.
     """
     p, penalty, *_ = LogSinkhorn.apply(u, tau, iterations, entropy_scale, max_iterations)
     return p, penalty
@@ -338,7 +340,8 @@ def _per_matrix(value: Tensor | float, m: int, dtype: torch.dtype, device: torch
 def sinkhorn_and_penalty(u: Tensor, tau: Tensor | float, iterations: Tensor | int, zeta: Tensor | float,
                          max_iterations: int = MAX_ITERATIONS) -> tuple[Tensor, Tensor]:
     """One trial's ``P = sinkhorn(u, tau, R)`` ``[m, n, n]`` and its entropy penalty ``zeta * mean_b H(P_b)``
-    (§4.3, ``H`` as in :func:`log_sinkhorn`), in one call; ``tau``, ``R`` and ``zeta`` 0-d tensors or Python numbers.
+    (§4.3, ``H`` as in :func:`log_sinkhorn`), in one call; ``tau``, ``R`` and ``zeta`` are 0-d tensors on ``u``'s
+    device or Python numbers.
 
     Under ``torch.func.vmap`` over trials (``u`` ``[P, m, n, n]``, ``tau``, ``R``, ``zeta`` ``[P]``) all trials'
     matrices go to the kernels as one batch.

@@ -402,16 +402,16 @@ def test_a_cuda_graph_replays_a_pack_step_with_new_schedules() -> None:
     with torch.cuda.graph(graph):
         p, penalty = step()
     grad = leaf.grad
-    for shift, trials in [(0, TRIALS), (1, TRIALS[1:] + TRIALS[:1])]:
-        new_u = u.roll(shift, dims=0) * 0.5
+    for trials in (TRIALS[1:] + TRIALS[:1], TRIALS[::-1]):
+        new_u, _, *values = trial_pack(2, n, dtype, trials)
         with torch.no_grad():
             leaf.copy_(new_u)
-        for tensor, values in zip((tau, iterations, zeta), schedules(trials)):
-            tensor.copy_(values)
+        for tensor, value in zip((tau, iterations, zeta), values):
+            tensor.copy_(value)
         graph.replay()
         torch.cuda.synchronize()
         for k, (tau_k, iterations_k, zeta_k) in enumerate(trials):
-            alone = new_u[k].cpu().requires_grad_()
+            alone = new_u[k].clone().requires_grad_()
             p_k, penalty_k = sinkhorn_and_penalty(alone, tau_k, iterations_k, zeta_k)
             ((p_k * upstream[k].cpu()).sum() + penalty_k).backward()
             assert_close_to_the_numba_loops((p[k], penalty[k], grad[k]), (p_k.detach(), penalty_k.detach(),
