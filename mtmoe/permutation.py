@@ -165,10 +165,10 @@ class LocalSearch(ScalarSettings):
             return torch.where(searching, self._apply_soft(weights, p), hard), None
         if not self.window_set:
             raise RuntimeError("LocalSearch.set_window(steps_per_epoch) must be called before training")
-        if not self.may_search:
-            return hard, weights.new_zeros(())
         step = torch.where(self.step < self.window, self.step + 1, self.step)  # stops at the window's end
         self.step.copy_(step)
+        if not self.may_search:
+            return hard, weights.new_zeros(())
         searching = step < self.window
         p, penalty = sinkhorn_and_penalty(self.log_weights, *self._schedule(step, searching), self.zeta)
         self.soft.copy_(torch.where(searching, p.detach(), self.soft))
@@ -192,15 +192,17 @@ class LocalSearch(ScalarSettings):
         return self.rounded.argmax(-1).tolist()
 
     def statistics(self) -> dict[str, float]:
-        """Distance of the soft matrix from its rounding, experts moved from the identity, and schedule position."""
+        """Distance of the soft matrix from its rounding, experts moved from the identity, and the schedule of the
+        last soft step (tau, R; none before the first)."""
         hard = self.rounded
         moved = (hard.argmax(-1) != torch.arange(self.n_experts, device=hard.device)).sum(-1).float().mean()
-        tau, iterations = schedule(self.step, self.window)
-        return {
+        stats = {
             "step": float(self.step),
             "frozen": float(self.frozen),
             "moved_experts": float(moved),
             "soft_to_rounded_max_abs": float((self.soft - hard).abs().max()) if self.soft.any() else 0.0,
-            "tau": float(tau),
-            "iterations": float(iterations),
         }
+        if int(self.step) > 0:
+            tau, iterations = schedule(torch.minimum(self.step, self.window - 1), self.window)
+            stats.update(tau=float(tau), iterations=float(iterations))
+        return stats

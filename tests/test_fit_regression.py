@@ -1,10 +1,14 @@
 """``fit`` reproduces its recorded results (``tests/fit_regression.py``: every registered gate and "+" variant on the
-real MovieLens-100K, dropout off and on, a short budget, seed 0), recorded at commit 46207d7 with the training
-loop of that time (Lightning's automatic optimisation, ``torch.optim.Adam(fused=True)``).
+real MovieLens-100K, dropout off and on, a short budget, seed 0).
 
-Tolerances: losses and MSE to 2e-5 relative (float32 rounding through 48 Adam steps); AUC to 1e-4 and accuracy to
-two rows of the 512 evaluated (a prediction at the 0.5 threshold may round the other way); the routing statistics to
-1e-5; epochs, best epoch and the rounded permutation exactly.
+The runs that draw no random number in training (dropout off; SparseMixer samples) are checked against the record of
+the training loop before the engine (commit 46207d7): the engine reproduces them to float32 rounding. The others
+draw from the per-trial random streams since issue 25 and are checked against the engine's own record.
+
+Tolerances: losses and MSE to 1e-5 relative (float32 rounding through 48 Adam steps; measured worst 2.6e-6); AUC to
+1e-4 and accuracy to two rows of the 512 evaluated (a prediction at a tie or at the 0.5 threshold may round the other
+way; measured worst AUC 6.6e-5); the routing statistics to 1e-5; epochs, best epoch and the rounded permutation
+exactly.
 """
 from __future__ import annotations
 
@@ -14,12 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from fit_regression import RECORD, fit_results, variants
+from fit_regression import RECORD, STREAMS_RECORD, draws_from_streams, fit_results, variants
 
 DATA = Path(os.environ.get("MTMOE_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not (DATA / "ml-100k" / "u.data").exists(),
                                                    reason="needs the real MovieLens-100K (MTMOE_DATA)")]
-EXPECTED = json.loads(RECORD.read_text())
 
 
 def tolerance(key: str) -> dict:
@@ -28,7 +31,7 @@ def tolerance(key: str) -> dict:
     if key.endswith("auroc"):
         return {"rel": 0, "abs": 1e-4}
     if "loss" in key or key.endswith("mse"):
-        return {"rel": 2e-5, "abs": 0}
+        return {"rel": 1e-5, "abs": 0}
     return {"rel": 0, "abs": 1e-5}
 
 
@@ -36,7 +39,8 @@ def tolerance(key: str) -> dict:
 @pytest.mark.parametrize("gate", variants())
 def test_fit_reproduces_its_recorded_results(gate: str, dropout: str, tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("MTMOE_DATA", str(DATA))
-    expected = EXPECTED[f"{gate}/dropout={dropout}"]
+    record = STREAMS_RECORD if draws_from_streams(gate, dropout == "on") else RECORD
+    expected = json.loads(record.read_text())[f"{gate}/dropout={dropout}"]
     got = fit_results(gate, dropout == "on", tmp_path)
     assert (got["epochs_run"], got["best_epoch"]) == (expected["epochs_run"], expected["best_epoch"])
     assert got.get("permutation") == expected.get("permutation")

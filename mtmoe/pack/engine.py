@@ -159,6 +159,8 @@ class PackEngine:
 
     def set_steps_per_epoch(self, steps: int) -> None:
         self.steps_per_epoch = steps
+        if self.search is not None:  # the slots' windows are their own buffers, set with each trial's own E_perm
+            self.search.window_set = True
         for _, trial in self.running:
             self._schedule(trial)
 
