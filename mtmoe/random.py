@@ -102,24 +102,31 @@ def _positions(shape: tuple[int, ...] | torch.Size, device: torch.device | str) 
     return torch.arange(numel, device=device).view(shape)
 
 
+def _precision(dtype: torch.dtype) -> int:
+    """The significand bits of a floating dtype (24 for float32)."""
+    return 1 - round(math.log2(torch.finfo(dtype).eps))
+
+
 def uniform(seed: Tensor, site: int, step: Tensor, shape: tuple[int, ...], device: torch.device | str,
             dtype: torch.dtype = torch.float64) -> Tensor:
     """Uniforms in [0, 1) of ``shape``, element ``i`` (flat index) from ``random_bits(..., i)``: its top ``d`` bits
     times 2^-d, where ``d`` is ``dtype``'s precision (at most 32), so every value is exact in ``dtype``.
     Per-trial under vmap (``seed``, ``step`` per trial)."""
-    digits = min(32, 1 - round(math.log2(torch.finfo(dtype).eps)))
+    digits = min(32, _precision(dtype))
     bits = random_bits(seed, site, step, _positions(shape, device))
     return (bits >> (32 - digits)).to(dtype) * 2.0**-digits
 
 
 def gumbel(seed: Tensor, site: int, step: Tensor, shape: tuple[int, ...], device: torch.device | str,
            dtype: torch.dtype = torch.float64) -> Tensor:
-    """Standard Gumbel noise ``-log(E)`` with ``E = -log(u) ~ Exponential(1)`` (Gumbel-max sampling), where
-    ``u = (bits + 1/2) 2^-32`` lies in (0, 1), so every value is finite. Computed in float64 for a float64
-    ``dtype``, else in float32, then cast."""
+    """Standard Gumbel noise ``-log(E)`` with ``E = -log(u) ~ Exponential(1)`` (Gumbel-max sampling), computed in
+    float64 for a float64 ``dtype``, else in float32, then cast. ``u = (k + 1/2) 2^-d`` with ``k`` the top ``d``
+    bits of ``random_bits(..., i)``, ``d`` one less than the computing dtype's precision (at most 32): ``u`` is
+    exact and strictly inside (0, 1), so every value is finite."""
     compute = torch.float64 if dtype == torch.float64 else torch.float32
+    digits = min(32, _precision(compute) - 1)
     bits = random_bits(seed, site, step, _positions(shape, device))
-    u = (bits.to(compute) + 0.5) * 2.0**-32
+    u = ((bits >> (32 - digits)).to(compute) + 0.5) * 2.0**-digits
     return (-(-u.log()).log()).to(dtype)
 
 
@@ -292,8 +299,8 @@ def _dropout_kernel(h: Tensor, seed: Tensor, step: Tensor, site: int, p: float) 
     if h.shape[:len(trials)] != trials:
         raise ValueError(f"h {tuple(h.shape)} does not start with the trials' shape {tuple(trials)}")
     count, n = math.prod(trials), math.prod(h.shape[len(trials):])
-    if n > MAX_POSITIONS:
-        raise ValueError(f"a stream has 2^32 positions, a trial's {n} elements need {n}")
+    if (n + 1) // 2 > MAX_POSITIONS:
+        raise ValueError(f"a trial's stream has 2^32 words (two dropout decisions each), {n} elements need more")
     if not (_use_triton(h) or h.device.type == "cpu") or h.numel() == 0:
         return dropout_reference(h, seed, site, step, p)
     seeds = seed.expand(trials).reshape(count).contiguous()

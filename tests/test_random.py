@@ -274,6 +274,13 @@ def test_the_reference_reads_nothing_on_the_host() -> None:
         bool(seed > 3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_gumbel_noise_is_finite_at_the_extreme_bits(dtype: torch.dtype, monkeypatch) -> None:
+    monkeypatch.setattr(module, "random_bits", lambda seed, site, step, position: tensor([0, LOW32]))
+    noise = gumbel(tensor(0), SITE, tensor(0), (2,), "cpu", dtype)
+    assert bool(torch.isfinite(noise).all()) and float(noise[0]) < float(noise[1])
+
+
 def test_uniform_and_gumbel_distributions() -> None:
     u = uniform(tensor(0), SITE, tensor(0), (1 << 15,), "cpu").numpy()
     assert scipy.stats.kstest(u, "uniform").pvalue > 1e-3
