@@ -1,6 +1,7 @@
 """Dropout on the MovieLens expert layer's activations: today's mask against the per-trial stream (issue 25).
 
     OMP_NUM_THREADS=1 python benchmarks/bench_random.py            # CPU, one thread
+    OMP_NUM_THREADS=1 python benchmarks/bench_random.py --dtype bfloat16
     python benchmarks/bench_random.py --device cuda --repeats 50    # a GPU (the Triton kernel)
 
 For ``h`` [512, 4096] (one trial) and a vmapped pack [8, 512, 4096], forward and backward (``torch.autograd.grad``
@@ -63,16 +64,17 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--pack", type=int, default=8)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     args = parser.parse_args()
     keep_freed_memory()  # as the trainers do
-    device = args.device
-    print(f"device {device}, torch threads {torch.get_num_threads()}, median of {args.repeats}\n")
+    device, dtype = args.device, getattr(torch, args.dtype)
+    print(f"device {device}, {args.dtype}, torch threads {torch.get_num_threads()}, median of {args.repeats}\n")
     print("| h | method | forward ms | backward ms |")
     print("|---|---|---|---|")
     for pack in (None, args.pack):
         shape = (512, 4096) if pack is None else (pack, 512, 4096)
-        h = torch.rand(shape, device=device).requires_grad_()
-        grad = torch.randn(shape, device=device)
+        h = torch.rand(shape, device=device, dtype=dtype).requires_grad_()
+        grad = torch.randn(shape, device=device, dtype=dtype)
         seed = torch.tensor(12345, device=device) if pack is None else torch.arange(pack, device=device) + 12345
         step = torch.tensor(7, device=device) if pack is None else torch.arange(pack, device=device) * 3
         for name, function in (("today", today), ("fused", fused), ("reference", reference)):

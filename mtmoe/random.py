@@ -10,20 +10,21 @@ The generator (:func:`random_bits`, 32 bits per position) is a keyed counter-mod
 Salmon et al., "Parallel random numbers: as easy as 1, 2, 3" (SC'11): a keyed bijection applied to a counter.
 
 * The permutation ``H`` is ``lowbias32`` from Chris Wellons' hash-prospector
-  (https://github.com/skeeto/hash-prospector, README, "lowbias32"): two xorshift-multiply rounds found by search
-  for the lowest avalanche bias among such functions (every input bit flips every output bit with probability
-  close to 1/2).
+  (https://github.com/skeeto/hash-prospector, README, "lowbias32"): a bijection of 32-bit values, two
+  xorshift-multiply rounds whose constants were found by searching for low avalanche bias (every input bit flips
+  every output bit with probability close to 1/2).
 * The key, 64 bits as two 32-bit lanes, absorbs the 32-bit words ``seed_lo, seed_hi, step_lo, step_hi`` (the
   int64 tensors' two's-complement halves) by ``s <- H(s ^ word)``, each lane from its own initial value
   ``H(2 site + lane)``: the lanes ``(k1, k2)`` are two unrelated functions of ``(seed, site, step)``.
 * A position's bits are ``H(H(position ^ k1) ^ k2)``: the two-round key-alternating (iterated Even-Mansour)
   structure over the public permutation ``H`` (Even and Mansour, J. Cryptology 1997; Bogdanov et al.,
-  EUROCRYPT 2012). For one key it is a permutation of the 2^32 positions; keys that differ in any bit give
-  unrelated streams, whereas a single ``H(position ^ key)`` would give streams that are the same values
-  at shuffled positions.
+  EUROCRYPT 2012). For one key it is a permutation of the 2^32 positions (no value repeats within a stream); the
+  streams of two keys have no simple relation, whereas with a single ``H(position ^ key)`` two keys would give
+  the same values at shuffled positions.
 
-The statistics (uniformity of the bits, independence across seeds, steps and neighbouring positions) are checked in
-``tests/test_random.py``.
+:func:`dropout` takes two decisions from each 32-bit word (its 16-bit halves); :func:`uniform`, :func:`gumbel`
+and :func:`bernoulli` take one word per element. The statistics (uniformity of the bits, independence of
+neighbouring positions and across seeds, steps and sites) are checked in ``tests/test_random.py``.
 
 Three implementations give bitwise identical bits: the torch reference (int64 tensor operations, each exact: 32-bit
 values are masked before every multiplication and the multiplier ``0x846ca68b`` is used as ``0x846ca68b - 2^32``,
