@@ -1,51 +1,411 @@
-"""Counter-based random streams: a trial's every random draw in training is a pure function of its seed, the draw
-site, its own training step and the element's position (issue 25), computed on the device for all trials of a pack
-at once, so that a trial draws the same alone and in any pack (provisional pure-torch generator)."""
+"""Per-trial counter-based random streams (issue 25): every random draw in training is a pure function of the
+trial's ``seed``, the draw ``site``, the trial's own training ``step`` and the element's ``position``.
+
+A trial's draws then depend on nothing else: not on its slot in a pack, its neighbours, the pack size or the
+refill timing, and the unpacked ``fit`` draws the same bits. ``seed`` and ``step`` are int64 tensors (0-d for one
+trial, buffers of its model; per-trial under ``torch.func.vmap``), so the draws of all trials are one computation on
+the device, with no host reads.
+
+The generator (:func:`random_bits`, 32 bits per position) is a keyed counter-mode construction in the sense of
+Salmon et al., "Parallel random numbers: as easy as 1, 2, 3" (SC'11): a keyed bijection applied to a counter.
+
+* The permutation ``H`` is ``lowbias32`` from Chris Wellons' hash-prospector
+  (https://github.com/skeeto/hash-prospector, README, "lowbias32"): a bijection of 32-bit values, two
+  xorshift-multiply rounds whose constants were found by searching for low avalanche bias (every input bit flips
+  every output bit with probability close to 1/2).
+* The key, 64 bits as two 32-bit lanes, absorbs the 32-bit words ``seed_lo, seed_hi, step_lo, step_hi`` (the
+  int64 tensors' two's-complement halves) by ``s <- H(s ^ word)``, each lane from its own initial value
+  ``H(2 site + lane)``: the lanes ``(k1, k2)`` are two unrelated functions of ``(seed, site, step)``.
+* A position's bits are ``H(H(position ^ k1) ^ k2)``: the two-round key-alternating (iterated Even-Mansour)
+  structure over the public permutation ``H`` (Even and Mansour, J. Cryptology 1997; Bogdanov et al.,
+  EUROCRYPT 2012). For one key it is a permutation of the 2^32 positions (no value repeats within a stream); the
+  streams of two keys have no simple relation, whereas with a single ``H(position ^ key)`` two keys would give
+  the same values at shuffled positions.
+
+:func:`dropout` takes two decisions from each 32-bit word (its 16-bit halves); :func:`uniform`, :func:`gumbel`
+and :func:`bernoulli` take one word per element. The statistics (uniformity of the bits, independence of
+neighbouring positions and across seeds, steps and sites) are checked in ``tests/test_random.py``.
+
+Three implementations give bitwise identical bits: the torch reference (int64 tensor operations, each exact: 32-bit
+values are masked before every multiplication and the multiplier ``0x846ca68b`` is used as ``0x846ca68b - 2^32``,
+so no product leaves int64; it vmaps, runs on any device, reads nothing on the host and has no data-dependent
+shape, so it can be captured in a CUDA graph), a numba kernel for CPU tensors and a Triton kernel for CUDA tensors
+(the latter two for :func:`dropout`, in uint32 arithmetic). CI runs the Triton kernel on CPU tensors in Triton's
+interpreter (``TRITON_INTERPRET=1``).
+"""
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass
 
+import numba
+import numpy as np
 import torch
 from torch import Tensor
 
-_MIX = 0x45D9F3B
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - Triton ships with CUDA builds of torch
+    triton = None
+
 _LOW32 = 0xFFFFFFFF
+_M1, _M2 = 0x7FEB352D, 0x846CA68B  # lowbias32's multipliers
+_M2_SIGNED = _M2 - 2**32  # the same product modulo 2^32, and |x * _M2_SIGNED| < 2^63 for 32-bit x
+MAX_SITE = 2**31  # sites are 0 <= site < 2^31: the lanes' initial values H(2 site + lane) are distinct
+MAX_POSITIONS = 2**32
 
 
-def _mix32(x: Tensor) -> Tensor:
-    x = (((x >> 16) ^ x) * _MIX) & _LOW32
-    x = (((x >> 16) ^ x) * _MIX) & _LOW32
-    return (x >> 16) ^ x
+def _lowbias32(x):
+    """``lowbias32`` (hash-prospector) of 32-bit values held in int64 tensors or Python ints; exact in int64."""
+    x = x ^ (x >> 16)
+    x = (x * _M1) & _LOW32
+    x = x ^ (x >> 15)
+    x = (x * _M2_SIGNED) & _LOW32
+    return x ^ (x >> 16)
 
 
-def bits(seed: Tensor, site: int, step: Tensor, numel: int) -> Tensor:
-    """32 random bits (int64) per position 0..numel-1."""
-    key = _mix32(_mix32(seed & _LOW32) ^ ((seed >> 32) & _LOW32) ^ site)
-    key = _mix32(key ^ (step & _LOW32))
-    position = torch.arange(numel, device=seed.device)
-    return _mix32(_mix32((position + key) & _LOW32) ^ 0x9E3779B9)
+def _initial_lanes(site: int) -> tuple[int, int]:
+    """The key lanes' initial values for ``site``: ``H(2 site)`` and ``H(2 site + 1)``."""
+    if not 0 <= site < MAX_SITE:
+        raise ValueError(f"a draw site must be an int in [0, 2^31), got {site!r}")
+    return _lowbias32(2 * site), _lowbias32(2 * site + 1)
+
+
+def _words(value: Tensor) -> tuple[Tensor, Tensor]:
+    """The low and high 32-bit halves of an int64 tensor's two's-complement bits."""
+    return value & _LOW32, (value >> 32) & _LOW32
+
+
+def _keys(seed: Tensor, site: int, step: Tensor) -> tuple[Tensor, Tensor]:
+    """The two 32-bit key lanes of ``(seed, site, step)``, shaped as ``seed`` and ``step`` broadcast."""
+    iv0, iv1 = _initial_lanes(site)
+    state = torch.arange(2, device=seed.device) * (iv1 - iv0) + iv0
+    for word in (*_words(seed), *_words(step)):
+        state = _lowbias32(state ^ word.unsqueeze(-1))
+    return state[..., 0], state[..., 1]
+
+
+def random_bits(seed: Tensor, site: int, step: Tensor, position: Tensor) -> Tensor:
+    """32 random bits (an int64 tensor in [0, 2^32)) for each ``position`` (int64 in [0, 2^32)) of the stream
+    ``(seed, site, step)``; ``seed``, ``step`` (int64) and ``position`` broadcast together. The torch reference."""
+    if seed.dtype != torch.int64 or step.dtype != torch.int64:
+        raise TypeError(f"seed and step must be int64 tensors, got {seed.dtype} and {step.dtype}")
+    k1, k2 = _keys(seed, site, step)
+    return _lowbias32(_lowbias32(position ^ k1) ^ k2)
+
+
+def _positions(shape: tuple[int, ...] | torch.Size, device: torch.device | str) -> Tensor:
+    """Flat indices ``0 .. numel - 1`` viewed as ``shape``."""
+    numel = math.prod(shape)
+    if numel > MAX_POSITIONS:
+        raise ValueError(f"a stream has 2^32 positions, {tuple(shape)} needs {numel}")
+    return torch.arange(numel, device=device).view(shape)
+
+
+def _precision(dtype: torch.dtype) -> int:
+    """The significand bits of a floating dtype (24 for float32)."""
+    return 1 - round(math.log2(torch.finfo(dtype).eps))
+
+
+def uniform(seed: Tensor, site: int, step: Tensor, shape: tuple[int, ...], device: torch.device | str,
+            dtype: torch.dtype = torch.float64) -> Tensor:
+    """Uniforms in [0, 1) of ``shape``, element ``i`` (flat index) from ``random_bits(..., i)``: its top ``d`` bits
+    times 2^-d, where ``d`` is ``dtype``'s precision (at most 32), so every value is exact in ``dtype``.
+    Per-trial under vmap (``seed``, ``step`` per trial)."""
+    digits = min(32, _precision(dtype))
+    bits = random_bits(seed, site, step, _positions(shape, device))
+    return (bits >> (32 - digits)).to(dtype) * 2.0**-digits
+
+
+def gumbel(seed: Tensor, site: int, step: Tensor, shape: tuple[int, ...], device: torch.device | str,
+           dtype: torch.dtype = torch.float64) -> Tensor:
+    """Standard Gumbel noise ``-log(E)`` with ``E = -log(u) ~ Exponential(1)`` (Gumbel-max sampling), computed in
+    float64 for a float64 ``dtype``, else in float32, then cast. ``u = (k + 1/2) 2^-d`` with ``k`` the top ``d``
+    bits of ``random_bits(..., i)``, ``d`` one less than the computing dtype's precision (at most 32): ``u`` is
+    exact and strictly inside (0, 1), so every value is finite."""
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    digits = min(32, _precision(compute) - 1)
+    bits = random_bits(seed, site, step, _positions(shape, device))
+    u = ((bits >> (32 - digits)).to(compute) + 0.5) * 2.0**-digits
+    return (-(-u.log()).log()).to(dtype)
+
+
+def bernoulli(seed: Tensor, site: int, step: Tensor, shape: tuple[int, ...], p: float,
+              device: torch.device | str) -> Tensor:
+    """Boolean coins of ``shape``, true with probability ``round(p 2^32) / 2^32``: ``random_bits < round(p 2^32)``
+    (exact for every dtype and device)."""
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"a probability must be in [0, 1], got {p}")
+    return random_bits(seed, site, step, _positions(shape, device)) < round(p * 2**32)
+
+
+def dropout_threshold(p: float) -> int:
+    """The 16-bit threshold ``round(65536 p)``: an element is kept when its 16 bits are at least this, i.e. with
+    probability ``1 - round(65536 p) / 65536`` (exact for p = 0.5 and every multiple of 2^-16)."""
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+    return round(p * 65536)
+
+
+def dropout_scale(p: float) -> float:
+    """The kept elements' multiplier, ``1 / (1 - p)`` rounded to float32 (for every dtype of ``h``)."""
+    return float(np.float32(1.0 / (1.0 - p)))
+
+
+def dropout_reference(h: Tensor, seed: Tensor, site: int, step: Tensor, p: float) -> Tensor:
+    """:func:`dropout` in torch operations (the reference): ``(h * keep) * dropout_scale(p)``.
+
+    ``seed`` and ``step`` (broadcast together) index the trials along ``h``'s leading dimensions, so
+    ``h.shape[:seed.dim()]`` is their shape; each trial's elements are numbered by their flat index in the rest.
+    """
+    trials = torch.broadcast_shapes(seed.shape, step.shape)
+    shape = h.shape[len(trials):]
+    if h.shape[:len(trials)] != trials:
+        raise ValueError(f"h {tuple(h.shape)} does not start with the trials' shape {tuple(trials)}")
+    numel = math.prod(shape)
+    words = random_bits(seed.unsqueeze(-1), site, step.unsqueeze(-1), _positions(((numel + 1) // 2,), h.device))
+    halves = torch.stack((words & 0xFFFF, words >> 16), dim=-1).flatten(-2)[..., :numel]
+    keep = (halves >= dropout_threshold(p)).reshape(*trials, *shape)
+    return (h * keep) * dropout_scale(p)
+
+
+# ---- numba (CPU tensors) -------------------------------------------------------------------------------------------
+
+_CHUNK = 1024  # words hashed per pass: the passes stay in L1
+_U32_M1, _U32_M2 = np.uint32(_M1), np.uint32(_M2)
+
+
+@numba.njit(cache=True, inline="always")
+def _lowbias32_passes(words: np.ndarray, count: int) -> None:
+    """``lowbias32`` of ``words[:count]`` (uint32, in place), one loop per round: each loop loads and stores uint32,
+    which is what lets LLVM keep 32-bit SIMD lanes (numba computes with 64-bit integers)."""
+    for j in range(count):
+        x = words[j]
+        words[j] = (x ^ (x >> np.uint32(16))) * _U32_M1
+    for j in range(count):
+        x = words[j]
+        words[j] = (x ^ (x >> np.uint32(15))) * _U32_M2
+    for j in range(count):
+        x = words[j]
+        words[j] = x ^ (x >> np.uint32(16))
+
+
+@numba.njit(cache=True, inline="always")
+def _derive_keys(lanes: np.ndarray, seed: int, step: int, iv0: int, iv1: int) -> None:
+    """The key lanes of ``(seed, site, step)`` into ``lanes`` (uint32 [2]), from the site's initial values."""
+    lanes[0], lanes[1] = np.uint32(iv0), np.uint32(iv1)
+    for word in (seed & _LOW32, (seed >> 32) & _LOW32, step & _LOW32, (step >> 32) & _LOW32):
+        lanes[0] ^= np.uint32(word)
+        lanes[1] ^= np.uint32(word)
+        _lowbias32_passes(lanes, 2)
+
+
+@numba.njit(cache=True, inline="always")
+def _stream(words: np.ndarray, count: int, first: int, k1: np.uint32, k2: np.uint32) -> None:
+    """``words[:count]`` = the bits of positions ``first .. first + count - 1`` under the key ``(k1, k2)``."""
+    for j in range(count):
+        words[j] = np.uint32(first + j) ^ k1
+    _lowbias32_passes(words, count)
+    for j in range(count):
+        words[j] ^= k2
+    _lowbias32_passes(words, count)
+
+
+@numba.njit(cache=True)
+def _dropout_cpu(h: np.ndarray, out: np.ndarray, seeds: np.ndarray, steps: np.ndarray, iv0: int, iv1: int,
+                 threshold: np.uint32, scale: np.float32) -> None:
+    """``out[t] = h[t] * (keep * scale)`` for each trial ``t`` of ``h`` ``[T, n]``: element ``i`` is kept when the
+    16-bit half ``i & 1`` of word ``i >> 1`` of the trial's stream is at least ``threshold``. One pass over ``h``;
+    the multiplier is formed without a branch (random branches would be mispredicted half the time)."""
+    trials, n = h.shape
+    lanes = np.empty(2, np.uint32)
+    words = np.empty(_CHUNK, np.uint32)
+    for t in range(trials):
+        _derive_keys(lanes, seeds[t], steps[t], iv0, iv1)
+        for start in range(0, n, 2 * _CHUNK):
+            m = min(2 * _CHUNK, n - start)
+            _stream(words, (m + 1) // 2, start // 2, lanes[0], lanes[1])
+            h_chunk, out_chunk = h[t, start:start + m], out[t, start:start + m]
+            for j in range(m // 2):
+                x = words[j]
+                out_chunk[2 * j] = h_chunk[2 * j] * (scale * np.float32((x & np.uint32(0xFFFF)) >= threshold))
+                out_chunk[2 * j + 1] = h_chunk[2 * j + 1] * (scale * np.float32((x >> np.uint32(16)) >= threshold))
+            if m % 2:
+                x = words[m // 2]
+                out_chunk[m - 1] = h_chunk[m - 1] * (scale * np.float32((x & np.uint32(0xFFFF)) >= threshold))
+
+
+# ---- Triton (CUDA tensors) -----------------------------------------------------------------------------------------
+
+if triton is not None:
+
+    @triton.jit
+    def _lowbias32_triton(x):
+        """``lowbias32`` of uint32 values (products truncated to 32 bits whatever the constants' inferred type)."""
+        x = x ^ (x >> 16)
+        x = (x * 0x7FEB352D).to(tl.uint32)
+        x = x ^ (x >> 15)
+        x = (x * 0x846CA68B).to(tl.uint32)
+        return x ^ (x >> 16)
+
+    @triton.jit
+    def _absorb(lane, word):
+        """One step of the key schedule: ``H(lane ^ word)`` for an int64 ``word`` in [0, 2^32)."""
+        return _lowbias32_triton(lane ^ word.to(tl.uint32))
+
+    @triton.jit(do_not_specialize=["n", "iv0", "iv1", "threshold"])
+    def _dropout_cuda(h_ptr, out_ptr, seed_ptr, step_ptr, n, iv0, iv1, threshold, scale, BLOCK: tl.constexpr,
+                      FLOAT64: tl.constexpr, BFLOAT16: tl.constexpr):
+        """Program ``(block, trial)``: :func:`_dropout_cpu` on ``BLOCK`` elements of trial ``trial``."""
+        trial = tl.program_id(1).to(tl.int64)
+        seed = tl.load(seed_ptr + trial)
+        step = tl.load(step_ptr + trial)
+        k1 = iv0.to(tl.uint32)
+        k2 = iv1.to(tl.uint32)
+        k1 = _absorb(_absorb(_absorb(_absorb(k1, seed & 0xFFFFFFFF), (seed >> 32) & 0xFFFFFFFF),
+                             step & 0xFFFFFFFF), (step >> 32) & 0xFFFFFFFF)
+        k2 = _absorb(_absorb(_absorb(_absorb(k2, seed & 0xFFFFFFFF), (seed >> 32) & 0xFFFFFFFF),
+                             step & 0xFFFFFFFF), (step >> 32) & 0xFFFFFFFF)
+        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        inside = offsets < n
+        bits = _lowbias32_triton(_lowbias32_triton((offsets >> 1).to(tl.uint32) ^ k1) ^ k2)
+        half_bits = (bits >> ((offsets & 1) * 16).to(tl.uint32)) & 0xFFFF
+        multiplier = tl.where(half_bits.to(tl.int32) >= threshold, scale, 0.0)
+        h = tl.load(h_ptr + trial * n + offsets, mask=inside, other=0.0)
+        if FLOAT64:
+            h = h.to(tl.float64)
+        else:
+            h = h.to(tl.float32)
+        out = h * multiplier
+        if BFLOAT16:  # round to nearest even by hand: Triton's interpreter truncates float32 -> bfloat16 casts
+            bits = out.to(tl.uint32, bitcast=True)
+            bits = tl.where(out != out, 0x7FC00000, bits + 0x7FFF + ((bits >> 16) & 1))
+            out = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        tl.store(out_ptr + trial * n + offsets, out.to(out_ptr.dtype.element_ty), mask=inside)
+
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's interpreter runs the kernels on CPU tensors
+_BLOCK = 1024
+
+
+def _use_triton(h: Tensor) -> bool:
+    """Triton kernels for CUDA tensors, and for every tensor under the interpreter (how CI tests them on CPU)."""
+    return triton is not None and (h.is_cuda or INTERPRET)
+
+
+def _dropout_kernel(h: Tensor, seed: Tensor, step: Tensor, site: int, p: float) -> Tensor:
+    """:func:`dropout_reference`'s output, by the Triton kernel (CUDA), the numba kernel (CPU) or the reference."""
+    trials = torch.broadcast_shapes(seed.shape, step.shape)
+    if h.shape[:len(trials)] != trials:
+        raise ValueError(f"h {tuple(h.shape)} does not start with the trials' shape {tuple(trials)}")
+    count, n = math.prod(trials), math.prod(h.shape[len(trials):])
+    if (n + 1) // 2 > MAX_POSITIONS:
+        raise ValueError(f"a trial's stream has 2^32 words (two dropout decisions each), {n} elements need more")
+    if not (_use_triton(h) or h.device.type == "cpu") or h.numel() == 0:
+        return dropout_reference(h, seed, site, step, p)
+    seeds = seed.expand(trials).reshape(count).contiguous()
+    steps = step.expand(trials).reshape(count).contiguous()
+    iv0, iv1 = _initial_lanes(site)
+    threshold, scale = dropout_threshold(p), dropout_scale(p)
+    h = h.detach().contiguous()
+    if _use_triton(h):
+        out = torch.empty_like(h)
+        _dropout_cuda[(triton.cdiv(n, _BLOCK), count)](h, out, seeds, steps, n, iv0, iv1, threshold, scale,
+                                                       BLOCK=_BLOCK, FLOAT64=h.dtype == torch.float64,
+                                                       BFLOAT16=h.dtype == torch.bfloat16)
+        return out
+    # numba has no half-precision types: bf16 and fp16 are computed in float32 and rounded once, as torch does
+    compute = h if h.dtype in (torch.float32, torch.float64) else h.float()
+    out = torch.empty_like(compute)
+    _dropout_cpu(compute.view(count, n).numpy(), out.view(count, n).numpy(), seeds.numpy(), steps.numpy(), iv0, iv1,
+                 np.uint32(threshold), np.float32(scale))
+    return out.to(h.dtype)
+
+
+class _FusedDropout(torch.autograd.Function):
+    """``dropout_reference(h, seed, site, step, p)`` by :func:`_dropout_kernel`; the backward recomputes the mask
+    from the stream (nothing but ``seed`` and ``step`` is saved) and is itself this function, applied to the
+    gradient. Under ``torch.func.vmap`` the rule below runs the kernel once for all trials (a per-trial ``seed``
+    and ``step`` become a leading trial dimension), and regular autograd records it, so a vmapped forward is
+    differentiated by a plain ``.backward()``."""
+
+    @staticmethod
+    def forward(h: Tensor, seed: Tensor, step: Tensor, site: int, p: float) -> Tensor:
+        return _dropout_kernel(h, seed, step, site, p)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        _, seed, step, ctx.site, ctx.p = inputs
+        ctx.seed, ctx.step = seed.clone(), step.clone()  # copies: the model increments its step buffer in place
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None, None]:
+        return _FusedDropout.apply(grad, ctx.seed, ctx.step, ctx.site, ctx.p), None, None, None, None
+
+    @staticmethod
+    def vmap(info, in_dims, h: Tensor, seed: Tensor, step: Tensor, site: int, p: float) -> tuple[Tensor, int]:
+        def leading(x: Tensor, dim: int | None) -> Tensor:
+            return x.expand(info.batch_size, *x.shape) if dim is None else x.movedim(dim, 0)
+
+        h, seed, step = (leading(x, dim) for x, dim in zip((h, seed, step), in_dims))
+        return _FusedDropout.apply(h, seed, step, site, p), 0
+
+
+def dropout(h: Tensor, seed: Tensor, site: int, step: Tensor, p: float) -> Tensor:
+    """Inverted dropout of ``h`` from the stream ``(seed, site, step)``: ``h * keep * dropout_scale(p)``, where
+    element ``i`` (flat index within the trial's ``h``) is kept when the 16-bit half ``i & 1`` of
+    ``random_bits(seed, site, step, i >> 1)`` is at least ``dropout_threshold(p)`` (probability ``1 - p`` up to
+    p's 16-bit quantisation). ``p = 0`` returns ``h`` itself.
+
+    ``seed`` and ``step`` are the trial's int64 0-d tensors (per-trial under ``torch.func.vmap``, where all trials
+    run as one kernel); ``h`` may be float32, float64, bfloat16 or float16 (autocast). Differentiable: the backward
+    multiplies the gradient by the same mask, recomputed. Bitwise :func:`dropout_reference`.
+    """
+    dropout_threshold(p)
+    if p == 0:
+        return h
+    if seed.dtype != torch.int64 or step.dtype != torch.int64:
+        raise TypeError(f"seed and step must be int64 tensors, got {seed.dtype} and {step.dtype}")
+    _initial_lanes(site)
+    return _FusedDropout.apply(h, seed, step, site, p)
+
+
+# ---- a model's streams ---------------------------------------------------------------------------------------------
+
+SITE_BRANCHING = 64  # a stream's child sites: site * 64 + 1 + index, index < 64
 
 
 @dataclass(frozen=True)
 class Stream:
+    """A trial's random stream at one training step, at one draw site: what a module draws from in training.
+
+    :class:`mtmoe.mmoe.MMoE` makes one per training forward pass from its ``seed`` and ``step`` buffers and hands
+    each part of the model a child of its own (:meth:`child`: the experts, each task gate; a gate's own draws), so
+    that two parts never draw the same bits.
+    """
+
     seed: Tensor
     step: Tensor
     site: int = 0
 
     def child(self, index: int) -> Stream:
-        return Stream(self.seed, self.step, (self.site * 64 + index + 1) & _LOW32)
+        if not 0 <= index < SITE_BRANCHING:
+            raise ValueError(f"a stream has {SITE_BRANCHING} children, got index {index}")
+        return Stream(self.seed, self.step, self.site * SITE_BRANCHING + 1 + index)
 
-    def uniform_open(self, shape, device) -> Tensor:
-        numel = 1
-        for s in shape:
-            numel *= s
-        return ((bits(self.seed, self.site, self.step, numel).double() + 0.5) / 2.0**32).view(shape)
+    def uniform(self, shape: tuple[int, ...], device: torch.device | str, dtype: torch.dtype = torch.float64) -> Tensor:
+        return uniform(self.seed, self.site, self.step, tuple(shape), device, dtype)
 
-    def normal(self, shape, device) -> Tensor:
-        u1 = self.child(0).uniform_open(shape, device)
-        u2 = self.child(1).uniform_open(shape, device)
-        return (-2 * u1.log()).sqrt() * torch.cos(2 * torch.pi * u2)
+    def gumbel(self, shape: tuple[int, ...], device: torch.device | str, dtype: torch.dtype = torch.float64) -> Tensor:
+        return gumbel(self.seed, self.site, self.step, tuple(shape), device, dtype)
+
+    def normal(self, shape: tuple[int, ...], device: torch.device | str) -> Tensor:
+        """Standard normal float64 noise by the Box-Muller transform of two child streams' uniforms (the first in
+        (0, 1]: ``1 - u``)."""
+        radius = (-2 * (1 - self.child(0).uniform(shape, device)).log()).sqrt()
+        return radius * torch.cos(2 * math.pi * self.child(1).uniform(shape, device))
 
     def dropout(self, h: Tensor, p: float) -> Tensor:
-        keep = (bits(self.seed, self.site, self.step, h.numel()) & 0xFFFF) >= round(p * 65536)
-        return h * (keep.view(h.shape).to(h.dtype) * (1.0 / (1.0 - p)))
+        return dropout(h, self.seed, self.site, self.step, p)
