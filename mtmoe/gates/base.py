@@ -160,6 +160,18 @@ def topk_softmax(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
     return torch.zeros_like(logits).scatter(-1, top_index, top_values.softmax(dim=-1)), top_index
 
 
+def product(x: Tensor, dim: int) -> Tensor:
+    """The product over ``dim`` (a handful of factors: a tree's depth, a code's bits) by explicit multiplication, left
+    to right as ``torch.prod`` reduces. ``prod``'s backward tests for zeros (``nonzero``: a host synchronisation
+    and a data-dependent shape, and in a pack a path chosen by every trial's values); a product's backward is the
+    product of the other factors, with no test."""
+    factors = x.unbind(dim)
+    out = factors[0]
+    for factor in factors[1:]:
+        out = out * factor
+    return out
+
+
 def check_gamma(gamma: float) -> float:
     if not gamma > 0:
         raise UsageError(f"gamma must be > 0, got {gamma}")

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from mtmoe.errors import UsageError
-from mtmoe.gates.base import Gate, GateDims, GateOutput, RoutingInput, check_gamma, resolve_k, safe_log
+from mtmoe.gates.base import Gate, GateDims, GateOutput, RoutingInput, check_gamma, product, resolve_k, safe_log
 from mtmoe.gates.registry import register_gate
 from mtmoe.gates.smooth_step import smooth_step
 from mtmoe.scalars import cast
@@ -87,7 +87,7 @@ class COMETGate(Gate):
         n = self.n_experts
         h = smooth_step(self.split(x).view(-1, n - 1, self.k), self.gamma)  # [B, n-1, k]
         edges = torch.cat([h, 1 - h, h.new_ones(h.shape[0], 1, self.k)], dim=1)  # [B, 2(n-1)+1, k]
-        v = edges.index_select(1, self.paths.flatten()).view(-1, n, self.paths.shape[1], self.k).prod(dim=2)
+        v = product(edges.index_select(1, self.paths.flatten()).view(-1, n, self.paths.shape[1], self.k), dim=2)
         return v.transpose(1, 2)
 
     def forward(self, routing: RoutingInput) -> GateOutput:

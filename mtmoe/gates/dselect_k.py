@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from mtmoe.errors import UsageError
-from mtmoe.gates.base import Gate, GateDims, GateOutput, RoutingInput, check_gamma, resolve_k
+from mtmoe.gates.base import Gate, GateDims, GateOutput, RoutingInput, check_gamma, product, resolve_k
 from mtmoe.gates.registry import register_gate
 from mtmoe.gates.smooth_step import smooth_step
 from mtmoe.scalars import cast
@@ -76,7 +76,7 @@ class DSelectKGate(Gate):
     def selector_outputs(self, x: Tensor) -> Tensor:
         """``r`` of shape ``[B, k, n]``: each selector's distribution over the n valid codes."""
         bits = smooth_step(self.selector_logits(x).view(-1, self.k, 1, self.m), self.gamma)  # [B, k, 1, m]
-        return (self.codes * bits + (1 - self.codes) * (1 - bits)).prod(dim=-1)
+        return product(self.codes * bits + (1 - self.codes) * (1 - bits), dim=-1)
 
     def forward(self, routing: RoutingInput) -> GateOutput:
         r = self.selector_outputs(routing.x)

@@ -115,9 +115,9 @@ class SparseMixerGate(Gate):
                 if routing.stream is None:
                     raise ValueError("SparseMixerGate samples in training from RoutingInput.stream")
                 draws = routing.stream.child(choice)
-                gumbel = -(-draws.child(0).uniform_open(masked.shape, masked.device).log()).log()  # -log(Exp(1))
-                chosen = (masked + gumbel.to(masked.dtype)).masked_fill(~keep, float("-inf")).argmax(dim=-1, keepdim=True)
-                coin = draws.child(1).uniform_open(best.shape, masked.device)
+                gumbel = draws.child(0).gumbel(masked.shape, masked.device, masked.dtype)
+                chosen = (masked + gumbel).masked_fill(~keep, float("-inf")).argmax(dim=-1, keepdim=True)
+                coin = draws.child(1).uniform(best.shape, masked.device)
                 midpoint = (chosen != best) & (coin < self.midpoint_prob)
                 scale = 1.0 - 0.5 * midpoint.to(logits.dtype)
                 weight = SparseMixerWeight.apply(probabilities.gather(-1, chosen), scale)

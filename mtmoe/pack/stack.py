@@ -14,8 +14,29 @@ its own (the best weights, say), after which refilling the slot cannot change it
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import Tensor, nn
+
+
+#: Plain attributes of a module that may differ between the trials of a pack: the training flags, and local search's
+#: host-side flags and E_perm (its window is a buffer of each trial's own).
+PER_TRIAL_ATTRIBUTES = frozenset({"training", "may_search", "window_set", "epochs"})
+
+
+def structure(module: nn.Module) -> dict[str, object]:
+    """The settings a module's code reads from plain attributes (``k``, a dropout rate, ``per_task``, ...), by
+    qualified name: trials that differ in one compute differently with the same tensors, so they cannot share a
+    pack. Tensors are not settings here (a trial's float settings are buffers: :mod:`mtmoe.scalars`)."""
+    out = {}
+    for prefix, sub in module.named_modules():
+        for name, value in vars(sub).items():
+            if name.startswith("_") or name in PER_TRIAL_ATTRIBUTES:
+                continue
+            if isinstance(value, (bool, int, float, str, tuple, type(None))) or dataclasses.is_dataclass(value):
+                out[f"{prefix}.{name}" if prefix else name] = value
+    return out
 
 
 def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
@@ -33,6 +54,7 @@ class TrialStack:
         if len(dtypes) > 1:
             raise ValueError(f"a pack stacks parameters of one dtype, got {sorted(map(str, dtypes))}")
         self.shapes = {name: tuple(p.shape) for name, p in parameters.items()}
+        self.structure = structure(example)
         self.columns: dict[str, slice] = {}
         start = 0
         for name, p in parameters.items():
@@ -61,6 +83,11 @@ class TrialStack:
         """Copy ``module``'s parameters and buffers into ``slot``, then make the module hold views of that slot."""
         if {n: tuple(p.shape) for n, p in module.named_parameters()} != self.shapes:
             raise ValueError("a module of another structure cannot share this pack")
+        settings = structure(module)
+        if settings != self.structure:
+            differ = sorted(key for key in settings.keys() | self.structure.keys()
+                            if settings.get(key) != self.structure.get(key))
+            raise ValueError(f"a module with other settings cannot share this pack: {', '.join(differ)}")
         for name, param in module.named_parameters():
             row = self.params[name].detach()[slot]
             row.copy_(param)

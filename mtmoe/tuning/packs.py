@@ -273,7 +273,8 @@ class PackProgress:
         running = len(module.engine.running) if module.engine is not None else 0
         print(f"[{self.study.study_name}] {done}/{self.total} done, {running} running in a pack of "
               f"{module.engine.capacity if module.engine is not None else 0} (pack epoch {self.epochs}), "
-              f"{len(counts['failed'])} failed, best {'-' if best is None else f'{best:.5g}'}, ETA {eta}", flush=True)
+              f"{len(counts['failed'])} failed, best {'none complete yet' if best is None else f'{best:.5g}'}, "
+              f"ETA {eta}", flush=True)
 
 
 #: On a CPU, without a measurement, the pack size ``bench_packs.py`` measured fastest on this project's VMs.
