@@ -308,10 +308,12 @@ if triton is not None:
         h = tl.load(h_ptr + trial * n + offsets, mask=inside, other=0.0)
         if FLOAT64:
             h = h.to(tl.float64)
+        elif BFLOAT16:  # widened and rounded by hand: Triton's interpreter gets bfloat16 subnormals and ties wrong
+            h = (h.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
         else:
             h = h.to(tl.float32)
         out = h * multiplier
-        if BFLOAT16:  # round to nearest even by hand: Triton's interpreter truncates float32 -> bfloat16 casts
+        if BFLOAT16:  # round to nearest even
             bits = out.to(tl.uint32, bitcast=True)
             bits = tl.where(out != out, 0x7FC00000, bits + 0x7FFF + ((bits >> 16) & 1))
             out = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
