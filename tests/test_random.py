@@ -144,14 +144,14 @@ def test_triton_kernel_equals_the_reference_in_the_interpreter() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 def test_cuda_equals_cpu(dtype: torch.dtype) -> None:
     for h, seed, step in packs(dtype):
-        on_cpu = dropout(h, seed, SITE, step, 0.37) if seed.dim() == 0 else vmap(
-            lambda h, s, k: dropout(h, s, SITE, k, 0.37))(h, seed, step)
+        on_cpu = dropout(h, seed, SITE, step, 1 / 3) if seed.dim() == 0 else vmap(
+            lambda h, s, k: dropout(h, s, SITE, k, 1 / 3))(h, seed, step)
         cuda = [x.cuda() for x in (h, seed, step)]
-        kernel = module._dropout_kernel(*cuda[:3], SITE, 0.37)
-        assert torch.equal(kernel.cpu(), on_cpu)
-        assert torch.equal(dropout_reference(cuda[0], cuda[1], SITE, cuda[2], 0.37).cpu(), on_cpu)
-        assert torch.equal(random_bits(cuda[1], SITE, cuda[2], torch.arange(99, device="cuda")).cpu(),
-                           random_bits(seed, SITE, step, torch.arange(99)))
+        assert torch.equal(bits_of(module._dropout_kernel(*cuda, SITE, 1 / 3).cpu()), bits_of(on_cpu))
+        assert torch.equal(bits_of(dropout_reference(cuda[0], cuda[1], SITE, cuda[2], 1 / 3).cpu()), bits_of(on_cpu))
+        positions = torch.arange(99)
+        assert torch.equal(random_bits(cuda[1].unsqueeze(-1), SITE, cuda[2].unsqueeze(-1), positions.cuda()).cpu(),
+                           random_bits(seed.unsqueeze(-1), SITE, step.unsqueeze(-1), positions))
 
 
 # ---- a pack draws what each trial draws alone; autograd ---------------------------------------------------------
