@@ -12,7 +12,7 @@ trainers have it (``mtmoe.host_memory``), of
 * fused: :func:`mtmoe.random.dropout` (numba on CPU, Triton on CUDA);
 * reference: :func:`mtmoe.random.dropout_reference` (torch operations).
 
-Prints a Markdown table of median milliseconds.
+Prints a Markdown table of milliseconds, median and least.
 """
 from __future__ import annotations
 
@@ -43,8 +43,9 @@ def reference(h, seed, step):
     return dropout_reference(h, seed, SITE, step, P)
 
 
-def median_ms(run, repeats: int, setup=lambda: None, device: str = "cpu") -> float:
-    """Median wall time of ``run(setup())`` in milliseconds, after two warm-up calls."""
+def timing_ms(run, repeats: int, setup=lambda: None, device: str = "cpu") -> str:
+    """Median and least wall time of ``run(setup())`` in milliseconds, after two warm-up calls (the least is the
+    steadier figure on a shared machine)."""
     times = []
     for i in range(repeats + 2):
         state = setup()
@@ -56,7 +57,7 @@ def median_ms(run, repeats: int, setup=lambda: None, device: str = "cpu") -> flo
             torch.cuda.synchronize()
         if i >= 2:
             times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+    return f"{1e3 * statistics.median(times):.2f} ({1e3 * min(times):.2f})"
 
 
 def main() -> None:
@@ -68,8 +69,8 @@ def main() -> None:
     args = parser.parse_args()
     keep_freed_memory()  # as the trainers do
     device, dtype = args.device, getattr(torch, args.dtype)
-    print(f"device {device}, {args.dtype}, torch threads {torch.get_num_threads()}, median of {args.repeats}\n")
-    print("| h | method | forward ms | backward ms |")
+    print(f"device {device}, {args.dtype}, torch threads {torch.get_num_threads()}, {args.repeats} repeats\n")
+    print("| h | method | forward ms, median (least) | backward ms, median (least) |")
     print("|---|---|---|---|")
     for pack in (None, args.pack):
         shape = (512, 4096) if pack is None else (pack, 512, 4096)
@@ -80,13 +81,13 @@ def main() -> None:
         for name, function in (("today", today), ("fused", fused), ("reference", reference)):
             call = function if pack is None else vmap(function, randomness="different")
             try:
-                forward = median_ms(lambda _: call(h, seed, step), args.repeats, device=device)
-                backward = median_ms(lambda out: torch.autograd.grad(out, h, grad), args.repeats,
+                forward = timing_ms(lambda _: call(h, seed, step), args.repeats, device=device)
+                backward = timing_ms(lambda out: torch.autograd.grad(out, h, grad), args.repeats,
                                      setup=lambda: call(h, seed, step), device=device)
             except RuntimeError as error:  # today's mask under vmap on some torch builds
                 print(f"| {list(shape)} | {name} | failed: {str(error).splitlines()[0][:80]} | |")
                 continue
-            print(f"| {list(shape)} | {name} | {forward:.2f} | {backward:.2f} |")
+            print(f"| {list(shape)} | {name} | {forward} | {backward} |")
 
 
 if __name__ == "__main__":

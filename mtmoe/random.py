@@ -213,12 +213,26 @@ def _stream(words: np.ndarray, count: int, first: int, k1: np.uint32, k2: np.uin
     _lowbias32_passes(words, count)
 
 
+@numba.njit(cache=True, inline="always")
+def _scale_chunk(values: np.ndarray, out: np.ndarray, words: np.ndarray, threshold: np.uint32,
+                 scale: np.float32) -> None:
+    """``out = values * (keep * scale)``: element ``i`` is kept when the 16-bit half ``i & 1`` of ``words[i >> 1]``
+    is at least ``threshold``. The multiplier is formed without a branch (random branches would be mispredicted
+    half the time)."""
+    m = values.shape[0]
+    for j in range(m // 2):
+        x = words[j]
+        out[2 * j] = values[2 * j] * (scale * np.float32((x & np.uint32(0xFFFF)) >= threshold))
+        out[2 * j + 1] = values[2 * j + 1] * (scale * np.float32((x >> np.uint32(16)) >= threshold))
+    if m % 2:
+        out[m - 1] = values[m - 1] * (scale * np.float32((words[m // 2] & np.uint32(0xFFFF)) >= threshold))
+
+
 @numba.njit(cache=True)
 def _dropout_cpu(h: np.ndarray, out: np.ndarray, seeds: np.ndarray, steps: np.ndarray, iv0: int, iv1: int,
                  threshold: np.uint32, scale: np.float32) -> None:
-    """``out[t] = h[t] * (keep * scale)`` for each trial ``t`` of ``h`` ``[T, n]``: element ``i`` is kept when the
-    16-bit half ``i & 1`` of word ``i >> 1`` of the trial's stream is at least ``threshold``. One pass over ``h``;
-    the multiplier is formed without a branch (random branches would be mispredicted half the time)."""
+    """:func:`_scale_chunk` of each trial ``t`` of ``h`` ``[T, n]`` (float32 or float64) with the words of its
+    stream, chunk by chunk: one pass over ``h``."""
     trials, n = h.shape
     lanes = np.empty(2, np.uint32)
     words = np.empty(_CHUNK, np.uint32)
@@ -227,14 +241,33 @@ def _dropout_cpu(h: np.ndarray, out: np.ndarray, seeds: np.ndarray, steps: np.nd
         for start in range(0, n, 2 * _CHUNK):
             m = min(2 * _CHUNK, n - start)
             _stream(words, (m + 1) // 2, start // 2, lanes[0], lanes[1])
+            _scale_chunk(h[t, start:start + m], out[t, start:start + m], words, threshold, scale)
+
+
+@numba.njit(cache=True)
+def _dropout_cpu_bfloat16(h: np.ndarray, out: np.ndarray, seeds: np.ndarray, steps: np.ndarray, iv0: int, iv1: int,
+                          threshold: np.uint32, scale: np.float32) -> None:
+    """:func:`_dropout_cpu` of bfloat16 values given as their uint16 bits: each chunk widened to float32 (exact),
+    scaled, and rounded back to nearest even (NaN stays NaN), as torch computes bfloat16 products."""
+    trials, n = h.shape
+    lanes = np.empty(2, np.uint32)
+    words = np.empty(_CHUNK, np.uint32)
+    values = np.empty(2 * _CHUNK, np.float32)
+    value_bits = values.view(np.uint32)
+    for t in range(trials):
+        _derive_keys(lanes, seeds[t], steps[t], iv0, iv1)
+        for start in range(0, n, 2 * _CHUNK):
+            m = min(2 * _CHUNK, n - start)
+            _stream(words, (m + 1) // 2, start // 2, lanes[0], lanes[1])
             h_chunk, out_chunk = h[t, start:start + m], out[t, start:start + m]
-            for j in range(m // 2):
-                x = words[j]
-                out_chunk[2 * j] = h_chunk[2 * j] * (scale * np.float32((x & np.uint32(0xFFFF)) >= threshold))
-                out_chunk[2 * j + 1] = h_chunk[2 * j + 1] * (scale * np.float32((x >> np.uint32(16)) >= threshold))
-            if m % 2:
-                x = words[m // 2]
-                out_chunk[m - 1] = h_chunk[m - 1] * (scale * np.float32((x & np.uint32(0xFFFF)) >= threshold))
+            for j in range(m):
+                value_bits[j] = np.uint32(h_chunk[j]) << np.uint32(16)
+            _scale_chunk(values[:m], values[:m], words, threshold, scale)
+            for j in range(m):
+                b = value_bits[j]
+                rounded = (b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+                nan = (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+                out_chunk[j] = np.uint16(np.uint32(0x7FC0) if nan else rounded)
 
 
 # ---- Triton (CUDA tensors) -----------------------------------------------------------------------------------------
@@ -276,10 +309,12 @@ if triton is not None:
         h = tl.load(h_ptr + trial * n + offsets, mask=inside, other=0.0)
         if FLOAT64:
             h = h.to(tl.float64)
+        elif BFLOAT16:  # widened and rounded by hand: Triton's interpreter gets bfloat16 subnormals and ties wrong
+            h = (h.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
         else:
             h = h.to(tl.float32)
         out = h * multiplier
-        if BFLOAT16:  # round to nearest even by hand: Triton's interpreter truncates float32 -> bfloat16 casts
+        if BFLOAT16:  # round to nearest even
             bits = out.to(tl.uint32, bitcast=True)
             bits = tl.where(out != out, 0x7FC00000, bits + 0x7FFF + ((bits >> 16) & 1))
             out = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
@@ -316,11 +351,16 @@ def _dropout_kernel(h: Tensor, seed: Tensor, step: Tensor, site: int, p: float) 
                                                        BLOCK=_BLOCK, FLOAT64=h.dtype == torch.float64,
                                                        BFLOAT16=h.dtype == torch.bfloat16)
         return out
-    # numba has no half-precision types: bf16 and fp16 are computed in float32 and rounded once, as torch does
+    arguments = (seeds.numpy(), steps.numpy(), iv0, iv1, np.uint32(threshold), np.float32(scale))
+    if h.dtype == torch.bfloat16:  # numba has no bfloat16: the kernel reads and writes its bits
+        out = torch.empty_like(h)
+        bits = [x.view(torch.uint16).view(count, n).numpy() for x in (h, out)]
+        _dropout_cpu_bfloat16(*bits, *arguments)
+        return out
+    # float16 (numba has none either) is computed in float32 and rounded once, as torch does
     compute = h if h.dtype in (torch.float32, torch.float64) else h.float()
     out = torch.empty_like(compute)
-    _dropout_cpu(compute.view(count, n).numpy(), out.view(count, n).numpy(), seeds.numpy(), steps.numpy(), iv0, iv1,
-                 np.uint32(threshold), np.float32(scale))
+    _dropout_cpu(compute.view(count, n).numpy(), out.view(count, n).numpy(), *arguments)
     return out.to(h.dtype)
 
 
