@@ -77,7 +77,7 @@ def main() -> None:
             start = time.perf_counter()
             out = model.net(batch)
             loss = sum(
-                w * task_loss(t, p, batch)[0] for w, t, p in zip(model.weights, model.info.tasks, out.predictions)
+                w * task_loss(t, p, batch)[0] for w, t, p in zip(model.trial.task_weights, model.info.tasks, out.predictions)
             ) + out.aux_loss
             optimizer.zero_grad()
             loss.backward()

@@ -46,7 +46,7 @@ from mtmoe.data import DATASETS  # noqa: E402
 from mtmoe.errors import UsageError  # noqa: E402
 from mtmoe.files import write_atomic, write_csv_atomic  # noqa: E402
 from mtmoe.gates import gate_class, list_gates  # noqa: E402
-from mtmoe.lit.callbacks import EpochTimer, RestoreBestWeights  # noqa: E402
+from mtmoe.lit.callbacks import EpochTimer  # noqa: E402
 from mtmoe.tuning.trials import TASK_METRICS  # noqa: E402
 from mtmoe.lit.module import MultiTaskMoE  # noqa: E402
 
@@ -84,18 +84,18 @@ def run_gate(gate: str, args: argparse.Namespace) -> dict:
     perm_epochs = min(args.perm_epochs or 5, args.epochs) if gate.endswith("+") else None
     model = MultiTaskMoE(gate=partial(gate_class(gate.removesuffix("+"))), info=data.info, lr=args.lr,
                          perm_epochs=perm_epochs)
-    timer, restore = EpochTimer(), RestoreBestWeights()
+    timer = EpochTimer()
     trainer = pl.Trainer(
         max_epochs=args.epochs, limit_train_batches=args.train_batches, accelerator=args.accelerator, devices=1,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[timer, restore],
+        callbacks=[timer],
     )
     trainer.fit(model, datamodule=data)
     trainer.test(model, datamodule=data, verbose=False)
     test = model.last_results["test"]
     tasks = [task.name for task in data.info.tasks]
     row = {
-        "gate": gate, "best_epoch": restore.best_epoch, "test_loss": test["loss"],
+        "gate": gate, "best_epoch": model.engine.summary(0).get("best_epoch", -1), "test_loss": test["loss"],
         **{f"{t}/{m}": test[f"{t}/{m}"] for t in tasks for m in TASK_METRICS if f"{t}/{m}" in test},
         "n_s": sum(test[f"{t}/experts_per_sample"] for t in tasks) / len(tasks),
         "zero_expert_fraction": sum(test[f"{t}/zero_expert_fraction"] for t in tasks) / len(tasks),

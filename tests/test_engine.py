@@ -267,5 +267,6 @@ def test_packed_experts_stay_in_bf16_under_autocast() -> None:
         out = torch.func.vmap(lambda params, x: torch.func.functional_call(experts.eval(), params, (x,)),
                               in_dims=(0, None))(params, torch.randn(4, 16))
         losses = step(engine_of(pack), [batches(0), batches(1)], 0)
-    assert out.dtype == experts.eval()(torch.randn(4, 16).bfloat16()).dtype == torch.bfloat16
+        alone = experts.eval()(torch.randn(4, 16))
+    assert out.dtype == alone.dtype == torch.bfloat16
     assert torch.isfinite(losses).all()

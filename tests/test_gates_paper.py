@@ -16,6 +16,7 @@ import torch
 from mtmoe.gates import GateDims, RoutingInput, create_gate
 from mtmoe.gates.dselect_k import binary_codes
 from mtmoe.gates.smooth_step import smooth_step
+from mtmoe.random import Stream
 
 
 def np_smooth_step(t: np.ndarray, gamma: float) -> np.ndarray:
@@ -469,9 +470,8 @@ def test_topk_noise_adds_a_parameter_and_is_training_only():
     assert torch.equal(first, second)
     assert torch.equal(first, plain.eval()(x).weights)  # no noise in eval
     noisy.train()
-    torch.manual_seed(0)
-    a = noisy(x).weights
-    b = noisy(x).weights
+    a = noisy(RoutingInput(x.x, stream=Stream(torch.tensor(0), torch.tensor(0)))).weights  # its stream at steps 0, 1
+    b = noisy(RoutingInput(x.x, stream=Stream(torch.tensor(0), torch.tensor(1)))).weights
     assert not torch.equal(a, b)
     assert ((a != 0).sum(-1) == 2).all() and ((b != 0).sum(-1) == 2).all()
     (a * torch.randn_like(a)).sum().backward()

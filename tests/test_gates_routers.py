@@ -15,6 +15,7 @@ from torch import nn
 from mtmoe.errors import UsageError
 from mtmoe.gates import GateDims, RoutingInput, create_gate
 from mtmoe.gates.sparsemixer import SparseMixerWeight, sampling_mask
+from mtmoe.random import Stream
 from mtmoe.mmoe import MMoE
 from mtmoe.permutation import LocalSearch
 from mtmoe.run import translate_shortcuts
@@ -37,6 +38,16 @@ class Features(nn.Module):
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return batch["x"]
+
+
+class LinearExperts(nn.Sequential):
+    """n linear experts of 4 outputs on 3 features, ``[B, 3] -> [B, n, 4]`` (no random draws: the stream unused)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(nn.Linear(3, n * 4), nn.Unflatten(1, (n, 4)))
+
+    def forward(self, h: torch.Tensor, stream=None) -> torch.Tensor:
+        return super().forward(h)
 
 
 def support(weights: torch.Tensor) -> list[set[int]]:
@@ -236,8 +247,7 @@ def test_sparsemixer_gradient_equals_the_hand_computed_estimator():
     seen = set()
     for seed in range(40):
         gate = sparsemixer_on_identity(midpoint_prob=1.0).train()
-        torch.manual_seed(seed)
-        out = gate(RoutingInput(THETA))
+        out = gate(RoutingInput(THETA, stream=Stream(torch.tensor(seed), torch.tensor(0))))
         chosen = int(out.weights.argmax())
         assert chosen in (0, 1)  # expert 2 is masked: never sampled
         (out.weights * t).sum().backward()
@@ -261,9 +271,8 @@ def test_sparsemixer_weight_function_doubles_the_gradient_and_scales_the_forward
 @pytest.mark.parametrize("midpoint_prob, halved", [(1.0, 1.0), (0.0, 0.0), (0.5, 0.5)])
 def test_sparsemixer_midpoint_only_off_the_argmax_with_its_probability(midpoint_prob, halved):
     gate = sparsemixer_on_identity(midpoint_prob=midpoint_prob).train()
-    torch.manual_seed(0)
     x = THETA.expand(4000, 3)
-    w = gate(RoutingInput(x)).weights.detach()
+    w = gate(RoutingInput(x, stream=Stream(torch.tensor(0), torch.tensor(0)))).weights.detach()
     pi0 = math.exp(0.1) / (math.exp(0.1) + 1)
     on_argmax = w[:, 0] > 0
     assert torch.allclose(w[on_argmax, 0], torch.tensor(pi0, dtype=torch.float64))  # Euler on the argmax, always
@@ -298,9 +307,8 @@ def test_sparsemixer_top2_extension_repeats_the_masked_choice_without_the_first(
 def test_sparsemixer_balance_loss_counts_sampled_experts_against_the_masked_softmax():
     gate = make("sparsemixer", 3, p=3, balance_coef=0.01).double().train()
     set_router_(gate, np.eye(3))
-    torch.manual_seed(3)
     x = torch.tensor([[2.0, 1.9, -1.0], [0.0, 5.0, 0.0], [1.0, 1.0, 1.0]], dtype=torch.float64)
-    out = gate(RoutingInput(x))
+    out = gate(RoutingInput(x, stream=Stream(torch.tensor(3), torch.tensor(0))))
     chosen = out.weights.argmax(-1)
     pi = np.array([[math.exp(0.1) / (math.exp(0.1) + 1), 1 / (math.exp(0.1) + 1), 0.0], [0, 1, 0], [1 / 3] * 3])
     f = np.bincount(chosen.numpy(), minlength=3) / 3
@@ -312,7 +320,7 @@ def test_sparsemixer_balance_loss_counts_sampled_experts_against_the_masked_soft
 def test_sparsemixer_output_scale_multiplies_the_task_mixture_in_mmoe():
     """MMoE applies omega element-wise to its task's mixture; without ``output_scale`` there is no omega."""
     torch.manual_seed(0)
-    experts = nn.Sequential(nn.Linear(3, 3 * 4), nn.Unflatten(1, (3, 4)))
+    experts = LinearExperts(3)
     gates = [make("sparsemixer", 3, p=3) for _ in range(2)]
     with torch.no_grad():
         gates[0].omega.copy_(torch.tensor([1.0, 2.0, -1.0, 0.5]))
@@ -324,7 +332,7 @@ def test_sparsemixer_output_scale_multiplies_the_task_mixture_in_mmoe():
         mixture = torch.einsum("bn,bnd->bd", output.gates[t].weights, expert_outputs)
         torch.testing.assert_close(output.predictions[t], mixture * gates[t].omega)
     plain = make("sparsemixer", 3, p=3, output_scale=False)
-    assert plain.omega is None and plain(RoutingInput(torch.randn(2, 3))).output_scale is None
+    assert plain.omega is None and plain.eval()(RoutingInput(torch.randn(2, 3))).output_scale is None
     with pytest.raises(UsageError, match="expert_shape"):
         create_gate("sparsemixer", GateDims(in_features=3, n_experts=3))
     with pytest.raises(UsageError, match="top_k"):

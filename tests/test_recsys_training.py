@@ -62,7 +62,7 @@ def test_model_shapes(name: str) -> None:
     assert net.experts.linear.weight.shape == (n * units, 2 * embedding)  # n Dense(units) experts, one matmul
     assert [gate.k for gate in net.gates] == [k, k]
     assert [tuple(layer.weight.shape) for layer in (net.towers[0][0], net.towers[0][2])] == [(256, units), (1, 256)]
-    assert len(net.towers) == 2 and model.weights == [0.9, pytest.approx(0.1)]
+    assert len(net.towers) == 2 and list(model.trial.task_weights) == [0.9, pytest.approx(0.1)]
 
 
 @pytest.mark.parametrize(

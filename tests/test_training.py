@@ -15,7 +15,6 @@ import torch
 from mtmoe.data import MovieLens100KDataModule
 from mtmoe.data.base import TaskSpec
 from mtmoe.gates import gate_class, list_gates
-from mtmoe.lit.callbacks import RestoreBestWeights
 from mtmoe.lit.module import MultiTaskMoE
 from mtmoe.losses import task_loss
 
@@ -173,7 +172,7 @@ def test_eval_loss_is_the_pure_task_loss(tiny_root: Path) -> None:
         mse = ((output.predictions[1][mask] - batch["rating"][mask]) ** 2).mean()
     assert float(output.aux_loss) == 0.0
     expected = 0.3 * bce + 0.7 * mse
-    got = sum(w * task_loss(t, p, batch)[0] for w, t, p in zip(model.weights, model.info.tasks, output.predictions))
+    got = sum(w * task_loss(t, p, batch)[0] for w, t, p in zip(model.trial.task_weights, model.info.tasks, output.predictions))
     assert torch.allclose(got, expected)
     model.train()
     assert float(model(batch).aux_loss) > 0.0
@@ -195,14 +194,13 @@ def test_restore_best_weights(tiny_root: Path) -> None:
     """After fit, the model holds the best-validation epoch's weights (Keras' restore_best_weights)."""
     data = MovieLens100KDataModule(root=str(tiny_root), batch_size=64)
     model = MultiTaskMoE(gate=partial(gate_class("topk")), info=data.info, lr=3e-2)
-    restore = RestoreBestWeights()
     trainer = pl.Trainer(max_epochs=6, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=[restore])
+                         enable_model_summary=False)
     trainer.fit(model, datamodule=data)
-    assert 0 <= restore.best_epoch < 6
+    best = model.engine.summary(0)
+    assert 0 <= best["best_epoch"] < 6
     trainer.validate(model, datamodule=data, verbose=False)
-    assert model.last_results["val"]["loss"] == pytest.approx(restore.best_score, rel=1e-6)
-    assert restore.state_dict()["best_state"] is not None
+    assert model.last_results["val"]["loss"] == pytest.approx(best["best_val_loss"], rel=1e-6)
 
 
 @pytest.mark.slow

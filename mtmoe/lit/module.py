@@ -21,7 +21,6 @@ losses are pure task losses, and ``loss`` is the official code's batch-size-weig
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -39,7 +38,29 @@ from mtmoe.losses import task_weights
 from mtmoe.mmoe import MMoE, build_mmoe
 from mtmoe.pack.engine import EarlyStopping, PackEngine, Trial, TrialResult
 
-warnings.filterwarnings("ignore", message=r".*configure_optimizers` returned `None`.*")
+
+
+class EngineStep(torch.optim.Optimizer):
+    """The engine's training step as Lightning sees an optimiser: ``step(closure)`` runs the closure, which is the
+    whole step (forward, backward and the engine's Adam update of every slot); the state is the engine's Adam state,
+    so checkpoints hold it and a resumed run restores it. Lightning counts the steps (``global_step``: checkpoint
+    and logging intervals) and runs its precision context and hooks around them."""
+
+    def __init__(self, module: EngineModule, lr: float = 0.0) -> None:
+        super().__init__([torch.zeros(0)], {"lr": lr})  # no parameter of its own: the engine's are stacked
+        self.module = module
+
+    def step(self, closure: Callable[[], Any]) -> Any:
+        return closure()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The engine zeroes its flat gradient inside the step."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.module.engine.adam.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.module.engine.adam.load_state_dict(state_dict)
 
 
 def scalars(stage: str, results: dict[str, Any]) -> dict[str, float]:
@@ -61,8 +82,12 @@ class EngineModule(pl.LightningModule):
         super().__init__()
         self.automatic_optimization = False
 
-    def configure_optimizers(self) -> None:
-        return None  # the engine's PackedAdam updates every slot inside the training step
+    def configure_optimizers(self) -> EngineStep:
+        return EngineStep(self)
+
+    def train_step(self, batch: dict[str, Tensor]) -> None:
+        """One engine step of every slot, run as Lightning's optimiser step."""
+        self.optimizers().step(closure=lambda: self.engine.train_step(batch))
 
     def on_train_start(self) -> None:
         """The epoch's length is known now (``limit_train_batches`` applied): local search's windows and the
@@ -162,6 +187,9 @@ class MultiTaskMoE(EngineModule):
         self._engine_state: dict[str, Any] | None = None  # from a checkpoint, applied once the engine exists
         self._frozen_reported = False
 
+    def configure_optimizers(self) -> EngineStep:
+        return EngineStep(self, self.trial.lr)
+
     @property
     def diverged(self) -> str | None:
         """Why the fit failed, once a training or validation loss was NaN or infinite."""
@@ -194,7 +222,7 @@ class MultiTaskMoE(EngineModule):
 
     # ------------------------------------------------------------------------------------------- training
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
-        self.engine.train_step({key: tensor.unsqueeze(0) for key, tensor in batch.items()})
+        self.train_step({key: tensor.unsqueeze(0) for key, tensor in batch.items()})
         search = self.net.local_search
         if search is not None and not self._frozen_reported and self.trial.steps >= self.trial.window:
             self._frozen_reported = True
@@ -361,7 +389,7 @@ class PackModule(EngineModule):
             self.engine.load(slot, trial)
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
-        self.engine.train_step(batch)
+        self.train_step(batch)
 
     def on_train_epoch_end(self) -> None:
         ended = self.engine.end_epoch(self.val_results)

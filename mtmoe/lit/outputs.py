@@ -91,7 +91,7 @@ class RunCheckpoint(ModelCheckpoint):
                          auto_insert_metric_name=False, enable_version_counter=False)
 
     def check_monitor_top_k(self, trainer: Any, current: torch.Tensor | None = None) -> bool:
-        """A non-finite ``val/loss`` is never the best (as for ``RestoreBestWeights``)."""
+        """A non-finite ``val/loss`` is never the best (as for the engine's early stopping)."""
         return current is not None and bool(torch.isfinite(current)) and super().check_monitor_top_k(trainer, current)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

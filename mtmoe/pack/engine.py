@@ -328,14 +328,13 @@ class PackEngine:
 
     # ----------------------------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """What a resumed run needs beside the nets' own state: Adam's state, each trial's progress and the best
-        weights (``fit`` saves it in its checkpoints)."""
-        return {"adam": self.adam.state_dict(), "best": self.best,
+        """What a resumed run needs beside the nets' own state and Adam's (:attr:`adam`): each trial's progress and
+        the best weights (``fit`` saves it in its checkpoints)."""
+        return {"best": self.best,
                 "trials": [None if trial is None else {name: getattr(trial, name) for name in self.TRIAL_PROGRESS}
                            for trial in self.slots]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.adam.load_state_dict(state["adam"])
         self.best = None if state["best"] is None else {name: t.to(self.device) for name, t in state["best"].items()}
         for trial, progress in zip(self.slots, state["trials"]):
             if trial is not None and progress is not None:

@@ -396,7 +396,7 @@ def check_overrides(space: SearchSpace, configurations: list[dict], overrides: l
     given, default = _flat_config(run.config), _flat_config(plain)
     settings = {key: given.get(key) for key in sorted(set(given) | set(default))
                 if not _neutral(key) and given.get(key) != default.get(key)}
-    alpha = f"{run.model.weights[0]:g}" if run.datamodule.info.task_weighting == "alpha" else None
+    alpha = f"{run.model.trial.task_weights[0]:g}" if run.datamodule.info.task_weighting == "alpha" else None
     return _as_json(settings), alpha
 
 
