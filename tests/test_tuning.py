@@ -231,6 +231,7 @@ def test_every_section_builds_the_datasets_model_and_every_gate_value_routes(pat
 
     from mtmoe.gates import RoutingInput, create_gate, gate_class
     from mtmoe.lit.module import MultiTaskMoE
+    from mtmoe.random import Stream
 
     info, batch = dataset_info(path.stem), 16
     torch.manual_seed(0)
@@ -255,7 +256,8 @@ def test_every_section_builds_the_datasets_model_and_every_gate_value_routes(pat
                 router = create_gate(base, dims, **{**gate_args, key.removeprefix("model.gate."): value})
                 routing = RoutingInput(x=torch.randn(batch, dims.in_features),
                                        sample_id=torch.randint(dims.n_ids, (batch,)),
-                                       expert_outputs=torch.randn(batch, dims.n_experts, *dims.expert_shape))
+                                       expert_outputs=torch.randn(batch, dims.n_experts, *dims.expert_shape),
+                                       stream=Stream(torch.tensor(0), torch.tensor(0)))
                 output = router(routing)
                 assert output.weights.shape == (batch, dims.n_experts), (gate, key, value)
                 assert torch.isfinite(output.weights).all() and (output.weights >= 0).all(), (gate, key, value)
@@ -319,7 +321,8 @@ def test_sqlite_study_resume_reproducible_and_report(tiny_root: Path, tmp_path: 
     args = tune_args(url, tiny_root, logs, "--trainer.max_epochs=2", *TINY[1:], trials=3)
     assert run_cli(args) == 0
     out = capsys.readouterr().out
-    assert re.search(r"^\[movielens-100k/topk\] 3/3 done, 0 failed, best \d+\.\d+, ETA \S+$", out, re.M), out
+    assert re.search(r"^\[movielens-100k/topk\] 3/3 done, 0 failed, best \d+\.\d+, ETA \S+ \(0 running in a pack of 1, "
+                     r"pack epoch \d+\)$", out, re.M), out
     trials = trials_of(url, "movielens-100k/topk")
     assert len(trials) == 3
     assert_each_config_once(trials, 3)
@@ -417,6 +420,8 @@ def test_diverged_trial_is_failed_with_reason_and_not_retried(tiny_root: Path, t
     assert re.search(r"^\[movielens-100k/topk\] 3/3 done, 1 failed, best \d", out, re.M), out
     trials = trials_of(url, "movielens-100k/topk")
     diverged = [t for t in trials if t.state == TrialState.FAIL]
+    assert f"trial {diverged[0].number} (config_id {diverged[0].user_attrs['config_id']}) failed: diverged: " in out
+    assert "best nan" not in out
     assert len(diverged) == 1 and diverged[0].params["model.lr"] == 1e30
     assert diverged[0].user_attrs["fail_reason"].startswith("diverged: ")
     assert "nan" in diverged[0].user_attrs["fail_reason"] or "inf" in diverged[0].user_attrs["fail_reason"]

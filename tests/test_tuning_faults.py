@@ -22,7 +22,6 @@ from optuna.trial import TrialState
 from mtmoe.tuning.space import SearchSpace, load_space
 from mtmoe.tuning.storage import storage_for
 from mtmoe.tuning.objective import config_hash, plan_configurations
-from mtmoe.tuning.study import Progress
 
 from conftest import run_cli
 from pg import create_database, find_bin_dir, postgres_server
@@ -317,17 +316,6 @@ def test_an_unwritable_or_file_valued_out_is_one_line(tmp_path: Path, capsys, co
 
 
 # ------------------------------------------------------------------------------------------ 12: misleading output
-
-
-def test_progress_before_any_complete_trial_does_not_say_best_nan(capsys) -> None:
-    study = optuna.create_study(study_name="s")
-    study.add_trial(optuna.trial.create_trial(
-        state=TrialState.FAIL, user_attrs={"config_id": 0, "fail_reason": "diverged: train loss nan at epoch 0"}))
-    study.enqueue_trial({}, user_attrs={"config_id": 1})  # more to run: the worker goes on
-    Progress(3, 1)(study, study.trials[0])
-    lines = capsys.readouterr().out.strip().splitlines()
-    assert lines == ["[s] trial 0 (config_id 0) failed: diverged: train loss nan at epoch 0",
-                     "[s] 1/3 done, 1 failed, best none complete yet, ETA ?"]
 
 
 def test_report_shows_no_test_results_for_diverged_trials(tmp_path: Path, capsys) -> None:

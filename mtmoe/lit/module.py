@@ -326,9 +326,18 @@ class PackBatches:
             yield {key: tensor[index] for key, tensor in split.items()}
 
 
-def eval_batches(split: dict[str, Tensor], size: int) -> list[dict[str, Tensor]]:
-    n = len(next(iter(split.values())))
-    return [{key: tensor[start:start + size] for key, tensor in split.items()} for start in range(0, n, size)]
+class EvalBatches:
+    """A split's batches in order, shared by every slot (evaluation): one loader to Lightning, not a list of them."""
+
+    def __init__(self, split: dict[str, Tensor], size: int) -> None:
+        n = len(next(iter(split.values())))
+        self.batches = [{key: tensor[start:start + size] for key, tensor in split.items()} for start in range(0, n, size)]
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Iterator[dict[str, Tensor]]:
+        return iter(self.batches)
 
 
 class PackModule(EngineModule):
@@ -360,12 +369,12 @@ class PackModule(EngineModule):
     def train_dataloader(self) -> PackBatches:
         return PackBatches(self)
 
-    def val_dataloader(self) -> list[dict[str, Tensor]]:
-        return eval_batches(self.splits["val"], self.eval_batch_size)
+    def val_dataloader(self) -> EvalBatches:
+        return EvalBatches(self.splits["val"], self.eval_batch_size)
 
     def test_batches(self) -> list[dict[str, Tensor]]:
         """The test split's batches ``limit_test_batches`` keeps (Lightning's rule: a count, or a fraction)."""
-        batches = eval_batches(self.splits["test"], self.eval_batch_size)
+        batches = EvalBatches(self.splits["test"], self.eval_batch_size).batches
         limit = self.trainer.limit_test_batches
         keep = min(len(batches), limit) if isinstance(limit, int) else max(1, int(len(batches) * limit))
         return batches[:keep]

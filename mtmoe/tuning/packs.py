@@ -200,8 +200,7 @@ class PackWorker:
         objective = record_result(trial, seed, result.wall_time_s, result.results, result.diverged)
         if math.isnan(objective):
             print(f"[{self.study.study_name}] trial {trial.number} (config_id {config_id}) failed: "
-                  f"{trial.user_attrs.get('fail_reason', trial.system_attrs.get('fail_reason', 'no result'))}",
-                  flush=True)
+                  f"{trial.user_attrs['fail_reason']}", flush=True)
             self._tell(trial, state=TrialState.FAIL)
         else:
             self._tell(trial, values=objective)
@@ -257,7 +256,8 @@ class PackProgress:
 
     def __init__(self, study: optuna.Study, total: int, every: float = 10.0) -> None:
         self.study, self.total, self.every = study, total, every
-        self.start, self.last, self.finished, self.reported, self.epochs = time.perf_counter(), -math.inf, 0, 0, 0
+        self.start = self.last = time.perf_counter()
+        self.finished, self.reported, self.epochs = 0, 0, 0
 
     def __call__(self, module: PackModule) -> None:
         self.epochs += 1
@@ -270,11 +270,10 @@ class PackProgress:
         best = min((t.value for t in counts["complete"]), default=None)
         rate = self.finished / (now - self.start)
         eta = time.strftime("%Hh%Mm%Ss", time.gmtime((self.total - done) / rate)) if rate > 0 else "?"
-        running = len(module.engine.running) if module.engine is not None else 0
-        print(f"[{self.study.study_name}] {done}/{self.total} done, {running} running in a pack of "
-              f"{module.engine.capacity if module.engine is not None else 0} (pack epoch {self.epochs}), "
-              f"{len(counts['failed'])} failed, best {'none complete yet' if best is None else f'{best:.5g}'}, "
-              f"ETA {eta}", flush=True)
+        engine = module.engine
+        print(f"[{self.study.study_name}] {done}/{self.total} done, {len(counts['failed'])} failed, best "
+              f"{'none complete yet' if best is None else f'{best:.5g}'}, ETA {eta} "
+              f"({len(engine.running)} running in a pack of {engine.capacity}, pack epoch {self.epochs})", flush=True)
 
 
 #: On a CPU, without a measurement, the pack size ``bench_packs.py`` measured fastest on this project's VMs.
