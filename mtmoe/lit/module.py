@@ -344,7 +344,9 @@ class PackModule(EngineModule):
     """``tune --pack P``: trains the trials ``next_trial`` gives, P at a time, each slot refilled at the end of the
     epoch its trial ended in; ``finished`` receives every trial's result (its test results those of its best
     weights, on ``limit_test_batches`` of the test split), ``on_epoch`` the module after each epoch (progress).
-    Once ``next_trial`` has run dry the pack shrinks to its running trials, and the fit stops when none is left.
+    ``next_trial`` is asked at every epoch's end for every free slot (a trial a dead worker left may have come
+    back); when it has none and a quarter of the slots stand empty, the pack shrinks to its running trials (each
+    shrink captures the step's CUDA graphs again), and the fit stops when no trial is left.
 
     Args:
         info: the dataset's description.
@@ -363,7 +365,7 @@ class PackModule(EngineModule):
         self.info, self.splits, self.capacity = info, splits, capacity
         self.batch_size, self.eval_batch_size = batch_size, eval_batch_size
         self.next_trial, self.finished, self.on_epoch = next_trial, finished, on_epoch
-        self.cuda_graphs, self.exhausted = cuda_graphs, False
+        self.cuda_graphs = cuda_graphs
         self.n_train = len(next(iter(splits["train"].values())))
 
     def train_dataloader(self) -> PackBatches:
@@ -391,9 +393,8 @@ class PackModule(EngineModule):
 
     def _refill(self) -> None:
         for slot in self.engine.free_slots():
-            trial = None if self.exhausted else self.next_trial()
+            trial = self.next_trial()
             if trial is None:
-                self.exhausted = True
                 break
             self.engine.load(slot, trial)
 
@@ -404,10 +405,10 @@ class PackModule(EngineModule):
         ended = self.engine.end_epoch(self.val_results)
         for result in self.engine.finish(ended, self.test_batches()) if ended else []:
             self.finished(result)
+        if self.on_epoch is not None:
+            self.on_epoch(self)
         self._refill()
         if not self.engine.running:
             self.trainer.should_stop = True
-        elif self.exhausted and self.engine.free_slots():
+        elif 4 * len(self.engine.free_slots()) >= self.engine.capacity:
             self.engine = self.engine.compacted()
-        if self.on_epoch is not None:
-            self.on_epoch(self)

@@ -197,6 +197,9 @@ class PackWorker:
     def _finished(self, result: TrialResult) -> None:
         trial, seed, config_id = result.key
         self._write_log(config_id, result)
+        history = result.results.get("history")
+        if history:
+            self._report(trial, history[-1])  # its last epoch (the earlier ones were reported as they ended)
         objective = record_result(trial, seed, result.wall_time_s, result.results, result.diverged)
         if math.isnan(objective):
             print(f"[{self.study.study_name}] trial {trial.number} (config_id {config_id}) failed: "
@@ -235,14 +238,18 @@ class PackWorker:
     def _epoch(self, module: PackModule) -> None:
         """Each running trial's validation loss of this epoch as its intermediate value; the progress line."""
         for _, trial in module.engine.running:
-            record = trial.history[-1] if trial.history else None
-            if record is not None and "val" in record and math.isfinite(record["val"]["loss"]):
-                optuna_trial = trial.key[0]
-                try:
-                    optuna_trial.report(record["val"]["loss"], record["epoch"])
-                except optuna.exceptions.UpdateFinishedTrialError:  # failed as stale meanwhile
-                    pass
+            if trial.history:
+                self._report(trial.key[0], trial.history[-1])
         self.progress(module)
+
+    @staticmethod
+    def _report(trial: optuna.Trial, record: dict[str, Any]) -> None:
+        """An epoch's validation loss as the trial's intermediate value (optuna-dashboard's learning curves)."""
+        if "val" in record and math.isfinite(record["val"]["loss"]):
+            try:
+                trial.report(record["val"]["loss"], record["epoch"])
+            except optuna.exceptions.UpdateFinishedTrialError:  # failed as stale meanwhile
+                pass
 
     def _tell(self, trial: optuna.Trial, **kwargs: Any) -> None:
         self.study.tell(trial, **kwargs)
