@@ -235,7 +235,7 @@ def test_packed_adam_equals_torch_adam_per_trial() -> None:
     for p in range(3):
         for (key, value), expected in zip(packed[p].named_parameters(), reference[p].parameters()):
             assert torch.allclose(value, expected, rtol=0, atol=1e-7), key
-    assert torch.equal(adam.exp_avg[1, stack.columns["2.bias"]],
+    assert torch.equal(adam._blocks("2.bias")[2][1],
                        optimizers[1].state[reference[1][2].bias]["exp_avg"])
 
 

@@ -15,7 +15,8 @@ from torch import Tensor
 def switch_balance_loss(probabilities: Tensor, choice: Tensor) -> Tensor:
     """``N sum_i f_i P_i`` for probabilities ``[B, N]`` and each sample's counted choice ``[B]`` (long)."""
     n = probabilities.shape[-1]
-    counts = torch.zeros_like(probabilities[0]).index_add(0, choice, torch.ones_like(choice, dtype=probabilities.dtype))
+    # scatter_add (not index_add): it has a batching rule, so a pack of trials counts in one kernel
+    counts = torch.zeros_like(probabilities[0]).scatter_add(0, choice, torch.ones_like(choice, dtype=probabilities.dtype))
     return n * (counts / choice.numel() * probabilities.mean(dim=0)).sum()
 
 

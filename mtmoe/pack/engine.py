@@ -49,6 +49,12 @@ LOG_WEIGHTS = "local_search.log_weights"
 warnings.filterwarnings("ignore", message=".*grad and param do not obey the gradient layout contract.*")
 
 
+def shared(batch: dict[str, Tensor], capacity: int) -> dict[str, Tensor]:
+    """One batch every slot sees (evaluation), as a ``[P, B, ...]`` view: the vmapped step takes the same layout in
+    training and evaluation (and no operation's batching rule then depends on which)."""
+    return {key: tensor.expand(capacity, *tensor.shape) for key, tensor in batch.items()}
+
+
 @dataclass
 class EarlyStopping:
     """Keras' ``EarlyStopping(monitor="val_loss", patience, min_delta, restore_best_weights=True)``: a trial stops
@@ -137,8 +143,7 @@ class PackEngine:
         self.slots: list[Trial | None] = [None] * capacity
         self.best: dict[str, Tensor] | None = None
         self.captured = CapturedStep(self._train_step) if cuda_graphs and self.device.type == "cuda" else None
-        self._forward = {training: vmap(self._trial_losses, in_dims=(0, 0 if training else None, 0, None),
-                                        randomness="error") for training in (True, False)}
+        self._forward = vmap(self._trial_losses, in_dims=(0, 0, 0, None), randomness="error")
 
     # ----------------------------------------------------------------------------------------------- slots
     @property
@@ -225,7 +230,7 @@ class PackEngine:
     def _train_step(self, batch: dict[str, Tensor]) -> None:
         self.template.train()
         self.stack.flat_grad.zero_()
-        loss, aux, task_losses, counts, predictions, weights = self._forward[True](
+        loss, aux, task_losses, counts, predictions, weights = self._forward(
             self._tensors(), batch, self.task_weights, True)
         (loss + aux).float().sum().backward()
         skip = None
@@ -243,8 +248,8 @@ class PackEngine:
         """Evaluate every slot on one shared batch (``[B, ...]`` tensors) into :attr:`eval_metrics` (after
         :meth:`prepare_evaluation`)."""
         self.template.eval()
-        loss, _, task_losses, counts, predictions, weights = self._forward[False](
-            self._tensors(), batch, self.task_weights, False)
+        loss, _, task_losses, counts, predictions, weights = self._forward(
+            self._tensors(), shared(batch, self.capacity), self.task_weights, False)
         self.eval_metrics.update(predictions, task_losses, counts, loss, batch, weights)
 
     @torch.no_grad()
@@ -261,8 +266,8 @@ class PackEngine:
             self.search.may_search = not self.search.eval_rounded
         self.template.eval()
         for batch in batches:
-            loss, _, task_losses, counts, predictions, weights = self._forward[False](tensors, batch, task_weights,
-                                                                                       False)
+            loss, _, task_losses, counts, predictions, weights = self._forward(
+                tensors, shared(batch, len(slots)), task_weights, False)
             metrics.update(predictions, task_losses, counts, loss, batch, weights)
         return metrics.results()
 

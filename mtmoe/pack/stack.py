@@ -1,12 +1,13 @@
 """P modules of one structure as stacked tensors with a leading trial axis (horizontal fusion, as HFTA does).
 
-Parameters live in one flat ``[P, N]`` float32 tensor (``flat``), their gradients in another (``flat_grad``): each
-named parameter is a leaf tensor ``[P, *shape]`` that aliases its columns of ``flat``, with its ``.grad`` aliasing
-the same columns of ``flat_grad``, so autograd accumulates every gradient in place into one tensor and the
-optimiser updates all trials' parameters with a handful of element-wise operations on ``[P, N]``
-(:class:`mtmoe.pack.adam.PackedAdam`). Every buffer (counters, a gate's float64 settings, local search's state, ...)
-is one stacked tensor ``[P, *shape]``. A per-trial operation (a refill, a best-weights snapshot) is one indexed
-copy per tensor.
+Parameters live in one flat float32 tensor (``flat``), their gradients in another (``flat_grad``), parameter by
+parameter: each named parameter is a contiguous leaf tensor ``[P, *shape]`` that aliases its block of ``flat``, with
+its ``.grad`` aliasing the same block of ``flat_grad``, so autograd accumulates every gradient in place and the
+optimiser updates all trials with element-wise operations per parameter, each with per-trial ``[P, 1]``
+coefficients (:class:`mtmoe.pack.adam.PackedAdam`). Contiguous leaves are what ``vmap``'s rules expect: an
+embedding table ``[P, V, D]`` is looked up as ``[P * V, D]`` without a copy. Every buffer (counters, a gate's
+float64 settings, local search's state, ...) is one stacked tensor ``[P, *shape]``. A per-trial operation (a refill,
+a best-weights snapshot) is one indexed copy per tensor.
 
 A trial's own module, once loaded, holds views of its slot (parameters that do not require grad, and buffers), so
 its own methods (statistics, checkpoints) see the packed state; :meth:`TrialStack.unload` gives it back tensors of
@@ -55,24 +56,25 @@ class TrialStack:
             raise ValueError(f"a pack stacks parameters of one dtype, got {sorted(map(str, dtypes))}")
         self.shapes = {name: tuple(p.shape) for name, p in parameters.items()}
         self.structure = structure(example)
-        self.columns: dict[str, slice] = {}
+        self.blocks: dict[str, slice] = {}  # each parameter's block of the flat tensors: P x its size
         start = 0
         for name, p in parameters.items():
-            self.columns[name] = slice(start, start + p.numel())
-            start += p.numel()
+            self.blocks[name] = slice(start, start + capacity * p.numel())
+            start += capacity * p.numel()
         dtype = dtypes.pop() if dtypes else torch.float32
-        self.flat = torch.zeros(capacity, start, dtype=dtype, device=self.device)
+        self.flat = torch.zeros(start, dtype=dtype, device=self.device)
         self.flat_grad = torch.zeros_like(self.flat)
         self.params: dict[str, Tensor] = {}
-        for name, shape in self.shapes.items():
-            leaf = self._columns(self.flat, name).requires_grad_()
-            leaf.grad = self._columns(self.flat_grad, name)
+        for name in self.shapes:
+            leaf = self.block(self.flat, name).requires_grad_()
+            leaf.grad = self.block(self.flat_grad, name)
             self.params[name] = leaf
         self.buffers = {name: torch.zeros(capacity, *b.shape, dtype=b.dtype, device=self.device)
                         for name, b in example.named_buffers()}
 
-    def _columns(self, flat: Tensor, name: str) -> Tensor:
-        return flat[:, self.columns[name]].view(flat.shape[0], *self.shapes[name])
+    def block(self, flat: Tensor, name: str) -> Tensor:
+        """Parameter ``name``'s block of a flat tensor laid out as :attr:`flat` (its moments, say), ``[P, *shape]``."""
+        return flat[self.blocks[name]].view(self.capacity, *self.shapes[name])
 
     def tensors(self) -> dict[str, Tensor]:
         """The trials' state by name: every parameter (detached) and buffer, ``[P, ...]`` each."""
@@ -129,6 +131,5 @@ class TrialStack:
     def take(self, other: TrialStack, slots: list[int]) -> None:
         """The state of ``other``'s ``slots``, in that order (a pack shrunk to its running trials)."""
         index = torch.tensor(slots, device=self.device)
-        self.flat.copy_(other.flat[index])
-        for name, tensor in self.buffers.items():
-            tensor.copy_(other.buffers[name][index])
+        for name, tensor in self.tensors().items():
+            tensor.copy_(other.tensors()[name][index])
