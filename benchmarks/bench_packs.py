@@ -1,29 +1,31 @@
-"""Trial packs against today's one-trial path, on MovieLens-100K (batch 512, 16 experts, the paper's settings).
+"""The training engine on MovieLens-100K (batch 512, 16 experts, the paper's settings): packs of P trials against
+one trial, operation counts, per-trial set-up, a whole study.
 
-    MTMOE_DATA=../shared/data python benchmarks/bench_packs.py                       # CPU: comet, P in 1,2,4,8
-    MTMOE_DATA=../shared/data python benchmarks/bench_packs.py --gates comet,topk,softmax,comet+ --packs 1,4,16,64 \\
-        --device cuda --study 64x5 --study-pack auto                               # a GPU
-    MTMOE_DATA=../shared/data python benchmarks/bench_packs.py --precision bf16-mixed --bf16-check 4
-    MTMOE_DATA=../shared/data python benchmarks/bench_packs.py --packs 1 --floor
+    MTMOE_DATA=../shared/data python benchmarks/bench_packs.py --gates comet,topk,comet+ --packs 1,4,8
+    MTMOE_DATA=../shared/data python benchmarks/bench_packs.py --device cuda --gates comet --packs 1,64,256,512 \\
+        --graphs on,off
+    MTMOE_DATA=../shared/data python benchmarks/bench_packs.py --ops --gates comet,comet+ --packs 1,16
+    MTMOE_DATA=../shared/data python benchmarks/bench_packs.py --setup 16 --study 64x3 --study-pack 8
 
-1. **Trial-epochs per hour.** Today's path is one Lightning ``fit`` of one configuration (``build_run(...).fit()``,
-   what an unpacked ``tune`` trial runs); its rate is 3600 / (the second epoch's time, training and validation).
-   A pack of P trains P configurations of the gate's search space (the study's plan, seed 0) with
-   :class:`mtmoe.pack.train.PackTrainer`; its rate is P x 3600 / (the second pack epoch's time, training and
-   validation of all P). Both run in this process, one after the other, for every gate; the ratio is the speed-up.
-   "+" gates are timed inside their permutation window (E_perm >= the epochs timed), the costlier phase.
-2. **Memory per trial.** On a GPU, :func:`mtmoe.pack.train.memory_per_trial` (measured peaks); on a CPU, the
-   pack's tensors per trial (parameters, gradients, Adam's two moments, the best-weights snapshot).
-3. **A whole small study** (``--study NxE``): ``python -m mtmoe tune --trials N --trainer.max_epochs E`` of the
-   first gate, packed (``--pack --study-pack``) and unpacked (``--pack 1``), each a fresh journal storage; wall
-   time of the whole command, and the two studies' objectives, configuration by configuration (the same plan;
-   dropout draws differ): their means and a paired t-test.
-4. **bf16** (``--bf16-check P``): the same P configurations trained for ``--epochs`` epochs in fp32, in fp32 with
-   other seeds (seed noise) and in bf16-mixed; mean absolute difference of their test losses.
-5. **The matmul floor** (``--floor``): the expert layer's three matmuls (forward and the two gradients) of one
-   MovieLens step, timed alone in fp32 and in bf16, times the steps of an epoch: what no trial-epoch can undercut.
+1. **Trial-epochs per hour** (``--packs``): P configurations of the gate's search space (the study's plan, seed 0)
+   trained as a pack through the engine inside Lightning, exactly as ``tune --pack P`` trains them
+   (:class:`mtmoe.lit.module.PackModule`); the rate is P x 3600 / (the second pack epoch's time, training and
+   validation of all P). P = 1 is ``fit``'s engine (``tune --pack 1``). "+" gates are timed inside their
+   permutation window (E_perm >= the epochs timed), the costlier phase. ``--graphs on,off`` on a GPU: with the
+   training step captured in CUDA graphs and without. Device memory per trial (GPU) from
+   :func:`mtmoe.pack.memory.memory_per_trial`.
+2. **Operations** (``--ops``): for each gate and P, one line per phase, ``ops gate=G P=P phase=X ops=N
+   host_reads=R``: the ATen operations one training step (``train``; ``window`` and ``after`` for "+": inside the
+   permutation window and after it) or one evaluation batch (``eval``) dispatches after warm-up, and how many of them
+   read a device value on the host (:mod:`mtmoe.pack.operations`).
+3. **Per-trial set-up** (``--setup N``): a trial claimed from a real SQLite study, built from its planned values by
+   :class:`mtmoe.tuning.packs.TrialFactory` and loaded into a slot: mean milliseconds over N trials.
+4. **A whole study** (``--study NxE``): the ``tune`` command, packed (``--study-pack``) and ``--pack 1``, each on a
+   fresh journal storage: wall time, and the objectives configuration by configuration (equal to float32 rounding:
+   each trial draws from its own random stream whatever its pack).
+5. **The matmul floor** (``--floor``): the expert layer's three matmuls of one step alone, per trial-epoch.
 
-Prints Markdown tables and writes them with a JSON copy to ``benchmarks/out/packs.{md,json}``.
+Prints the tables and writes them with a JSON copy to ``benchmarks/out/packs.{md,json}``.
 """
 from __future__ import annotations
 
@@ -46,100 +48,122 @@ OUT = Path(__file__).resolve().parent / "out"
 DATA = "movielens-100k"
 
 
-def configurations(gate: str, n: int, epochs: int) -> list[list[str]]:
-    """``fit`` arguments of the study's first n planned configurations of ``gate``, ``epochs`` epochs each."""
+def plan(gate: str, n: int, epochs: int) -> list[dict]:
+    """The study's first n planned configurations of ``gate`` (seed 0), each trained ``epochs`` epochs."""
+    from mtmoe.tuning.objective import plan_configurations
+    from mtmoe.tuning.space import load_space
+
+    space = load_space(DATA, gate)
+    configurations = []
+    for params in plan_configurations(space, n, 0):
+        if gate.endswith("+"):
+            params = {**params, "model.perm_epochs": epochs}  # the window covers every timed epoch
+        configurations.append({**params, "trainer.max_epochs": epochs})
+    return configurations
+
+
+def factory(gate: str, params: dict, device: str, precision: str):
+    from mtmoe.run import build_run
+    from mtmoe.tuning.objective import cli_args
+    from mtmoe.tuning.packs import TrialFactory
+    from mtmoe.tuning.space import load_space
+
+    space = load_space(DATA, gate)
+    accelerator = "gpu" if device == "cuda" else "cpu"
+    args = cli_args(space, params, [f"--trainer.accelerator={accelerator}", f"--trainer.precision={precision}",
+                                    "--early_stopping.patience=1000"], 0, Path(tempfile.mkdtemp()))
+    return TrialFactory(build_run(args))
+
+
+def pack_epoch_seconds(gate: str, pack: int, device: str, precision: str, graphs: bool) -> float:
+    """The second pack epoch (training and validation of every slot) of P planned configurations."""
+    import lightning.pytorch as pl
+
+    from mtmoe.lit.module import PackModule
+
+    configurations = plan(gate, pack, 3)
+    trials = factory(gate, configurations[0], device, precision)
+    queue = [trials.build(i, params, i) for i, params in enumerate(configurations)]
+    data = trials.run.datamodule
+    data.prepare_data()
+    data.setup("fit")
+    stamps = []
+
+    def on_epoch(module: PackModule) -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+        stamps.append(time.perf_counter())
+        if len(stamps) == 3:
+            module.trainer.should_stop = True
+
+    module = PackModule(data.info, data.splits, data.batch_size, data.eval_batch_size, pack,
+                        lambda: queue.pop(0) if queue else None, lambda result: None, on_epoch, graphs)
+    trainer = pl.Trainer(accelerator="gpu" if device == "cuda" else "cpu", devices=1, precision=precision,
+                         max_epochs=-1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(module)
+    return stamps[2] - stamps[1]
+
+
+def operations(gate: str, pack: int) -> dict:
+    from mtmoe.pack.engine import PackEngine
+    from mtmoe.pack.operations import phases
+
+    configurations = plan(gate, pack, 1)
+    trials = factory(gate, configurations[0], "cpu", "32")
+    pack_trials = [trials.build(i, params, i) for i, params in enumerate(configurations)]
+    data = trials.run.datamodule
+    data.prepare_data()
+    data.setup("fit")
+    engine = PackEngine(pack_trials[0].net, data.info.tasks, pack, "cpu", cuda_graphs=False)
+    engine.set_steps_per_epoch(4)  # a window of 4 steps: a step inside it, then after it
+    for slot, trial in enumerate(pack_trials):
+        engine.load(slot, trial)
+    index = torch.arange(data.batch_size).expand(pack, -1)
+    batch = {key: tensor[index] for key, tensor in data.splits["train"].items()}
+    eval_batch = {key: tensor[:data.eval_batch_size] for key, tensor in data.splits["val"].items()}
+    return phases(engine, batch, eval_batch)
+
+
+def setup_milliseconds(gate: str, n: int) -> float:
+    """Claim (a real SQLite study), build and load a trial into a slot: the mean over n trials."""
+    import optuna
+
+    from mtmoe.pack.engine import PackEngine
+    from mtmoe.tuning.objective import plan_configurations
+    from mtmoe.tuning.packs import PackWorker
     from mtmoe.tuning.space import SearchSpace, load_space
-    from mtmoe.tuning.objective import cli_args, plan_configurations
+    from mtmoe.tuning.study import enqueue_missing
 
     space = load_space(DATA, gate)
     space = SearchSpace(space.data, space.gate, n, space.fixed, space.distributions)
+    configurations = plan_configurations(space, n, 0)
     scratch = Path(tempfile.mkdtemp())
-    runs = []
-    for config_id, params in enumerate(plan_configurations(space, n, 0)):
-        if gate.endswith("+"):
-            params = {**params, "model.perm_epochs": epochs}  # the window covers every timed epoch
-        runs.append(cli_args(space, params, [f"--trainer.max_epochs={epochs}", "--early_stopping.patience=1000"],
-                             config_id, scratch / str(config_id)))
-    return runs
-
-
-def unpacked_epoch_seconds(args: list[str], accelerator: str) -> float:
-    """The second epoch (training and validation) of one Lightning ``fit``."""
-    from mtmoe.lit.callbacks import EpochTimer
-    from mtmoe.run import build_run
-
-    run = build_run([*args, f"--trainer.accelerator={accelerator}"])
-    timer = EpochTimer()
-    run.trainer.callbacks.append(timer)
-    run.fit()
-    return timer.seconds[1]
-
-
-def packed_epoch_seconds(runs_args: list[list[str]], accelerator: str, precision: str) -> tuple[float, int]:
-    """The second pack epoch (training and validation of every trial), and the pack's memory per trial in bytes."""
-    from mtmoe.pack.train import PackTrainer, PackTrial, memory_per_trial
-    from mtmoe.run import build_run
-
-    runs = [build_run([*args, f"--trainer.accelerator={accelerator}"]) for args in runs_args]
-    data, device = runs[0].datamodule, runs[0].trainer.strategy.root_device
-    data.setup("fit")
-    if device.type == "cuda":
-        per_trial = memory_per_trial(runs[0].model, data.splits, data.batch_size, data.eval_batch_size, device,
-                                     precision)
-    else:
-        per_trial = 5 * sum(p.numel() * p.element_size() for p in runs[0].model.net.parameters())
-    trials = [PackTrial(i, run.model, run.datamodule.seed, run.trainer.max_epochs, 1000) for i, run in enumerate(runs)]
-    trainer = PackTrainer(data.splits, data.batch_size, data.eval_batch_size, len(runs), device, precision)
-    stamps = [time.perf_counter()]
-
-    def on_epoch(_) -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        stamps.append(time.perf_counter())
-
-    trainer.run(lambda: trials.pop(0) if trials else None, lambda result: None, on_epoch)
-    return stamps[2] - stamps[1], per_trial
-
-
-def expert_matmul_floor(precision: str, steps: int, repeats: int = 20) -> float:
-    """Seconds per trial-epoch of the expert layer's three matmuls alone (forward, the two gradients) at MovieLens'
-    shape ([512, 256] x [256, 16 x 256]) in ``precision``: no trial trains faster on this device's matmul kernel."""
-    dtype = torch.bfloat16 if precision == "bf16-mixed" else torch.float32
-    x, w, g = (torch.randn(*shape).to(dtype) for shape in ((512, 256), (256, 4096), (512, 4096)))
-
-    def step() -> None:
-        x @ w, g @ w.T, x.T @ g
-
-    step()
+    study = optuna.create_study(study_name="setup", storage=f"sqlite:///{scratch / 'setup.db'}")
+    enqueue_missing(study, space, configurations)
+    worker = PackWorker(study, space, [], 0, scratch, n, configurations)
+    trials = factory(gate, configurations[0], "cpu", "32")
+    data = trials.run.datamodule
+    engine = PackEngine(trials.build(0, configurations[0], 0).net, data.info.tasks, 1, "cpu", cuda_graphs=False)
+    engine.set_steps_per_epoch(308)
     start = time.perf_counter()
-    for _ in range(repeats):
-        step()
-    return (time.perf_counter() - start) / repeats * steps
+    for _ in range(n):
+        optuna_trial, params, config_id = worker._claim(None)
+        engine.slots[0] = None
+        engine.load(0, trials.build((optuna_trial, config_id, config_id), params, config_id))
+    seconds = (time.perf_counter() - start) / n
+    worker.heartbeats.stop()
+    return 1000 * seconds
 
 
-def test_losses(runs_args: list[list[str]], accelerator: str, precision: str) -> list[float]:
-    from mtmoe.pack.train import PackTrainer, PackTrial
-    from mtmoe.run import build_run
-
-    runs = [build_run([*args, f"--trainer.accelerator={accelerator}"]) for args in runs_args]
-    data = runs[0].datamodule
-    data.setup("fit")
-    trials = [PackTrial(i, run.model, run.datamodule.seed, run.trainer.max_epochs, 1000) for i, run in enumerate(runs)]
-    results = {}
-    PackTrainer(data.splits, data.batch_size, data.eval_batch_size, len(runs), runs[0].trainer.strategy.root_device,
-                precision).run(lambda: trials.pop(0) if trials else None,
-                               lambda r: results.__setitem__(r.key, r.results["test"]["loss"]))
-    return [results[i] for i in range(len(runs_args))]
-
-
-def study(gate: str, trials: int, epochs: int, pack: str, accelerator: str, scratch: Path) -> tuple[float, dict]:
+def study(gate: str, trials: int, epochs: int, pack: str, device: str, scratch: Path) -> tuple[float, dict]:
     """Wall time of a whole ``tune`` command on a fresh journal storage, and its objectives by config_id."""
     import optuna
 
     log = scratch / f"pack-{pack}.log"
     command = [sys.executable, "-m", "mtmoe", "tune", "--gate", gate, "--data", DATA, "--trials", str(trials),
-               "--storage", f"journal:{log}", "--log-dir", str(scratch / "runs"), "--pack", pack,
-               f"--trainer.max_epochs={epochs}", f"--trainer.accelerator={accelerator}"]
+               "--storage", f"journal:{log}", "--log-dir", str(scratch / f"runs-{pack}"), "--pack", pack,
+               f"--trainer.max_epochs={epochs}", f"--trainer.accelerator={'gpu' if device == 'cuda' else 'cpu'}"]
     start = time.perf_counter()
     proc = subprocess.run(command, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -147,90 +171,108 @@ def study(gate: str, trials: int, epochs: int, pack: str, accelerator: str, scra
     seconds = time.perf_counter() - start
     storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(log)))
     (name,) = optuna.get_all_study_names(storage)
-    trials = optuna.load_study(study_name=name, storage=storage).get_trials(deepcopy=False)
-    return seconds, {t.user_attrs["config_id"]: t.value for t in trials if t.value is not None}
+    done = optuna.load_study(study_name=name, storage=storage).get_trials(deepcopy=False)
+    return seconds, {t.user_attrs["config_id"]: t.value for t in done if t.value is not None}
+
+
+def expert_matmul_floor(precision: str, steps: int, device: str, repeats: int = 20) -> float:
+    """Seconds per trial-epoch of the expert layer's three matmuls alone (forward, the two gradients) at MovieLens'
+    shape ([512, 256] x [256, 16 x 256]) in ``precision``: no trial trains faster on this device's matmul kernel."""
+    dtype = torch.bfloat16 if precision == "bf16-mixed" else torch.float32
+    x, w, g = (torch.randn(*shape, device=device).to(dtype) for shape in ((512, 256), (256, 4096), (512, 4096)))
+
+    def step() -> None:
+        x @ w, g @ w.T, x.T @ g
+
+    step()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        step()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeats * steps
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--gates", default="comet")
-    parser.add_argument("--packs", default="1,2,4,8", help="pack sizes P")
+    parser.add_argument("--packs", default="", help="pack sizes P to time")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--precision", default="32", choices=["32", "bf16-mixed"], help="the packs' precision")
+    parser.add_argument("--precision", default="32", choices=["32", "bf16-mixed"])
+    parser.add_argument("--graphs", default="on", help="on, off or on,off (CUDA graphs of the training step)")
+    parser.add_argument("--ops", action="store_true", help="operation counts per phase")
+    parser.add_argument("--setup", type=int, default=0, help="per-trial set-up time over N trials")
     parser.add_argument("--study", default=None, help="NxE: a whole N-trial study of E epochs, packed and not")
     parser.add_argument("--study-pack", default="auto", help="--pack of the packed study")
-    parser.add_argument("--bf16-check", type=int, default=0, help="P configurations to compare bf16 with fp32")
-    parser.add_argument("--epochs", type=int, default=2, help="epochs of the bf16 check")
-    parser.add_argument("--floor", action="store_true", help="the expert matmuls' time per trial-epoch (CPU)")
+    parser.add_argument("--floor", action="store_true", help="the expert matmuls' time per trial-epoch")
     args = parser.parse_args()
-    accelerator = "gpu" if args.device == "cuda" else "cpu"
-    where = torch.cuda.get_device_name() if args.device == "cuda" else \
-        f"CPU {platform.machine()}, {torch.get_num_threads()} threads"
-    header = f"MovieLens-100K, batch 512, 16 experts; {where}, torch {torch.__version__}; packs in {args.precision}"
+    where = (torch.cuda.get_device_name() if args.device == "cuda"
+             else f"CPU {platform.machine()} {platform.processor() or ''}, {torch.get_num_threads()} threads")
+    header = f"MovieLens-100K, batch 512, 16 experts; {where}, torch {torch.__version__}; {args.precision}"
     print(header, flush=True)
-    rows, lines = [], ["| gate | path | P | epoch (s) | trial-epochs / hour | speed-up | memory / trial (MiB) |",
-                       "|---|---|---|---|---|---|---|"]
-    for gate in args.gates.split(","):
-        packs = [int(p) for p in args.packs.split(",")]
-        plan = configurations(gate, max(packs), 3)  # the second of three epochs: no trial ends in it
-        base = unpacked_epoch_seconds(plan[0], accelerator)
-        rows.append({"gate": gate, "path": "fit (today)", "P": 1, "epoch_s": base, "per_hour": 3600 / base})
-        lines.append(f"| {gate} | fit (today) | 1 | {base:.2f} | {3600 / base:,.0f} | 1.00 | |")
-        print(lines[-1], flush=True)
-        for pack in packs:
-            seconds, per_trial = packed_epoch_seconds(plan[:pack], accelerator, args.precision)
-            rate = pack * 3600 / seconds
-            rows.append({"gate": gate, "path": "pack", "P": pack, "epoch_s": seconds, "per_hour": rate,
-                         "speed_up": rate * base / 3600, "memory_per_trial_bytes": per_trial})
-            lines.append(f"| {gate} | pack | {pack} | {seconds:.2f} | {rate:,.0f} | {rate * base / 3600:.2f} | "
-                         f"{per_trial / 2**20:.0f} |")
-            print(lines[-1], flush=True)
-    tables = [header, "", *lines]
+    rows, tables = [], [header, ""]
+    gates = args.gates.split(",")
+    if args.packs:
+        lines = ["| gate | P | graphs | epoch (s) | trial-epochs / hour | per trial vs P = 1 | memory / trial (MiB) |",
+                 "|---|---|---|---|---|---|---|"]
+        print(*lines, sep="\n", flush=True)
+        for gate in gates:
+            base = None
+            for graphs in args.graphs.split(","):
+                for pack in (int(p) for p in args.packs.split(",")):
+                    seconds = pack_epoch_seconds(gate, pack, args.device, args.precision, graphs == "on")
+                    rate = pack * 3600 / seconds
+                    base = base or rate / pack if pack == 1 else base
+                    memory = ""
+                    if args.device == "cuda":
+                        from mtmoe.pack.memory import memory_per_trial
+
+                        trials = factory(gate, plan(gate, 1, 3)[0], "cuda", args.precision)
+                        data = trials.run.datamodule
+                        data.setup("fit")
+                        memory = f"{memory_per_trial(trials.run.model.net, data, torch.device('cuda'), args.precision) / 2**20:.0f}"
+                    rows.append({"gate": gate, "P": pack, "graphs": graphs, "epoch_s": seconds, "per_hour": rate})
+                    lines.append(f"| {gate} | {pack} | {graphs} | {seconds:.2f} | {rate:,.0f} | "
+                                 f"{'' if base is None else f'{rate / base:.2f}'} | {memory} |")
+                    print(lines[-1], flush=True)
+        tables += lines
+    if args.ops:
+        for gate in gates:
+            for pack in (int(p) for p in (args.packs or "1,16").split(",")):
+                for phase, counted in operations(gate, pack).items():
+                    line = f"ops gate={gate} P={pack} phase={phase} ops={counted.ops} host_reads={counted.host_reads}"
+                    rows.append({"gate": gate, "P": pack, "phase": phase, "ops": counted.ops,
+                                 "host_reads": counted.host_reads})
+                    tables.append(line)
+                    print(line, flush=True)
+    if args.setup:
+        milliseconds = setup_milliseconds(gates[0], args.setup)
+        rows.append({"setup_ms": milliseconds, "trials": args.setup})
+        tables += ["", f"Per-trial set-up (claim from SQLite, build, load into a slot), {gates[0]}: "
+                   f"{milliseconds:.1f} ms (mean of {args.setup})"]
+        print(tables[-1], flush=True)
     if args.study:
-        trials, epochs = (int(x) for x in args.study.split("x"))
-        gate = args.gates.split(",")[0]
-        scratch = Path(tempfile.mkdtemp())
         from scipy.stats import ttest_rel
 
-        packed, packed_values = study(gate, trials, epochs, args.study_pack, accelerator, scratch)
-        unpacked, unpacked_values = study(gate, trials, epochs, "1", accelerator, scratch)
-        ids = sorted(set(packed_values) & set(unpacked_values))
-        pairs = [(packed_values[i], unpacked_values[i]) for i in ids]
-        p_value = ttest_rel(*zip(*pairs)).pvalue
-        rows.append({"study": args.study, "gate": gate, "packed_s": packed, "unpacked_s": unpacked,
-                     "objectives": {"packed": packed_values, "unpacked": unpacked_values}})
-        tables += ["", f"{gate}, {trials} trials x {epochs} epochs (`tune`, whole command): packed "
-                   f"(--pack {args.study_pack}) {packed:.0f} s, unpacked {unpacked:.0f} s, {unpacked / packed:.2f}x; "
-                   f"objectives of the {len(ids)} configurations: mean {statistics.mean(p for p, _ in pairs):.5f} "
-                   f"packed, {statistics.mean(u for _, u in pairs):.5f} unpacked, paired t-test p = {p_value:.2f}"]
-        print(tables[-1], flush=True)
-    if args.bf16_check:
-        gate = args.gates.split(",")[0]
-        plan = configurations(gate, args.bf16_check, args.epochs)
-        reseeded = [[a if not a.startswith("--seed_everything=") else f"--seed_everything={1000 + i}" for a in run]
-                    for i, run in enumerate(plan)]
-        fp32 = test_losses(plan, accelerator, "32")
-        noise = test_losses(reseeded, accelerator, "32")
-        start = time.perf_counter()
-        bf16 = test_losses(plan, accelerator, "bf16-mixed")
-        bf16_s = time.perf_counter() - start
-        gap = statistics.mean(abs(a - b) for a, b in zip(fp32, bf16))
-        seed_gap = statistics.mean(abs(a - b) for a, b in zip(fp32, noise))
-        rows.append({"bf16_check": args.bf16_check, "fp32": fp32, "fp32_other_seeds": noise, "bf16": bf16})
-        tables += ["", f"{gate}, {args.bf16_check} configurations x {args.epochs} epochs: mean |test loss bf16 - fp32| "
-                   f"{gap * 100:.3f} x1e-2, against {seed_gap * 100:.3f} x1e-2 between two seeds in fp32 "
-                   f"(bf16 pack: {bf16_s:.0f} s)"]
+        trials, epochs = (int(x) for x in args.study.split("x"))
+        scratch = Path(tempfile.mkdtemp())
+        packed, packed_values = study(gates[0], trials, epochs, args.study_pack, args.device, scratch)
+        alone, alone_values = study(gates[0], trials, epochs, "1", args.device, scratch)
+        ids = sorted(set(packed_values) & set(alone_values))
+        worst = max(abs(packed_values[i] - alone_values[i]) / abs(alone_values[i]) for i in ids)
+        rows.append({"study": args.study, "packed_s": packed, "unpacked_s": alone,
+                     "objectives": {"packed": packed_values, "unpacked": alone_values}})
+        tables += ["", f"{gates[0]}, {trials} trials x {epochs} epochs (`tune`, whole command): --pack "
+                   f"{args.study_pack} {packed:.0f} s, --pack 1 {alone:.0f} s, {alone / packed:.2f}x; objectives of the "
+                   f"{len(ids)} configurations: largest relative difference {worst:.1e}"]
         print(tables[-1], flush=True)
     if args.floor:
-        from mtmoe.run import build_run
-
-        data = build_run(configurations("comet", 1, 1)[0]).datamodule
-        data.setup("fit")
-        steps = -(-len(next(iter(data.splits["train"].values()))) // data.batch_size)
-        floors = {precision: expert_matmul_floor(precision, steps) for precision in ("32", "bf16-mixed")}
-        rows.append({"floor_steps": steps, "floor_s": floors})
-        tables += ["", f"Floor: the expert layer's three matmuls alone take {floors['32']:.2f} s per trial-epoch in "
-                   f"fp32 and {floors['bf16-mixed']:.2f} s in bf16 ({steps} training steps)"]
+        floors = {precision: expert_matmul_floor(precision, 308, args.device) for precision in ("32", "bf16-mixed")}
+        rows.append({"floor_s": floors})
+        tables += ["", f"Floor: the expert layer's three matmuls alone take {floors['32']:.3f} s per trial-epoch in "
+                   f"fp32 and {floors['bf16-mixed']:.3f} s in bf16 (308 training steps)"]
         print(tables[-1], flush=True)
     OUT.mkdir(exist_ok=True)
     write_atomic("\n".join(tables) + "\n", OUT / "packs.md")
