@@ -28,7 +28,9 @@ import csv
 import json
 import math
 import os
+import queue
 import socket
+import threading
 import time
 from functools import partial
 from pathlib import Path
@@ -115,6 +117,8 @@ class PackWorker:
         self.running: dict[int, optuna.Trial] = {}  # trial id -> trial, claimed and not yet told
         self.worker = f"{socket.gethostname()}:{os.getpid()}"
         self.last_reclaim = time.monotonic()
+        self.reports: queue.Queue = queue.Queue()
+        threading.Thread(target=self._write_reports, daemon=True).start()
 
     def run(self) -> None:
         """Pack and train until no waiting trial is left; Ctrl-C fails the running ones (re-run on resume)."""
@@ -242,16 +246,24 @@ class PackWorker:
                 self._report(trial.key[0], trial.history[-1])
         self.progress(module)
 
-    @staticmethod
-    def _report(trial: optuna.Trial, record: dict[str, Any]) -> None:
-        """An epoch's validation loss as the trial's intermediate value (optuna-dashboard's learning curves)."""
+    def _report(self, trial: optuna.Trial, record: dict[str, Any]) -> None:
+        """An epoch's validation loss as the trial's intermediate value (optuna-dashboard's learning curves),
+        written by a thread: a pack of hundreds of trials does not wait for hundreds of storage writes an epoch."""
         if "val" in record and math.isfinite(record["val"]["loss"]):
+            self.reports.put((trial, record["val"]["loss"], record["epoch"]))
+
+    def _write_reports(self) -> None:
+        while True:
+            trial, value, epoch = self.reports.get()
             try:
-                trial.report(record["val"]["loss"], record["epoch"])
+                trial.report(value, epoch)
             except optuna.exceptions.UpdateFinishedTrialError:  # failed as stale meanwhile
                 pass
+            finally:
+                self.reports.task_done()
 
     def _tell(self, trial: optuna.Trial, **kwargs: Any) -> None:
+        self.reports.join()  # its intermediate values first: a finished trial takes none
         self.study.tell(trial, **kwargs)
         self.heartbeats.remove(trial._trial_id)
         self.running.pop(trial._trial_id, None)

@@ -1,0 +1,76 @@
+"""The engine on a GPU (skipped without one): a training step (inside and after the permutation window) and an
+evaluation batch never synchronise with the host, for every gate and "+" variant
+(``torch.cuda.set_sync_debug_mode("error")``; local search's rounding, between steps, is the one host read, once per
+trial when its window ends), and the CUDA graph of the step computes what the eager step computes, trial by trial,
+through a shorter last batch, a window's end and a refilled slot."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mtmoe.pack.engine import PackEngine
+
+from test_engine import STEPS_PER_EPOCH, VARIANTS, batches, info, trials
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def cuda_engine(name: str, graphs: bool, capacity: int = 3, perm_epochs: int | None = None) -> PackEngine:
+    pack = trials(name, 0.5, capacity)
+    for trial in pack:
+        if perm_epochs is not None and trial.net.local_search is not None:
+            trial.net.local_search.epochs = perm_epochs
+    engine = PackEngine(pack[0].net, info(0.0).tasks, capacity, "cuda", cuda_graphs=graphs)
+    engine.set_steps_per_epoch(STEPS_PER_EPOCH)
+    for slot, trial in enumerate(pack):
+        engine.load(slot, trial)
+    return engine
+
+
+def pack_batch(step: int, capacity: int, rows: int | None = None) -> dict[str, torch.Tensor]:
+    data = [batches(p, step + 1)[step] for p in range(capacity)]
+    return {key: torch.stack([d[key][:rows] for d in data]).cuda() for key in data[0]}
+
+
+def unsynchronised(steps) -> None:
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        steps()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_a_training_step_and_an_evaluation_never_synchronise(name: str) -> None:
+    engine = cuda_engine(name, graphs=True, perm_epochs=5)  # windows of 10 steps
+    for step in range(5):  # warm-up and capture, inside the windows
+        engine.train_step(pack_batch(step, 3))
+    engine.prepare_evaluation()  # rounds the soft permutations (between steps)
+    evaluation = {key: tensor[0] for key, tensor in pack_batch(0, 3).items()}
+    engine.eval_step(evaluation)
+    unsynchronised(lambda: [engine.train_step(pack_batch(step, 3)) for step in range(5, 9)])
+    unsynchronised(lambda: engine.eval_step(evaluation))
+    for step in range(9, 16):  # the windows end (a rounding between steps), the step without Sinkhorn captured
+        engine.train_step(pack_batch(step, 3))
+    unsynchronised(lambda: [engine.train_step(pack_batch(step, 3)) for step in range(16, 19)])
+
+
+@pytest.mark.parametrize("name", ["comet", "comet+", "sparsemixer", "competesmoe-v2", "topk+"])
+def test_the_cuda_graph_of_a_step_computes_the_eager_step(name: str) -> None:
+    results = []
+    for graphs in (True, False):
+        engine = cuda_engine(name, graphs)
+        losses = []
+        for step in range(12):
+            rows = 17 if step % 4 == 3 else None  # a shorter last batch of an epoch: its own graph
+            if step == 8:  # a refill: slot 1 takes a fresh trial
+                engine.slots[1] = None
+                engine.load(1, trials(name, 0.5, 4)[3])
+            engine.train_metrics.reset()
+            engine.train_step(pack_batch(step, 3, rows))
+            losses.append(engine.train_metrics.loss.clone())
+        results.append((torch.stack(losses), engine.stack.flat.clone()))
+    (graph_losses, graph_params), (eager_losses, eager_params) = results
+    assert torch.allclose(graph_losses, eager_losses, rtol=0, atol=1e-6)
+    assert torch.allclose(graph_params, eager_params, rtol=0, atol=1e-6)
