@@ -1,9 +1,10 @@
 """Permutation-based local search, the "+" gates (COMET paper Section 4; comet-protocol.md §3, §9.1 rows 6-7, §9.2).
 
-Covers the Sinkhorn operator and its hand-written backward, Hungarian rounding, the tau/R schedules, the
-``LocalSearch`` state machine (window, freeze, caching, checkpointing, entropy penalty), the Section 4.1 identity
-(permuting weights = re-indexing experts), "+" keeps every gate's sparsity, a planted routing problem that only
-the "+" variant can solve, and the command line's handling of "+" gates.
+Covers the Sinkhorn operator's behaviour (its kernels are tested in ``test_sinkhorn.py``), Hungarian rounding, the
+tau/R schedules, the ``LocalSearch`` state machine (window, rounding between steps, freeze, checkpointing, entropy
+penalty, no host read in a training step), the Section 4.1 identity (permuting weights = re-indexing experts), "+"
+keeps every gate's sparsity, a planted routing problem that only the "+" variant can solve, and the command line's
+handling of "+" gates.
 """
 from __future__ import annotations
 
@@ -12,17 +13,14 @@ import copy
 import importlib.util
 import json
 import math
-import os
-import subprocess
-import sys
 from functools import partial
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from scipy.optimize import linear_sum_assignment
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import mtmoe.permutation as permutation_module
 from conftest import run_cli
@@ -38,9 +36,10 @@ from mtmoe.permutation import (
     TAU_START,
     LocalSearch,
     round_to_permutation,
+    round_to_permutations,
     schedule,
 )
-from mtmoe.sinkhorn import LogSinkhorn, _float32_pair, sinkhorn, sinkhorn_and_penalty
+from mtmoe.sinkhorn import LogSinkhorn, sinkhorn
 
 FAST = ["--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false", "--data.batch_size=64"]
 
@@ -82,6 +81,15 @@ def plain_log_sinkhorn(u: torch.Tensor, tau: float, iterations: int) -> torch.Te
     return log_p.exp()
 
 
+def reference_penalty(p: torch.Tensor, zeta: float) -> torch.Tensor:
+    """§4.3 in plain torch (autograd differentiates it): zeta times the mean over matrices of the column entropy
+    of P plus the row entropy of P normalised by its row sums, with log(. + 1e-6) (the official code's)."""
+    rows = p / p.sum(-1, keepdim=True)
+    column_entropy = -(p * torch.log(p + 1e-6)).sum((-2, -1))
+    row_entropy = -(rows * torch.log(rows + 1e-6)).sum((-2, -1))
+    return zeta * (column_entropy + row_entropy).mean()
+
+
 def assignment_matrix(u: torch.Tensor) -> torch.Tensor:
     """Permutation matrix of the max-weight matching of one ``[n, n]`` matrix (``linear_sum_assignment(-U)``)."""
     rows, cols = linear_sum_assignment(-u.detach().double().numpy())
@@ -103,28 +111,105 @@ def task_weights(n: int = 6, batch: int = 8, tasks: int = 2, seed: int = 0) -> t
 
 
 class Counter:
-    """Wraps a callable and counts its calls."""
+    """Wraps a callable and counts its calls (their positional arguments kept)."""
 
     def __init__(self, fn):
-        self.fn, self.calls = fn, 0
+        self.fn, self.calls, self.args = fn, 0, []
 
     def __call__(self, *args, **kwargs):
         self.calls += 1
+        self.args.append(args)
         return self.fn(*args, **kwargs)
 
 
 @pytest.fixture
 def spies(monkeypatch: pytest.MonkeyPatch) -> dict[str, Counter]:
-    """Counting wrappers around the assignment solver, ``sinkhorn_and_penalty`` and ``LogSinkhorn.apply``."""
+    """Counting wrappers around the library's roundings (``round_to_permutation``, one per rounded trial), the
+    assignment solver (one per matrix), ``sinkhorn_and_penalty`` and ``LogSinkhorn.apply``. The tests' own calls of
+    ``round_to_permutation`` (imported before the patch) are not counted as roundings, but their solves are."""
     counters = {
+        "rounding": Counter(permutation_module.round_to_permutation),
         "assignment": Counter(permutation_module.linear_sum_assignment),
         "sinkhorn": Counter(permutation_module.sinkhorn_and_penalty),
         "apply": Counter(LogSinkhorn.apply),
     }
+    monkeypatch.setattr(permutation_module, "round_to_permutation", counters["rounding"])
     monkeypatch.setattr(permutation_module, "linear_sum_assignment", counters["assignment"])
     monkeypatch.setattr(permutation_module, "sinkhorn_and_penalty", counters["sinkhorn"])
     monkeypatch.setattr(LogSinkhorn, "apply", counters["apply"])
     return counters
+
+
+class HostReads(TorchDispatchMode):
+    """Records the reads of a tensor's value by Python (``int(t)``, ``t.item()``, ``bool(t)``: ATen's
+    ``_local_scalar_dense``) and ``nonzero``, whose output shape depends on values (as boolean indexing's does on
+    a GPU): on a GPU each waits for the device, and none can be captured in a CUDA graph."""
+
+    READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.READS:
+            self.reads.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def schedule_at(step: int, window: int) -> tuple[float, int]:
+    """:func:`schedule` of host integers, as host numbers (it takes and returns 0-d tensors: float64 tau, int64 R)."""
+    tau, iterations = schedule(torch.tensor(step), torch.tensor(window))
+    assert tau.shape == iterations.shape == ()
+    assert tau.dtype == torch.float64 and iterations.dtype == torch.int64
+    return float(tau), int(iterations)
+
+
+def search_loss(output: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """A loss of :class:`LocalSearch`'s output ``(w P, penalty)`` that prefers moving weight between experts."""
+    out, aux = output
+    return out[:, 0, 0].sum() - out[:, 1, 2].sum() + aux
+
+
+def model_loss(output) -> torch.Tensor:
+    return sum(p.sum() for p in output.predictions) + output.aux_loss
+
+
+def train_step(module: nn.Module, inputs, optimiser: torch.optim.Optimizer | None = None, loss_of=search_loss,
+               engine_promise: bool = False):
+    """A training step of a plain :class:`LocalSearch` or "+" :class:`MMoE` as the engine does it: round the latest
+    soft matrix when due (between steps, on the host), forward, then with an ``optimiser`` backward and its step,
+    U's gradient dropped once the window is over (the engine skips U's update after the step that ends the window;
+    Adam would still move U on a zero gradient). ``engine_promise``: set ``may_search`` as the engine does (False
+    from the step that ends the window on). Returns the forward pass's output."""
+    search = module if isinstance(module, LocalSearch) else module.local_search
+    module.train()
+    if search.rounding_due(training=True):
+        search.round_()
+    if engine_promise:
+        search.may_search = int(search.step) + 1 < int(search.window)
+    output = module(inputs)
+    if optimiser is not None:
+        optimiser.zero_grad()
+        loss = loss_of(output)
+        if loss.requires_grad:  # (a frozen search under the engine's promise has nothing to back-propagate into)
+            loss.backward()
+        if search.frozen:
+            search.log_weights.grad = None
+        optimiser.step()
+    return output
+
+
+def gathered(weights: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``weights [B, T, n]`` times the permutation matrices ``p [1 or T, n, n]`` as a gather: slot i's weight moves
+    to expert col_ind[i] (``w P`` exactly)."""
+    return weights.gather(-1, p.argmax(-2).expand(weights.shape))
+
+
+def softly_permuted(weights: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``w P`` rescaled to the gates' own row sums, per task (``p`` ``[1 or T, n, n]``)."""
+    raw = torch.einsum("btn,tnm->btm", weights, p.expand(weights.shape[1], -1, -1).to(weights.dtype))
+    return raw * (weights.sum(-1, keepdim=True) / raw.sum(-1, keepdim=True))
 
 
 def tiny_info(n_experts: int = 6) -> DatasetInfo:
@@ -160,10 +245,10 @@ def base_and_plus(gate: str, info: DatasetInfo, seed: int = 0, **search) -> tupl
 def set_hard_permutation(search: LocalSearch, p: torch.Tensor) -> None:
     """Put ``search`` past its window with the rounded matrix ``p`` (the soft matrix is rounded once, to itself)."""
     search.soft.copy_(p)
-    search.rounded_at.fill_(-1)  # drop the cached rounding
-    search.window.fill_(1)
+    search.set_window(1)
     search.step.fill_(1)
-    assert search.frozen
+    search.round_()
+    assert search.frozen and torch.equal(search.rounded, p.to(search.rounded.dtype))
 
 
 # ------------------------------------------------------------------------------------------------ 1. Sinkhorn, rounding
@@ -187,8 +272,9 @@ def test_sinkhorn_is_doubly_stochastic(n: int, tau: float, init: str) -> None:
 @pytest.mark.parametrize("step", [0, 1, 3, 5, 8, 9, 10])
 def test_sinkhorn_at_schedule_temperatures(step: int) -> None:
     """At the schedule's (tau, R): exactly column-stochastic, finite, in [0, 1]; with a clear matching it is that
-    matching (``linear_sum_assignment(-U)``), hard to 1e-12 and doubly stochastic."""
-    tau, iterations = schedule(step, 10)
+    matching (``linear_sum_assignment(-U)``), hard to 1e-12 and doubly stochastic. (tau and R as the module hands
+    them to Sinkhorn: 0-d tensors.)"""
+    tau, iterations = schedule(torch.tensor(step), torch.tensor(10))
     for seed in range(4):
         p = sinkhorn(module_init_u(1, 6, seed), tau, iterations)
         assert bool(torch.isfinite(p).all()) and bool((p >= 0).all() and (p <= 1).all())
@@ -232,90 +318,6 @@ def test_sinkhorn_small_tau_without_a_clear_matching_is_not_row_stochastic() -> 
     assert worst > 0.4
 
 
-@pytest.mark.parametrize("tau", [1.0, 0.1])
-@pytest.mark.parametrize("iterations", [1, 5, 20])
-def test_log_sinkhorn_matches_unrolled_autograd(tau: float, iterations: int) -> None:
-    """The hand-written float64 forward/backward equal autograd through the unrolled recursion to 1e-10."""
-    generator = torch.Generator().manual_seed(iterations)
-    u = torch.randn(3, 5, 5, generator=generator, dtype=torch.float64)
-    upstream = torch.randn(3, 5, 5, generator=generator, dtype=torch.float64)
-    mine = u.clone().requires_grad_()
-    reference = u.clone().requires_grad_()
-    p, p_ref = sinkhorn(mine, tau, iterations), plain_log_sinkhorn(reference, tau, iterations)
-    assert torch.allclose(p, p_ref, atol=1e-10, rtol=0)
-    (grad,) = torch.autograd.grad((p * upstream).sum(), mine)
-    (grad_ref,) = torch.autograd.grad((p_ref * upstream).sum(), reference)
-    assert float(grad.abs().max()) > 1e-3  # a real, non-trivial gradient is being compared
-    assert torch.allclose(grad, grad_ref, atol=1e-10, rtol=0)
-
-
-def test_log_sinkhorn_gradient_at_the_schedule_start_and_finite_differences() -> None:
-    """At tau = 1e-3 (gradients scale like 1/tau) it still matches autograd; gradcheck at tau = 1."""
-    u = module_init_u(1, 5, 3).mul(0.02)  # near-uniform U / tau so the Jacobian is not negligible
-    mine, reference = u.clone().requires_grad_(), u.clone().requires_grad_()
-    upstream = torch.randn(1, 5, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    (grad,) = torch.autograd.grad((sinkhorn(mine, TAU_START, 20) * upstream).sum(), mine)
-    (grad_ref,) = torch.autograd.grad((plain_log_sinkhorn(reference, TAU_START, 20) * upstream).sum(), reference)
-    assert float(grad.abs().max()) > 1.0
-    assert torch.allclose(grad, grad_ref, rtol=1e-9, atol=1e-9)
-    probe = torch.randn(2, 4, 4, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda x: sinkhorn(x, 1.0, 5), (probe,))
-
-
-def test_log_sinkhorn_keeps_dtype_and_float32_gradient_matches() -> None:
-    u32 = module_init_u(2, 6, 4, torch.float32).requires_grad_()
-    p = sinkhorn(u32, 0.1, 20)
-    assert p.dtype == torch.float32
-    p.pow(2).sum().backward()
-    u64 = u32.detach().double().requires_grad_()
-    plain_log_sinkhorn(u64, 0.1, 20).pow(2).sum().backward()
-    assert u32.grad.dtype == torch.float32
-    assert torch.allclose(u32.grad.double(), u64.grad, rtol=1e-4, atol=1e-6)
-
-
-def test_log_sinkhorn_flushes_entries_that_would_be_subnormal_products() -> None:
-    """Entries below finfo.tiny / finfo.eps are exact zeros; every other entry is the exact recursion's."""
-    floor = torch.finfo(torch.float32).tiny / torch.finfo(torch.float32).eps
-    u = module_init_u(1, 16, 0, torch.float32)
-    exact = plain_log_sinkhorn(u.double(), TAU_START, 20).float()
-    assert bool(((exact > 0) & (exact < floor)).any())  # the window's start does produce such entries
-    p = sinkhorn(u, TAU_START, 20)
-    assert not bool(((p > 0) & (p < floor)).any())
-    assert torch.allclose(p, torch.where(exact < floor, torch.zeros_like(exact), exact), rtol=1e-5, atol=0)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("n", [2, 5, 16, 33])
-def test_log_sinkhorn_cuda_kernels_equal_the_cpu_loops(dtype: torch.dtype, n: int) -> None:
-    """The Triton forward and backward give the CPU loops' results, at every schedule position."""
-    for seed, (tau, iterations) in enumerate([(1.0, 1), (TAU_START, 20), (10 ** -4.3, 60), (1e-5, 85),
-                                              (TAU_END, ITERATIONS_END)]):  # 1 / 10^-4.3 is not a float32 value
-        u = module_init_u(3, n, seed, dtype)
-        upstream = torch.randn(3, n, n, dtype=dtype, generator=torch.Generator().manual_seed(seed))
-        cpu, gpu = u.clone().requires_grad_(), u.cuda().requires_grad_()
-        p_cpu, p_gpu = sinkhorn(cpu, tau, iterations), sinkhorn(gpu, tau, iterations)
-        assert p_gpu.is_cuda and p_gpu.dtype == dtype
-        assert torch.allclose(p_gpu.cpu(), p_cpu, atol=1e-6 if dtype == torch.float32 else 1e-12, rtol=0)
-        (p_cpu * upstream).sum().backward()
-        (p_gpu * upstream.cuda()).sum().backward()
-        scale = float(cpu.grad.abs().max()) + 1e-30
-        assert torch.allclose(gpu.grad.cpu() / scale, cpu.grad / scale, atol=1e-5 if dtype == torch.float32 else 1e-10)
-
-
-def test_counters_stay_on_the_cpu_when_the_module_moves() -> None:
-    """Step, window and rounding marker are read every step: they never move (no GPU synchronisation)."""
-    search = LocalSearch(4, 2, epochs=1)
-    counters = {name: getattr(search, name) for name in ("step", "window", "rounded_at")}
-    search.double()
-    if torch.cuda.is_available():
-        search.cuda()
-        assert search.log_weights.is_cuda and search.rounded.is_cuda
-    for name, tensor in counters.items():
-        assert getattr(search, name) is tensor and tensor.device.type == "cpu" and tensor.dtype == torch.long
-    assert search.log_weights.dtype == torch.float64
-
-
 def test_round_to_permutation_random_soft_inputs() -> None:
     generator = torch.Generator().manual_seed(0)
     for _ in range(20):
@@ -342,22 +344,50 @@ def test_round_to_permutation_ties_zero_and_fixed_points() -> None:
     assert torch.equal(round_to_permutation(stacked), stacked)
 
 
+def test_round_to_permutations_rounds_many_trials_and_keeps_what_it_cannot_round() -> None:
+    """The loop's rounding of a pack's trials ``[P, m, n, n]`` at once: each trial's soft matrices rounded as alone;
+    a trial without a soft matrix yet (zeros) or with a non-finite one (diverged) keeps its previous rounding; the
+    result has the previous rounding's dtype and device."""
+    generator = torch.Generator().manual_seed(0)
+    soft = torch.rand(4, 2, 6, 6, generator=generator)
+    soft[1] = 0.0  # before its first training step
+    soft[2, 1, 3, 4] = math.nan  # diverged (one matrix is enough)
+    previous = torch.stack([torch.stack([random_permutation_matrix(6, 10 * t + m) for m in range(2)])
+                            for t in range(4)]).double()
+    out = round_to_permutations(soft, previous)
+    assert out.shape == previous.shape and out.dtype == torch.float64 and out is not previous
+    for t in (0, 3):
+        assert torch.equal(out[t], round_to_permutation(soft[t]).double())
+        assert not torch.equal(out[t], previous[t])
+    for t in (1, 2):
+        assert torch.equal(out[t], previous[t])
+    assert round_to_permutation(soft[2]) is None
+    one = round_to_permutations(soft[0], previous[1])  # one trial's [m, n, n]
+    assert torch.equal(one, out[0])
+
+
 # ---------------------------------------------------------------------------------------------------- 2. Schedules
 
 
 def test_schedule_end_points_and_shape() -> None:
-    assert schedule(0, 10) == (pytest.approx(1e-3, rel=1e-12), 20)
-    assert schedule(10, 10) == (pytest.approx(1e-7, rel=1e-12), 150)
+    assert schedule_at(0, 10) == (pytest.approx(1e-3, rel=1e-12), 20)
+    assert schedule_at(10, 10) == (pytest.approx(1e-7, rel=1e-12), 150)
     assert (TAU_START, TAU_END, ITERATIONS_START, ITERATIONS_END) == (1e-3, 1e-7, 20, 150)
-    for window in (3, 7, 10, 64, 1000):
-        for t in range(window + 1):
-            tau, iterations = schedule(t, window)
-            assert math.log10(tau) == pytest.approx(-3 - 4 * t / window, abs=1e-12)  # log-linear
-            assert iterations == 20 + (130 * t) // window  # int() truncation, exact arithmetic
-    assert schedule(5, 10)[0] == pytest.approx(1e-5, rel=1e-12)
-    assert schedule(9, 10) == (pytest.approx(10**-6.6, rel=1e-12), 137)  # tau(T-1), R(T-1) (§9.1 row 7)
-    assert [schedule(t, 3)[1] for t in range(4)] == [20, 63, 106, 150]  # 63.33 -> 63, 106.67 -> 106
-    assert schedule(25, 10) == (pytest.approx(1e-7, rel=1e-12), 150)  # clamped after the window (§9.2)
+    for window in (3, 7, 10, 64, 1000):  # every step of a window in one call (elementwise)
+        steps = torch.arange(window + 1)
+        tau, iterations = schedule(steps, torch.tensor(window))
+        assert tau.dtype == torch.float64 and iterations.dtype == torch.int64 and tau.shape == iterations.shape
+        assert torch.allclose(tau.log10(), -3 - 4 * steps.double() / window, atol=1e-12, rtol=0)  # log-linear
+        assert iterations.tolist() == [20 + (130 * t) // window for t in range(window + 1)]  # int() truncation
+    assert schedule_at(5, 10)[0] == pytest.approx(1e-5, rel=1e-12)
+    assert schedule_at(9, 10) == (pytest.approx(10**-6.6, rel=1e-12), 137)  # tau(T-1), R(T-1) (§9.1 row 7)
+    assert [schedule_at(t, 3)[1] for t in range(4)] == [20, 63, 106, 150]  # 63.33 -> 63, 106.67 -> 106
+    assert schedule_at(25, 10) == (pytest.approx(1e-7, rel=1e-12), 150)  # clamped after the window (§9.2)
+    # a pack: each trial at its own step of its own window
+    steps, windows = torch.tensor([0, 5, 9, 25, 3, 1]), torch.tensor([10, 10, 10, 10, 3, 64])
+    tau, iterations = schedule(steps, windows)
+    expected = [schedule_at(s, w) for s, w in zip(steps.tolist(), windows.tolist())]
+    assert list(zip(tau.tolist(), iterations.tolist())) == expected
 
 
 # -------------------------------------------------------------------------------------- 3. LocalSearch state machine
@@ -374,19 +404,25 @@ def make_search(seed: int = 0, steps_per_epoch: int = 3, soften: float | None = 
 
 
 def test_window_and_step_counter() -> None:
+    """Training forward passes advance the step (a device buffer), evaluation does not; it stops at the window's
+    end. The loop rounds before the step that ends the window and before evaluating inside it."""
     search = LocalSearch(6, 2, epochs=2)
     search.train()
     with pytest.raises(RuntimeError, match="set_window"):
         search(task_weights())
     search.set_window(3)
     assert int(search.window) == 6 and int(search.step) == 0 and not search.frozen
+    assert search.step.dtype == search.window.dtype == torch.long and search.step.shape == ()
+    assert not search.rounding_due(training=False)  # no training step yet: nothing to round
     search.eval()
     search(task_weights())
     assert int(search.step) == 0  # evaluation does not advance the counter
     search.train()
     for expected in range(1, 7):
+        assert search.rounding_due(training=True) == (expected == 6)  # before the step that ends the window
         search(task_weights())
         assert int(search.step) == expected
+        assert search.rounding_due(training=False) == (expected < 6)  # evaluating inside the window
         search.eval()
         search(task_weights())
         assert int(search.step) == expected
@@ -394,31 +430,50 @@ def test_window_and_step_counter() -> None:
     assert search.frozen
     for _ in range(3):
         search(task_weights())
+        assert not search.rounding_due(training=True) and not search.rounding_due(training=False)
     assert int(search.step) == 6  # frozen: the counter stops at the window
+    promised = make_search(steps_per_epoch=2)  # the engine's promise that no trial searches: the counter still runs
+    promised.may_search = False
+    promised.train()
+    for expected in (1, 2, 3, 4, 4):
+        promised(task_weights())
+        assert int(promised.step) == expected
+    assert promised.frozen
 
 
 def test_training_matrices_are_soft_and_differentiable_inside_the_window() -> None:
-    search = make_search(soften=1e-4)
+    """A training step inside the window uses the Sinkhorn matrix of its own schedule (kept in ``soft``): genuinely
+    fractional, doubly stochastic; the permuted weights are ``w P`` rescaled to the gates' row sums; the output and
+    the penalty are differentiable in U, with autograd's gradient through the unrolled recursion (float64)."""
+    search = make_search(soften=1e-4, zeta=0.5)
     search.train()
     weights = task_weights()
-    for _ in range(3):
-        p, aux = search.matrices()
-        tau, iterations = schedule(int(search.step), int(search.window))
-        assert p.requires_grad and p.shape == (1, 6, 6)
-        value = p.detach()
+    target = torch.randn(8, 1, 6, generator=torch.Generator().manual_seed(1))
+    for step in range(1, 4):
+        out, aux = search(weights)
+        assert int(search.step) == step
+        tau, iterations = schedule_at(step, 6)
+        value = search.soft
+        assert value.shape == (1, 6, 6) and value.dtype == torch.float32 and not value.requires_grad
         assert float(value.min()) > 0.01 and float(value.max()) < 0.99  # genuinely fractional
         assert float((value.sum(-2) - 1).abs().max()) < 1e-6 and float((value.sum(-1) - 1).abs().max()) < 1e-5
-        assert torch.allclose(value, sinkhorn(search.log_weights.detach(), tau, iterations))
-        assert torch.equal(search.soft, value)
-        assert search.last_stats["tau"] == pytest.approx(tau)
-        assert search.last_stats["iterations"] == iterations
-    out, aux = search(weights)
-    target = torch.randn(8, 6, generator=torch.Generator().manual_seed(1))
-    search.log_weights.grad = None
-    ((out * target.unsqueeze(1)).sum() + aux).backward()
-    assert search.log_weights.grad is not None and float(search.log_weights.grad.abs().max()) > 0
-    for w, o in zip(weights.unbind(1), out.unbind(1)):  # w P rescaled to the gate's row sums
-        assert torch.allclose(o.sum(-1), w.sum(-1), atol=1e-6)
+        assert torch.equal(value, sinkhorn(search.log_weights.detach(), tau, iterations))
+        stats = search.statistics()
+        assert stats["tau"] == pytest.approx(tau, rel=1e-12) and stats["iterations"] == iterations
+        assert stats["step"] == step and stats["frozen"] == 0.0
+        assert out.requires_grad and aux.requires_grad and aux.shape == ()
+        assert torch.allclose(out, softly_permuted(weights, value), atol=1e-7, rtol=1e-6)
+        for w, o in zip(weights.unbind(1), out.unbind(1)):  # w P rescaled to the gate's row sums
+            assert torch.allclose(o.sum(-1), w.sum(-1), atol=1e-6)
+        (grad,) = torch.autograd.grad((out * target).sum() + aux, search.log_weights)
+        u = search.log_weights.detach().double().requires_grad_()
+        p_ref = plain_log_sinkhorn(u, tau, iterations)
+        loss_ref = (softly_permuted(weights.double(), p_ref) * target.double()).sum() + reference_penalty(p_ref, 0.5)
+        assert float(aux.detach()) == pytest.approx(float(reference_penalty(p_ref, 0.5).detach()), rel=1e-5)
+        (grad_ref,) = torch.autograd.grad(loss_ref, u)
+        scale = float(grad_ref.abs().max())
+        assert scale > 1.0  # a real gradient (1/tau-scaled) is compared
+        assert torch.allclose(grad.double(), grad_ref, rtol=0, atol=1e-4 * scale)
 
 
 def test_permuted_weights_keep_the_gates_row_sums_when_sinkhorn_rows_are_off() -> None:
@@ -451,179 +506,297 @@ def test_gradient_reaches_u_at_the_module_initialisation() -> None:
     assert search.log_weights.grad is not None and bool(torch.isfinite(search.log_weights.grad).all())
 
 
-def test_evaluation_uses_the_rounded_matrix_inside_the_window() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16], ids=str)
+def test_a_training_step_reads_no_device_value_on_the_host(dtype: torch.dtype) -> None:
+    """Step, window, the schedule, the window test and the choice between the soft and the rounded matrix are device
+    tensors: forward and backward of a training step read nothing on the host (on a GPU: no synchronisation, and
+    the step can be captured in a CUDA graph), inside the window, at its end and after it, with and without the
+    engine's promise; the rounding happens between steps. zeta stays a float64 setting when the module changes
+    dtype (``.double()``, ``.half()``), as the buffers follow it."""
+    search = make_search(soften=1e-2, steps_per_epoch=2, zeta=1e-2)  # window 4
+    {torch.float32: search.float, torch.float64: search.double, torch.float16: search.half}[dtype]()
+    assert search.zeta.dtype == torch.float64 and float(search.zeta) == 1e-2 and search.zeta.shape == ()
+    assert search.log_weights.dtype == search.soft.dtype == search.rounded.dtype == dtype
+    assert search.step.dtype == search.window.dtype == search.rounded_index.dtype == torch.long
+    weights = task_weights().to(dtype)
+    for step in range(1, 8):  # 1..3 inside, 4 the transition, 5..7 after; the engine's promise from 6 on
+        if search.rounding_due(training=True):
+            search.round_()
+        search.may_search = step < 6
+        reads = HostReads()
+        with reads:
+            out, aux = search(weights)
+            loss = search_loss((out, aux))
+            if loss.requires_grad:
+                loss.backward()
+        assert reads.reads == [], step
+        assert out.dtype == aux.dtype == dtype and search.soft.dtype == dtype
+        assert (search.log_weights.grad is not None) == (step < 6)
+        search.log_weights.grad = None
+    assert search.frozen and int(search.step) == 4
+    reads = HostReads()
+    with reads:  # the check sees host reads
+        bool(search.step > 0)
+        (weights > 0.1).nonzero()
+    assert len(reads.reads) == 2
+
+
+@pytest.mark.parametrize("gate", ["softmax", "topk", "comet"])
+def test_a_plus_model_training_step_reads_no_device_value_on_the_host(gate: str) -> None:
+    """The same for a whole "+" MMoE (random stream, gates, local search, mixing), inside and after the window."""
+    info = tiny_info()
+    _, plus = base_and_plus(gate, info)
+    plus.local_search.set_window(2)
+    plus.train()
+    for step in range(1, 4):
+        if plus.local_search.rounding_due(training=True):
+            plus.local_search.round_()
+        reads = HostReads()
+        with reads:
+            model_loss(plus(tiny_batch(info, seed=step))).backward()
+        assert reads.reads == [], step
+    assert plus.local_search.frozen
+
+
+def test_evaluation_uses_the_rounded_matrix_inside_the_window(spies: dict[str, Counter]) -> None:
+    """Evaluation permutes by the rounded matrix (a gather, no gradient, no penalty). The forward pass solves no
+    assignment: the loop rounds the latest soft matrix first when :meth:`rounding_due` says so; until then the
+    previous rounding is used (the identity before any)."""
     search = make_search(soften=1e-3)
+    weights = task_weights()
     search.eval()
-    p, aux = search.matrices()
-    assert torch.equal(p, torch.eye(6).unsqueeze(0)) and aux is None  # before any training step: identity
-    search.train()
-    for _ in range(4):  # inside the window (6 steps)
-        search(task_weights())
-        search.eval()
-        hard, aux = search.matrices()
-        assert_permutation_matrices(hard)
-        assert not hard.requires_grad and aux is None
-        assert torch.equal(hard, round_to_permutation(search.soft))
-        out, _ = search(task_weights())
-        assert torch.allclose(out[:, 0], task_weights()[:, 0] @ hard[0])
+    out, aux = search(weights)
+    assert torch.equal(out, weights) and aux is None  # before any training step: identity
+    for step in range(1, 5):  # inside the window (6 steps); U moved so that each step has another rounding
+        q = random_permutation_matrix(6, step)
+        with torch.no_grad():
+            search.log_weights.copy_(1e-3 * planted_u(q, step))
         search.train()
+        search(weights)
+        search.eval()
+        assert search.rounding_due(training=False)
+        previous = search.rounded.clone()
+        solves = spies["assignment"].calls
+        assert torch.equal(search(weights)[0], gathered(weights, previous))  # not rounded by the forward pass
+        assert spies["rounding"].calls == step - 1 and spies["assignment"].calls == solves
+        search.round_()
+        assert spies["rounding"].calls == step and spies["assignment"].calls == solves + 1  # one solve: m = 1
+        hard = search.rounded
+        assert_permutation_matrices(hard)
+        assert torch.equal(hard, round_to_permutation(search.soft))
+        assert torch.equal(search.rounded_index, hard.argmax(-2))
+        out, aux = search(weights)
+        assert not out.requires_grad and aux is None
+        assert torch.equal(out, gathered(weights, hard)) and torch.allclose(out, weights @ hard[0])
+        assert torch.equal(hard[0], q) and not torch.equal(hard, previous)  # (the checks above are not vacuous)
+        assert int(search.step) == step  # evaluation does not advance the counter
     assert not search.frozen
 
 
-def test_eval_rounded_false_evaluates_the_soft_matrix_inside_the_window() -> None:
+def test_eval_rounded_false_evaluates_the_soft_matrix_inside_the_window(spies: dict[str, Counter]) -> None:
     search = make_search(soften=1e-3, eval_rounded=False)
+    weights = task_weights()
     search.eval()
-    assert torch.equal(search.matrices()[0], torch.eye(6).unsqueeze(0))  # no soft matrix yet
-    search.train()
+    assert torch.equal(search(weights)[0], weights)  # no soft matrix yet: the rounded identity
+    optimiser = torch.optim.SGD(search.parameters(), lr=1e-9)  # gradients are 1/tau-scaled
     for _ in range(2):
-        search(task_weights())
+        train_step(search, weights, optimiser)
     search.eval()
-    soft, aux = search.matrices()
-    assert not soft.requires_grad and aux is None
+    assert not search.rounding_due(training=False)  # nothing to round before evaluating
+    out, aux = search(weights)
+    assert not out.requires_grad and aux is None
+    soft = sinkhorn(search.log_weights.detach(), *schedule_at(2, 6))  # the current schedule's matrix of the current U
     assert float(soft.min()) > 0.01
-    assert torch.allclose(soft, sinkhorn(search.log_weights.detach(), *schedule(2, 6)))
-    search.train()
+    assert float((soft - search.soft).abs().max()) > 1e-3  # (U has moved since the last training step's matrix)
+    assert torch.allclose(out, softly_permuted(weights, soft), atol=1e-7, rtol=1e-6)
+    assert float((out - gathered(weights, search.rounded)).abs().max()) > 1e-3  # not the rounded matrix
+    assert int(search.step) == 2
+    search.may_search = False  # the engine's promise that no trial evaluates a soft matrix: the rounded gather
+    assert torch.equal(search(weights)[0], gathered(weights, search.rounded))
+    search.may_search = True
     for _ in range(4):
-        search(task_weights())
+        train_step(search, weights)
     search.eval()
-    assert search.frozen
-    assert torch.equal(search.matrices()[0], search.rounded)  # after the window: the frozen hard matrix
+    assert search.frozen and spies["rounding"].calls == 1  # only at the transition
+    assert not torch.equal(search.rounded, torch.eye(6).unsqueeze(0))
+    assert torch.equal(search(weights)[0], gathered(weights, search.rounded))  # after the window: the frozen matrix
 
 
-def test_frozen_after_the_window(spies: dict[str, Counter]) -> None:
-    """§3.5, §9.1 row 7, §9.2: soft for steps 1..T-1; at T the last soft matrix is rounded once and frozen;
-    then no Sinkhorn, no assignment solve, no gradient to U, a constant matrix and a constant parameter set."""
+@pytest.mark.parametrize("promise", [False, True], ids=["plain", "engine-promise"])
+def test_frozen_after_the_window(spies: dict[str, Counter], promise: bool) -> None:
+    """§3.5, §9.1 row 7, §9.2: soft for steps 1..T-1; before step T the loop rounds the last soft matrix, once, and
+    from T on the module permutes by that matrix: no assignment solve, no penalty, U's update skipped (U constant),
+    a constant parameter set. Without the engine's promise (``may_search``) the module still computes the soft
+    branch, for one Sinkhorn iteration, and discards it (its gradient to U is exactly zero); with it, no Sinkhorn."""
     search = make_search(soften=1e-3)
     optimiser = torch.optim.Adam(search.parameters(), lr=1e-3)
     parameters = list(search.parameters())
     assert len(parameters) == 1 and parameters[0] is search.log_weights
     weights = task_weights()
-    search.train()
     for step in range(1, 6):
-        out, aux = search(weights)
-        optimiser.zero_grad()
-        (out[:, 0, 0].sum() - out[:, 1, 2].sum() + aux).backward()
-        assert search.log_weights.grad is not None
-        optimiser.step()
+        u_before = search.log_weights.detach().clone()
+        out, aux = train_step(search, weights, optimiser, engine_promise=promise)
+        assert search.log_weights.grad is not None and float(aux.detach()) > 0
+        assert not torch.equal(search.log_weights.detach(), u_before)  # Adam moved U
         assert list(search.parameters()) == parameters and search.log_weights is parameters[0]
-    assert spies["sinkhorn"].calls == 5 and spies["apply"].calls == 5 and spies["assignment"].calls == 0
+    assert spies["sinkhorn"].calls == 5 and spies["apply"].calls == 5
+    assert spies["rounding"].calls == 0 and spies["assignment"].calls == 0
     last_soft = search.soft.clone()
     u_before = search.log_weights.detach().clone()
 
-    out, aux = search(weights)  # step T = 6: the transition
+    assert search.rounding_due(training=True)
+    out, aux = train_step(search, weights, optimiser, engine_promise=promise)  # step T = 6: the transition
     assert search.frozen and int(search.step) == 6
-    assert spies["sinkhorn"].calls == 5 and spies["apply"].calls == 5 and spies["assignment"].calls == 1
+    assert spies["rounding"].calls == 1 and spies["assignment"].calls == 1
+    assert torch.equal(search.soft, last_soft)  # the last soft matrix stays (the window's)
     frozen = search.rounded.clone()
     assert_permutation_matrices(frozen)
+    assert not torch.equal(frozen, torch.eye(6).unsqueeze(0))
     assert torch.equal(frozen, round_to_permutation(last_soft))  # (this check is one more solve of our own)
     spies["assignment"].calls -= 1
-    assert aux is None and not out.requires_grad
-    optimiser.zero_grad()
-    loss = out[:, 0, 0].sum()
-    assert not loss.requires_grad  # nothing to back-propagate into U
-    assert search.log_weights.grad is None
+    assert float(aux.detach()) == 0.0 and aux.dtype == weights.dtype
+    assert torch.equal(out, gathered(weights, frozen))
+    assert out.requires_grad != promise  # the discarded soft branch is still in the graph without the promise
+    assert search.log_weights.grad is None and torch.equal(search.log_weights.detach(), u_before)
 
     for _ in range(5):
-        search.train()
-        p, aux = search.matrices()
-        assert torch.equal(p, frozen) and aux is None and not p.requires_grad
+        assert not search.rounding_due(training=True)
+        out, aux = train_step(search, weights, optimiser, engine_promise=promise)
+        assert torch.equal(out, gathered(weights, frozen)) and float(aux.detach()) == 0.0
+        assert search.log_weights.grad is None
         search.eval()
-        assert torch.equal(search.matrices()[0], frozen)
-    assert spies["sinkhorn"].calls == 5 and spies["apply"].calls == 5 and spies["assignment"].calls == 1
+        assert not search.rounding_due(training=False)
+        out, aux = search(weights)
+        assert torch.equal(out, gathered(weights, frozen)) and aux is None
+    assert spies["rounding"].calls == 1 and spies["assignment"].calls == 1
+    assert spies["sinkhorn"].calls == spies["apply"].calls == (5 if promise else 11)
+    for args in spies["apply"].args[5:]:  # the discarded soft branch: one iteration
+        assert torch.equal(args[2], torch.ones(1, dtype=torch.long))
     assert int(search.step) == 6 and torch.equal(search.log_weights.detach(), u_before)
+    assert torch.equal(search.soft, last_soft) and torch.equal(search.rounded, frozen)
     assert list(search.parameters()) == parameters
     assert search.assignment() == [frozen[0].argmax(-1).tolist()]
+    search.train()
+    out, aux = search(weights)  # what the loop drops: a zero gradient (without the promise) or none at all
+    if promise:
+        assert not out.requires_grad and not aux.requires_grad
+    else:
+        (grad,) = torch.autograd.grad(search_loss((out, aux)), search.log_weights)
+        assert not grad.any()
 
 
-def test_gradient_through_a_frozen_permutation_in_a_model_stops_at_u() -> None:
-    """In a full MMoE after the window the loss back-propagates into gates and experts but not into U."""
+@pytest.mark.parametrize("promise", [False, True], ids=["plain", "engine-promise"])
+def test_gradient_through_a_frozen_permutation_in_a_model_stops_at_u(promise: bool) -> None:
+    """In a full MMoE after the window the loss back-propagates into gates and experts but not into U: exact zeros
+    from the discarded soft branch (the loop drops them, the engine skips U), none under the engine's promise."""
     info = tiny_info()
     _, plus = base_and_plus("topk", info)
-    plus.local_search.set_window(1)
-    plus.train()
-    plus(tiny_batch(info))  # step 1 = T: transition
-    assert plus.local_search.frozen
+    search = plus.local_search
+    search.set_window(1)
+    train_step(plus, tiny_batch(info), engine_promise=promise)  # step 1 = T: transition
+    assert search.frozen and search.may_search != promise
     output = plus(tiny_batch(info, seed=1))
-    (output.predictions[0].sum() + output.predictions[1].sum() + output.aux_loss).backward()
-    assert plus.local_search.log_weights.grad is None
+    model_loss(output).backward()
+    if promise:
+        assert search.log_weights.grad is None
+    else:
+        assert search.log_weights.grad is not None and not search.log_weights.grad.any()
     assert plus.gates[0].logits.weight.grad is not None and plus.experts.linear.weight.grad is not None
+    assert plus.gates[0].logits.weight.grad.any() and plus.experts.linear.weight.grad.any()
 
 
 def test_per_task_gives_one_permutation_per_task() -> None:
     shared = make_search()
-    assert shared.log_weights.shape == (1, 6, 6) and shared.matrices()[0].shape == (1, 6, 6)
+    shared.train()
+    shared(task_weights())
+    assert shared.log_weights.shape == shared.soft.shape == shared.rounded.shape == (1, 6, 6)
     search = make_search(per_task=True)
-    assert search.log_weights.shape == (2, 6, 6) and search.soft.shape == (2, 6, 6)
+    assert search.log_weights.shape == search.soft.shape == search.rounded.shape == (2, 6, 6)
     q = torch.stack([random_permutation_matrix(6, 1), random_permutation_matrix(6, 2)])
     assert not torch.equal(q[0], q[1])
     with torch.no_grad():
         search.log_weights.copy_(torch.cat([planted_u(q[t], t).float() for t in range(2)]))
-    search.train()
-    for _ in range(6):
-        p, _ = search.matrices()
-        assert p.shape == (2, 6, 6)
+    planted = search.log_weights.detach().clone()
+    weights = task_weights()
+    for step in range(1, 7):  # steps 1, 2: fractional (U shrunk); 3..5 soft, nearly hard; 6 the transition
+        with torch.no_grad():
+            search.log_weights.copy_(planted * (1e-4 if step < 3 else 1.0))
+        out, _ = train_step(search, weights)
+        if step < 6:
+            assert torch.equal(search.soft, sinkhorn(search.log_weights.detach(), *schedule_at(step, 6)))
+            assert step > 2 or float(search.soft.max()) < 0.9
+            for t in range(2):  # each task gate's weights go through its own soft matrix
+                own = softly_permuted(weights[:, t:t + 1], search.soft[t:t + 1])[:, 0]
+                assert torch.allclose(out[:, t], own, atol=1e-7, rtol=1e-6)
     assert search.frozen and torch.equal(search.rounded, q)
     assert search.assignment() == [q[0].argmax(-1).tolist(), q[1].argmax(-1).tolist()]
-    weights = task_weights()
-    out, _ = search(weights)
-    for t in range(2):  # each task gate's weights go through its own matrix
-        assert torch.allclose(out[:, t], weights[:, t] @ q[t], atol=1e-7)
-        assert torch.allclose(out[:, t][:, q[t].argmax(-1)], weights[:, t], atol=1e-7)  # slot i feeds expert col_ind[i]
+    for training in (True, False):
+        search.train(training)
+        out, _ = search(weights)
+        for t in range(2):  # each task gate's weights go through its own matrix
+            assert torch.allclose(out[:, t], weights[:, t] @ q[t], atol=1e-7)
+            assert torch.equal(out[:, t][:, q[t].argmax(-1)], weights[:, t])  # slot i feeds expert col_ind[i]
 
 
 def test_checkpoint_resume_inside_and_after_the_window(spies: dict[str, Counter]) -> None:
-    """State is in buffers (§9.2 row 1): resuming mid-window continues with identical step, tau, R and outputs;
-    resuming after the window keeps the same permutation without solving again."""
+    """State is in buffers (§9.2 row 1): resuming mid-window continues with identical step, tau, R, outputs,
+    penalties and updates of U; resuming after the window keeps the same permutation without solving again. The loop
+    sets the window again after loading (``set_window``, the same length), as the engine does for every trial."""
     original = make_search(seed=0, steps_per_epoch=4, soften=1e-2)  # window 8
-    optimiser = torch.optim.SGD(original.parameters(), lr=10.0)
-    original.train()
+    optimiser = torch.optim.SGD(original.parameters(), lr=10.0)  # stateless: the resumed run's own SGD continues it
+    weights = task_weights()
     for _ in range(3):
-        out, aux = original(task_weights())
-        optimiser.zero_grad()
-        (out[:, 0, 1].sum() + aux).backward()
-        optimiser.step()
+        train_step(original, weights, optimiser)
+    original.eval()
+    original.round_()  # an evaluation inside the window: its rounding is in the checkpoint
     state = original.state_dict()
-    assert set(state) == {"log_weights", "step", "window", "soft", "rounded", "rounded_at"}
+    assert set(state) == {"log_weights", "step", "window", "soft", "rounded"}
     resumed = LocalSearch(6, 2, epochs=2)  # fresh: different U, step 0, no window
     assert not torch.equal(resumed.log_weights, original.log_weights)
     resumed.load_state_dict(state)
+    resumed.set_window(4)
     assert int(resumed.step) == 3 and int(resumed.window) == 8
-    original.eval()
+    assert torch.equal(resumed.soft, original.soft) and torch.equal(resumed.rounded, original.rounded)
+    assert torch.equal(resumed.rounded_index, original.rounded_index)
     resumed.eval()
-    assert torch.equal(original.matrices()[0], resumed.matrices()[0])
-    original.train()
-    resumed.train()
-    for _ in range(6):  # steps 4..7 soft, 8 the transition, 9 frozen
-        p_original, aux_original = original.matrices()
-        p_resumed, aux_resumed = resumed.matrices()
-        assert int(original.step) == int(resumed.step)
-        assert torch.equal(p_original, p_resumed)
-        assert (aux_original is None and aux_resumed is None) or torch.equal(aux_original, aux_resumed)
-        assert original.last_stats == resumed.last_stats
+    assert torch.equal(original(weights)[0], resumed(weights)[0])
+    resumed_optimiser = torch.optim.SGD(resumed.parameters(), lr=10.0)
+    for step in range(4, 10):  # steps 4..7 soft, 8 the transition, 9 frozen
+        out_original, aux_original = train_step(original, weights, optimiser)
+        out_resumed, aux_resumed = train_step(resumed, weights, resumed_optimiser)
+        assert int(original.step) == int(resumed.step) == min(step, 8)
+        assert torch.equal(out_original, out_resumed) and torch.equal(aux_original, aux_resumed)
+        assert torch.equal(original.soft, resumed.soft) and torch.equal(original.rounded, resumed.rounded)
+        assert torch.equal(original.log_weights, resumed.log_weights)
+        assert original.statistics() == resumed.statistics()
     assert original.frozen and resumed.frozen
+    assert resumed.assignment() != [list(range(6))]  # (the checks below are not vacuous)
     after = LocalSearch(6, 2, epochs=2)
+    assert torch.equal(after.rounded_index, torch.arange(6).unsqueeze(0))
     after.load_state_dict(resumed.state_dict())
-    solves = spies["assignment"].calls
+    after.set_window(4)
+    roundings = spies["rounding"].calls
     for mode in (False, True):
         after.train(mode)
-        assert torch.equal(after.matrices()[0], resumed.rounded)
+        assert not after.rounding_due(mode)
+        assert torch.equal(after(weights)[0], weights @ resumed.rounded[0])  # the index is refreshed on loading
     assert after.frozen and after.assignment() == resumed.assignment() and int(after.step) == 8
-    assert spies["assignment"].calls == solves  # the cached rounding came with the checkpoint
-    weights = task_weights()
-    for mode in (False, True):  # the gather index is derived on loading (it is not in the checkpoint)
-        after.train(mode)
-        assert torch.equal(after(weights)[0], weights @ resumed.rounded[0])
+    assert torch.equal(after.rounded_index, resumed.rounded_index)
+    assert spies["rounding"].calls == roundings  # the rounding came with the checkpoint
 
 
 def test_a_loaded_permutation_is_applied_through_its_gather_index() -> None:
-    """Loading a state (a checkpoint written before the index existed, too) refreshes the index from ``rounded``."""
+    """Loading a state refreshes the gather index (derived from ``rounded``, not saved: checkpoints written before
+    the index existed load too)."""
     source = LocalSearch(6, 2, epochs=1)
     q = random_permutation_matrix(6, seed=3)
     assert not torch.equal(q, torch.eye(6))
     set_hard_permutation(source, q.unsqueeze(0))
-    source.hard()
+    state = source.state_dict()
+    assert "rounded_index" not in state
     target = LocalSearch(6, 2, epochs=1)
-    target.load_state_dict(source.state_dict())
+    target.load_state_dict(state)
+    target.set_window(1)
     weights = task_weights()
     for mode in (False, True):
         target.train(mode)
@@ -648,122 +821,41 @@ def test_seeding_torch_alone_reproduces_u() -> None:
     assert float(first.abs().max()) <= 0.05
 
 
-def reference_penalty(p: torch.Tensor, zeta: float) -> torch.Tensor:
-    """§4.3 in plain torch (autograd differentiates it): zeta times the mean over matrices of the column entropy
-    of P plus the row entropy of P normalised by its row sums, with log(. + 1e-6) (the official code's)."""
-    rows = p / p.sum(-1, keepdim=True)
-    column_entropy = -(p * torch.log(p + 1e-6)).sum((-2, -1))
-    row_entropy = -(rows * torch.log(rows + 1e-6)).sum((-2, -1))
-    return zeta * (column_entropy + row_entropy).mean()
-
-
-def test_reference_penalty_end_points() -> None:
-    uniform = torch.full((1, 4, 4), 0.25, dtype=torch.float64)
-    assert float(reference_penalty(uniform, 1.0)) == pytest.approx(2 * 4 * math.log(4), rel=1e-5)
-    hard = torch.eye(4, dtype=torch.float64).unsqueeze(0)
-    assert abs(float(reference_penalty(hard, 1.0))) < 1e-5
-
-
-@pytest.mark.parametrize(("tau", "iterations"), [(0.05, 3), (1.0, 1), (TAU_START, 20)])
-def test_sinkhorn_and_penalty_match_autograd_through_the_reference(tau: float, iterations: int) -> None:
-    """The fused penalty and the gradient it sends to U (together with P's) equal autograd through the unrolled
-    recursion and :func:`reference_penalty`, with rows off 1 (tau 0.05, 3 rounds) so P != P / row sums."""
-    u = module_init_u(3, 5, 0).mul(0.02 if tau == TAU_START else 10.0)
-    upstream = torch.randn(3, 5, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    mine, reference = u.clone().requires_grad_(), u.clone().requires_grad_()
-    p, penalty = sinkhorn_and_penalty(mine, tau, iterations, 0.3)
-    p_ref = plain_log_sinkhorn(reference, tau, iterations)
-    penalty_ref = reference_penalty(p_ref, 0.3)
-    assert float((p.sum(-1) - 1).abs().max()) > 1e-3 or tau != 0.05
-    assert float(penalty) > 0.01 and torch.allclose(penalty, penalty_ref, rtol=1e-9, atol=0)
-    (grad,) = torch.autograd.grad((p * upstream).sum() + 2.5 * penalty, mine)
-    (grad_ref,) = torch.autograd.grad((p_ref * upstream).sum() + 2.5 * penalty_ref, reference)
-    assert torch.allclose(grad, grad_ref, rtol=1e-8, atol=1e-8 * float(grad_ref.abs().max()))
-    (penalty_grad,) = torch.autograd.grad(sinkhorn_and_penalty(mine, tau, iterations, 0.3)[1], mine)
-    (penalty_grad_ref,) = torch.autograd.grad(reference_penalty(plain_log_sinkhorn(reference, tau, iterations), 0.3),
-                                              reference)
-    assert float(penalty_grad_ref.abs().max()) > 1e-6  # the penalty alone sends a real gradient
-    assert torch.allclose(penalty_grad, penalty_grad_ref, rtol=1e-7, atol=1e-8 * float(penalty_grad_ref.abs().max()))
-    assert float(sinkhorn_and_penalty(mine, tau, iterations, 0.0)[1]) == 0.0
-
-
-@pytest.mark.parametrize("x", [1.0 / 10 ** -4.3, 1.0 / 3.0, 1e-4 / 3, 1e7, math.pi * 1e5])
-def test_float32_pairs_carry_float64_scalars_into_the_kernels(x: float) -> None:
-    """Triton passes Python floats to kernels as float32: 1/tau and zeta/m go as hi + lo, two float32 values."""
-    hi, lo = _float32_pair(x)
-    assert float(np.float32(hi)) == hi and float(np.float32(lo)) == lo
-    assert abs((hi + lo) - x) <= 1e-14 * abs(x)
-    assert hi != x or lo == 0.0
-
-
-TRITON_CHECK = """
-import torch
-import mtmoe.sinkhorn as module
-from mtmoe.sinkhorn import _use_triton, sinkhorn_and_penalty
-torch.manual_seed(0)
-worst = 0.0
-for n, dtype, zeta, (tau, iterations) in [(5, torch.float64, 0.3, (0.05, 3)), (16, torch.float32, 1e-4, (1e-3, 20)),
-                                          (17, torch.float64, 0.0, (10 ** -4.3, 40)), (2, torch.float32, 0.5, (1.0, 1))]:
-    u = ((torch.rand(2, n, n, dtype=dtype) - 0.5) * 0.1).requires_grad_()
-    upstream = torch.randn(2, n, n, dtype=dtype)
-    results = []
-    for interpret in (True, False):
-        module.INTERPRET = interpret
-        assert _use_triton(u) == interpret
-        p, penalty = sinkhorn_and_penalty(u, tau, iterations, zeta)
-        (grad,) = torch.autograd.grad((p * upstream).sum() + 3.0 * penalty, u)
-        results.append((p, penalty, grad))
-    (p_t, pen_t, g_t), (p_c, pen_c, g_c) = results
-    assert p_t.dtype == dtype and g_t.dtype == dtype and pen_t.dtype == dtype
-    tol = 1e-6 if dtype == torch.float32 else 1e-12
-    assert torch.allclose(p_t, p_c, atol=tol, rtol=0), (n, (p_t - p_c).abs().max())
-    assert torch.allclose(pen_t, pen_c, rtol=tol * 10, atol=tol), (n, pen_t, pen_c)
-    scale = float(g_c.abs().max()) + 1e-30
-    assert torch.allclose(g_t / scale, g_c / scale, atol=1e-5 if dtype == torch.float32 else 1e-10), n
-    worst = max(worst, float((g_t - g_c).abs().max()) / scale)
-print("ok", worst)
-"""
-
-
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
-def test_triton_kernels_equal_the_cpu_loops_in_the_interpreter() -> None:
-    """The CUDA kernels (forward with penalty, backward with the penalty's gradient; division by tau and dtype
-    conversions inside) run on CPU tensors in Triton's interpreter and give the numba loops' results: n below,
-    at and above the 16-wide block, float32 and float64, with and without the penalty."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run([sys.executable, "-c", TRITON_CHECK], env=env, capture_output=True, text=True,
-                            timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.startswith("ok")
-
-
 def test_entropy_penalty_only_in_training_and_inside_the_window() -> None:
+    """Training steps inside the window add ``zeta H(P)`` (differentiable in U); evaluation adds none (``None``);
+    the step that ends the window and those after it add an exact 0 (a tensor: the step's code does not depend on
+    where a trial is in its window), as does zeta = 0."""
     search = make_search(soften=1e-2, zeta=0.5)
     search.train()
-    p, aux = search.matrices()
-    assert float(aux.detach()) > 0 and torch.allclose(aux, reference_penalty(p, 0.5), atol=0, rtol=1e-6)
-    assert aux.requires_grad
     out, aux = search(task_weights())
-    assert torch.allclose(aux, reference_penalty(search.soft, 0.5), rtol=1e-6)
+    assert aux.requires_grad and aux.shape == () and aux.dtype == torch.float32
+    assert float(aux.detach()) > 0 and torch.allclose(aux, reference_penalty(search.soft, 0.5), rtol=1e-6)
     aux.backward()
     assert search.log_weights.grad is not None and float(search.log_weights.grad.abs().max()) > 0
     search.eval()
     assert search(task_weights())[1] is None
-    search.train()
+    penalties = []
     while not search.frozen:
-        search(task_weights())
+        penalties.append(float(train_step(search, task_weights())[1].detach()))
+    assert len(penalties) == 5 and all(value > 0 for value in penalties[:-1]) and penalties[-1] == 0.0
+    for promise in (False, True):  # after the window, with and without the engine's promise
+        search.may_search = not promise
+        assert float(search(task_weights())[1].detach()) == 0.0
+    search.eval()
     assert search(task_weights())[1] is None
     no_penalty = make_search(soften=1e-2, zeta=0.0)
     no_penalty.train()
-    assert no_penalty.matrices()[1] is None
+    out, aux = no_penalty(task_weights())
+    assert float(aux.detach()) == 0.0 and float(no_penalty.soft.max()) < 0.99  # (a soft step: H(P) > 0)
     # in a model: the penalty is part of the training aux loss, absent in evaluation
     info = tiny_info()
     _, plus = base_and_plus("softmax", info, zeta=0.25)
     plus.local_search.set_window(10)
     plus.train()
     output = plus(tiny_batch(info))
-    assert output.local_search_aux is not None and float(output.aux_loss) == pytest.approx(
+    assert output.local_search_aux is not None and float(output.aux_loss.detach()) == pytest.approx(
         float(reference_penalty(plus.local_search.soft, 0.25)), rel=1e-5)
+    assert float(output.aux_loss.detach()) > 0
     plus.eval()
     output = plus(tiny_batch(info))
     assert output.local_search_aux is None and float(output.aux_loss) == 0.0
@@ -831,15 +923,16 @@ _spec.loader.exec_module(bench_local_search)
 
 
 def test_after_the_window_a_plus_step_adds_only_a_gather() -> None:
-    """"From then on training is exactly the base gate with re-indexed experts": forward and backward of a frozen
-    "+" model compute what the base model does, plus the gather of the weights and its backward."""
+    """"From then on training is exactly the base gate with re-indexed experts": under the engine's promise that no
+    trial searches (``may_search`` False, as the engine sets it after every trial's window), forward and backward
+    of a frozen "+" model compute what the base model does, plus the gather of the weights and its backward, the
+    step counter's saturating increment (computed, not branched on: no host read) and the exact-zero penalty."""
     info = tiny_info()
     base, plus = base_and_plus("softmax", info)
     plus.local_search.set_window(1)
     batch = tiny_batch(info)
-    plus.train()
-    plus(batch)  # the transition step
-    assert plus.local_search.frozen
+    train_step(plus, batch, engine_promise=True)  # the transition step
+    assert plus.local_search.frozen and not plus.local_search.may_search
     counted = {}
     for name, model in (("base", base), ("plus", plus)):
         model.train()
@@ -847,7 +940,11 @@ def test_after_the_window_a_plus_step_adds_only_a_gather() -> None:
             output = model(batch)
             (sum(p.sum() for p in output.predictions) + output.aux_loss).backward()
         counted[name] = collections.Counter(counter.names)
-    assert counted["plus"] - counted["base"] == collections.Counter({"gather": 1, "new_zeros": 1, "scatter_add": 1})
+    gather = {"gather": 1, "new_zeros": 1, "scatter_add": 1}  # w[..., index], its backward
+    counter_step = {"lt": 1, "add": 1, "where": 1, "copy_": 1}  # step = where(step < window, step + 1, step)
+    penalty = {"new_zeros": 1, "add": 1}  # the zero penalty, added to the gates' auxiliary losses
+    expected = collections.Counter(gather) + collections.Counter(counter_step) + collections.Counter(penalty)
+    assert counted["plus"] - counted["base"] == expected
     assert not counted["base"] - counted["plus"]
 
 
@@ -869,18 +966,17 @@ def test_plus_keeps_experts_per_sample_after_the_window(gate: str, saturate: boo
     with torch.no_grad():
         plus.local_search.log_weights.copy_(planted_u(q, 0).float())
     plus.local_search.set_window(2)
-    plus.train()
-    for seed in range(3):  # step 1 soft, step 2 transition, then frozen
-        plus(tiny_batch(info, seed=seed))
+    for seed in range(3):  # step 1 soft, step 2 transition (rounded before it), then frozen
+        train_step(plus, tiny_batch(info, seed=seed))
     assert plus.local_search.frozen and torch.equal(plus.local_search.rounded[0], q)
     batch = tiny_batch(info, size=32, seed=5)
+    assert torch.equal(base.seed, plus.seed)
+    base.step.copy_(plus.step)  # the same random draws for both (dropout, SparseMixer's sampling): same stream
     for training in (True, False):
         base.train(training)
         plus.train(training)
-        with torch.no_grad():  # the same random draws for both (dropout, SparseMixer's sampling)
-            torch.manual_seed(11)
+        with torch.no_grad():
             base_out = base(batch)
-            torch.manual_seed(11)
             plus_out = plus(batch)
         for b, p in zip(base_out.gates, plus_out.gates):
             assert torch.equal((p.weights > 0).sum(-1), (b.weights > 0).sum(-1))
@@ -908,7 +1004,7 @@ class _FrozenConstantExperts(nn.Module):
         super().__init__()
         self.register_buffer("outputs", outputs)
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, stream=None) -> torch.Tensor:
         return self.outputs.expand(h.shape[0], *self.outputs.shape)
 
 
@@ -945,14 +1041,8 @@ def planted_problem(seed: int, plus: bool, dtype: torch.dtype, lr: float, eps: f
         assert list(model.parameters()) == [search.log_weights]
         search.set_window(steps_per_epoch)
         optimiser = torch.optim.Adam(model.parameters(), lr=lr, eps=eps)
-        model.train()
         for _ in range(epochs * steps_per_epoch + 2):
-            output = model(batch)
-            loss = loss_of(output) + output.aux_loss
-            optimiser.zero_grad()
-            if loss.requires_grad:
-                loss.backward()
-                optimiser.step()
+            train_step(model, batch, optimiser, lambda output: loss_of(output) + output.aux_loss)
         assert search.frozen
         result["learned"] = search.assignment()[0] == sigma0[target_of_slot].tolist()
     model.eval()
