@@ -49,11 +49,12 @@ def test_a_training_step_and_an_evaluation_never_synchronise(name: str) -> None:
     engine.prepare_evaluation()  # rounds the soft permutations (between steps)
     evaluation = {key: tensor[0] for key, tensor in pack_batch(0, 3).items()}
     engine.eval_step(evaluation)
-    unsynchronised(lambda: [engine.train_step(pack_batch(step, 3)) for step in range(5, 9)])
+    inputs = [pack_batch(step, 3) for step in range(19)]  # copied to the device before: a copy from the host waits
+    unsynchronised(lambda: [engine.train_step(inputs[step]) for step in range(5, 9)])
     unsynchronised(lambda: engine.eval_step(evaluation))
     for step in range(9, 16):  # the windows end (a rounding between steps), the step without Sinkhorn captured
-        engine.train_step(pack_batch(step, 3))
-    unsynchronised(lambda: [engine.train_step(pack_batch(step, 3)) for step in range(16, 19)])
+        engine.train_step(inputs[step])
+    unsynchronised(lambda: [engine.train_step(inputs[step]) for step in range(16, 19)])
 
 
 @pytest.mark.parametrize("name", ["comet", "comet+", "sparsemixer", "competesmoe-v2", "topk+"])
