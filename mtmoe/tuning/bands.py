@@ -13,9 +13,9 @@ re-derived here.
   ``confidence`` (Learned-Miller-DeStefano, ``ld_equal_tailed``: opda's docs give it "almost the same size" as the
   highest-density variant and "significantly faster"); the quantile tuning curve of its upper CDF is the curve's
   lower edge and that of its lower CDF the upper edge, at every s at once: **simultaneous over s and
-  distribution-free**. Exact for a continuous objective up to opda's simulated critical value (100,000 draws:
-  1 - confidence within about 5% of itself); with ties or failed trials (an atom at +inf) at least as wide as
-  needed (``benchmarks/bench_band_coverage.py`` measures both). Where N trials cannot bound the curve an edge is
+  distribution-free**. Exact for a continuous objective up to opda's simulated critical value (100,000 draws, from
+  a fixed seed: 1 - confidence within about 5% of itself at 95%, 10% at 99%); with ties or failed trials (an atom
+  at +inf) at least as wide as needed (``benchmarks/bench_band_coverage.py`` measures both). Where N trials cannot bound the curve an edge is
   infinite: the lower edge beyond a few budgets (N trials cannot show how much better many more might get), the
   upper edge at s = 1 below :func:`trials_needed`.
 * **Not for the test loss of the best-validation trial** (Appendix F's plotted quantity): it depends on the joint

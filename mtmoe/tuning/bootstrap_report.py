@@ -111,11 +111,10 @@ def plot(curves: pd.DataFrame, objective: pd.DataFrame, gates: list[str], pairs:
     reduction-factor pair (or gate), the median tuning curve of the validation objective with its exact
     simultaneous band (filled; :mod:`mtmoe.tuning.bands`). Markers at the budgets measured (the objective's curve
     is computed at every s up to N, its markers at the grid's budgets); a family's two gates share a hue, light and
-    dashed without local search, dark and solid with it. Each row of panels shares its y axis, which fits every
-    finite band edge; an infinite edge (the trials do not bound the curve there) is drawn to the axis."""
+    dashed without local search, dark and solid with it. The y axis of the overview fits its means; the family panels
+    of a (dataset, alpha) share theirs, and its objective panels theirs, fitting every finite band edge; an infinite
+    edge (the trials do not bound the curve there) is drawn to the axis."""
     from matplotlib.figure import Figure
-    from matplotlib.lines import Line2D
-    from matplotlib.patches import Patch
     from matplotlib.ticker import FixedLocator, NullLocator, ScalarFormatter
 
     gates = sorted(gates, key=gate_order)
@@ -182,10 +181,22 @@ def plot(curves: pd.DataFrame, objective: pd.DataFrame, gates: list[str], pairs:
                 ax.plot(rows_.s, rows_["median"], label=gate, marker="o", markersize=3.5,
                         markevery=[i for i, s in enumerate(rows_.s) if s in shown], **style)
         row += math.ceil(len(band_panels) / columns)
-    blank = Line2D([], [], linestyle="none", label=" ")
-    line = lambda gate: Line2D([], [], label=gate, marker="o", markersize=3.5, **gate_style(gate, gates))  # noqa: E731
-    handles = [line(gate) for gate in gates]  # legends fill column by column: with "+" gates, a column per family
-    if any(gate.endswith("+") for gate in gates):  # (the gate above its "+")
+    _legend(figure, gates, confidence, columns)
+    return figure
+
+
+def _legend(figure, gates: list[str], confidence: float, columns: int) -> None:
+    """What is drawn: the gates (with "+" gates, a column per family, the gate above its "+"), the two kinds of
+    band, and the line styles where gates with and without local search are both drawn."""
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    def line(gate: str) -> Line2D:
+        return Line2D([], [], label=gate, marker="o", markersize=3.5, **gate_style(gate, gates))
+
+    handles = [line(gate) for gate in gates]
+    if any(gate.endswith("+") for gate in gates):  # legends fill column by column
+        blank = Line2D([], [], linestyle="none", label=" ")
         handles = [line(gate) if gate in gates else blank for family in dict.fromkeys(g.removesuffix("+") for g in gates)
                    for gate in (family, family + "+")]
     handles += [Patch(label="test loss: spread of the draws", **_spread_style("", "#555555")),
@@ -198,9 +209,8 @@ def plot(curves: pd.DataFrame, objective: pd.DataFrame, gates: list[str], pairs:
              "Objective: median of the best validation objective of s random trials; filled: its exact simultaneous "
              f"{percent(confidence)} confidence band (Lourie et al. 2024), unbounded where it meets the axis."]
     figure.legend(handles=handles, loc="outside lower center", ncol=math.ceil(len(handles) / 2), fontsize=8.5,
-                  frameon=False,
-                  title_fontsize=8.5, title="\n".join(textwrap.fill(line, int(16 * 3.4 * columns)) for line in title))
-    return figure
+                  frameon=False, title_fontsize=8.5,
+                  title="\n".join(textwrap.fill(text, int(16 * 3.4 * columns)) for text in title))
 
 
 def _spread_style(gate: str, colour: str) -> dict:
