@@ -87,11 +87,11 @@ def gate_style(gate: str, gates: list[str]) -> dict:
 
 
 def _band_panels(present: list[str], pairs: list[tuple[str, str]]) -> list[list[str]]:
-    """The objective's panels of a (dataset, alpha): one per factor pair of its gates, in the factor tables' order
-    (A, then B, in the paper's gate order), then each gate in none."""
+    """The objective's panels of a (dataset, alpha): every gate, then one per factor pair of its gates, in the factor
+    tables' order (A, then B, in the paper's gate order), then each gate in none."""
     ordered = sorted(pairs, key=lambda pair: (gate_order(pair[0]), gate_order(pair[1])))
     panels = [sorted(pair, key=gate_order) for pair in ordered if set(pair) <= set(present)]
-    return panels + [[gate] for gate in present if not any(gate in panel for panel in panels)]
+    return [present, *panels, *([gate] for gate in present if not any(gate in panel for panel in panels))]
 
 
 def _limits(*columns: pd.Series) -> tuple[float, float]:
@@ -107,13 +107,13 @@ def plot(curves: pd.DataFrame, objective: pd.DataFrame, gates: list[str], pairs:
          confidence: float):
     """The tuning curves against the budget s (log scale), per (dataset, alpha), in two kinds of panels. **Test
     loss** (Appendix F, Figures 2-3): every gate's Monte-Carlo mean, then one panel per gate family with the mean
-    and the 2.5th-97.5th percentile band of the draws (hatched) of the gate and its "+". **Objective**: per
-    reduction-factor pair (or gate), the median tuning curve of the validation objective with its exact
-    simultaneous band (filled; :mod:`mtmoe.tuning.bands`). Markers at the budgets measured (the objective's curve
-    is computed at every s up to N, its markers at the grid's budgets); a family's two gates share a hue, light and
-    dashed without local search, dark and solid with it. The y axis of the overview fits its means; the family panels
-    of a (dataset, alpha) share theirs, and its objective panels theirs, fitting every finite band edge; an infinite
-    edge (the trials do not bound the curve there) is drawn to the axis."""
+    and the 2.5th-97.5th percentile band of the draws (hatched) of the gate and its "+". **Objective**: every gate's
+    median tuning curve of the validation objective, then per reduction-factor pair (or gate) the curves with their
+    exact simultaneous bands (filled; :mod:`mtmoe.tuning.bands`). Markers at the budgets measured (the objective's
+    curve is computed at every s up to N, its markers at the grid's budgets); a family's two gates share a hue, light
+    and dashed without local search, dark and solid with it. The y axis of an overview fits its curves; the band
+    panels of a kind and (dataset, alpha) share theirs, which fits every finite band edge; an infinite edge (the
+    trials do not bound the curve there) is drawn to the axis."""
     from matplotlib.figure import Figure
     from matplotlib.ticker import FixedLocator, NullLocator, ScalarFormatter
 
@@ -126,9 +126,13 @@ def plot(curves: pd.DataFrame, objective: pd.DataFrame, gates: list[str], pairs:
         families = dict.fromkeys(g.removesuffix("+") for g in present)
         loss_panels = [present, *([g for g in present if g.removesuffix("+") == family] for family in families)]
         groups.append((data, alpha, panel, band, loss_panels, _band_panels(present, pairs)))
-    most = max(len(panels) for group in groups for panels in group[4:])
-    columns = math.ceil(most / math.ceil(most / MAX_COLUMNS))  # rows of even length: 6 panels as 3 + 3, not 4 + 2
-    rows = sum(math.ceil(len(panels) / columns) for group in groups for panels in group[4:])
+    kinds = [len(panels) for group in groups for panels in group[4:]]  # panels per kind and (dataset, alpha)
+
+    def rows_of(columns: int) -> int:
+        return sum(math.ceil(panels / columns) for panels in kinds)
+
+    columns = min(range(1, MAX_COLUMNS + 1), key=lambda c: (rows_of(c), c))  # fewest rows, then the narrowest
+    rows = rows_of(columns)
     figure = Figure(figsize=(3.4 * columns, 2.9 * rows + 1.2), layout="constrained")
     grid = figure.add_gridspec(rows, columns)
     row = 0
@@ -142,7 +146,7 @@ def plot(curves: pd.DataFrame, objective: pd.DataFrame, gates: list[str], pairs:
         ax.xaxis.set_minor_locator(NullLocator())
         ax.set_xlim(1, max(largest, 2))
         ax.set_ylim(*ylim)
-        ax.set_title(title, fontsize=9.5)
+        ax.set_title(title, fontsize=8.5)
         ax.set_xlabel("tuning budget s (trials)", fontsize=8.5)
         ax.set_ylabel(ylabel, fontsize=8.5)
         ax.tick_params(labelsize=8)
@@ -169,15 +173,17 @@ def plot(curves: pd.DataFrame, objective: pd.DataFrame, gates: list[str], pairs:
         beyond = (2 * ylim[0] - ylim[1], 2 * ylim[1] - ylim[0])  # where an infinite edge is drawn, off the axis
         shown = set(budget_grid(largest))
         for index, members in enumerate(band_panels):
-            ax = axes(index, f"{_panel_title(data, alpha)}: {' vs '.join(members)}, objective",
-                      "best validation objective ×10⁻²", largest, ylim)
+            what = "all gates" if index == 0 else " vs ".join(members)
+            ax = axes(index, f"{_panel_title(data, alpha)}: {what}, objective", "best validation objective ×10⁻²",
+                      largest, ylim if index else _limits(scaled["median"]))
             for gate in members:
                 rows_ = scaled[scaled.gate == gate]
                 style = gate_style(gate, gates)
-                low, high = (np.clip(rows_[c], *beyond) for c in ("low", "high"))
-                ax.fill_between(rows_.s, low, high, **_exact_style(style["color"]))
-                for edge in (low, high):
-                    ax.plot(rows_.s, edge, color=style["color"], linestyle=style["linestyle"], linewidth=0.9)
+                if index:  # a pair's panel: the exact bands, filled and edged
+                    low, high = (np.clip(rows_[c], *beyond) for c in ("low", "high"))
+                    ax.fill_between(rows_.s, low, high, **_exact_style(style["color"]))
+                    for edge in (low, high):
+                        ax.plot(rows_.s, edge, color=style["color"], linestyle=style["linestyle"], linewidth=0.9)
                 ax.plot(rows_.s, rows_["median"], label=gate, marker="o", markersize=3.5,
                         markevery=[i for i, s in enumerate(rows_.s) if s in shown], **style)
         row += math.ceil(len(band_panels) / columns)
@@ -287,8 +293,9 @@ def report_blocks(curves: pd.DataFrame, ranges: pd.DataFrame, objective: pd.Data
               "validation objective (ties: lower config_id) and record its test loss. Failed trials (diverged, or lost "
               "too often) are left out of this bag. Figure, against s: per dataset and alpha, the test loss ×10⁻² "
               "(every gate's Monte-Carlo mean, then each gate family, a gate and its '+', with the 2.5th-97.5th "
-              "percentile of the draws hatched), then the validation objective ×10⁻² (per reduction-factor pair, "
-              f"each gate's median tuning curve with its exact {band} confidence band filled). A family's gates share "
+              "percentile of the draws hatched), then the validation objective ×10⁻² (every gate's median tuning "
+              f"curve, then per reduction-factor pair the curves with their exact {band} confidence bands filled). A "
+              "family's gates share "
               "a hue, light and dashed without local search, dark and solid with it; markers at the budgets "
               "measured. The closed form is in the tables below and in `bootstrap_curves.csv`. Vector copy of the "
               "figure: `bootstrap.pdf`."),
@@ -526,6 +533,7 @@ def bootstrap(argv: list[str]) -> None:
                            ", ".join(datasets))
     figure = plot(curves, objective, gates, pairs, settings.confidence)
     images = {"bootstrap.png": figure_bytes(figure, "png")}
+    figure.set_layout_engine("none")  # the PDF keeps the PNG's layout: one constrained-layout solve, not two
     text = markdown(blocks)
     write_outputs(out, {**images, "bootstrap.pdf": figure_bytes(figure, "pdf"),
                         "bootstrap_curves.csv": curves.to_csv(index=False),
