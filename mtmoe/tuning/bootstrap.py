@@ -36,6 +36,9 @@ draws a figure: ``python -m mtmoe bootstrap`` (:mod:`mtmoe.tuning.bootstrap_repo
   s_B >= 2 (at s_B = 1 the factor cannot exceed 1 by construction).
   Default pairs: every "G+" over its "G" (Figure 3) and ``comet`` over every other gate without "+" (Figure 2);
   ``--pairs A:B,...`` chooses. Factors compare gates within a panel (same dataset and alpha).
+* **Not a confidence band.** The 95% band above is the spread of what tuning with s trials gives, not the
+  uncertainty of the curve (at s = N without replacement it is one value). Exact confidence bands, for the
+  validation objective's tuning curve, and the factor's interval: :mod:`mtmoe.tuning.bands`.
 """
 from __future__ import annotations
 
