@@ -15,9 +15,9 @@ re-derived here.
   lower edge and that of its lower CDF the upper edge, at every s at once: **simultaneous over s and
   distribution-free**. Exact for a continuous objective up to opda's simulated critical value (100,000 draws, from
   a fixed seed: 1 - confidence within about 5% of itself at 95%, 10% at 99%); with ties or failed trials (an atom
-  at +inf) at least as wide as needed (``benchmarks/bench_band_coverage.py`` measures both). Where N trials cannot bound the curve an edge is
-  infinite: the lower edge beyond a few budgets (N trials cannot show how much better many more might get), the
-  upper edge at s = 1 below :func:`trials_needed`.
+  at +inf) at least as wide as needed (``benchmarks/bench_band_coverage.py`` measures both). Where N trials cannot
+  bound the curve an edge is infinite: the lower edge beyond a few budgets (N trials cannot show how much better
+  many more might get), the upper edge at s = 1 below :func:`trials_needed`.
 * **Not for the test loss of the best-validation trial** (Appendix F's plotted quantity): it depends on the joint
   distribution of validation objective and test loss, which a band for one CDF does not bound. There the bootstrap
   of :mod:`mtmoe.tuning.bootstrap` stays, a range of outcomes rather than a confidence band.

@@ -203,8 +203,8 @@ def _legend(figure, gates: list[str], confidence: float, columns: int) -> None:
     handles = [line(gate) for gate in gates]
     if any(gate.endswith("+") for gate in gates):  # legends fill column by column
         blank = Line2D([], [], linestyle="none", label=" ")
-        handles = [line(gate) if gate in gates else blank for family in dict.fromkeys(g.removesuffix("+") for g in gates)
-                   for gate in (family, family + "+")]
+        families = dict.fromkeys(g.removesuffix("+") for g in gates)
+        handles = [line(gate) if gate in gates else blank for family in families for gate in (family, family + "+")]
     handles += [Patch(label="test loss: spread of the draws", **_spread_style("", "#555555")),
                 Patch(label=f"objective: exact {percent(confidence)} band", **_exact_style("#555555"))]
     if any(gate.endswith("+") for gate in gates) and not all(gate.endswith("+") for gate in gates):
