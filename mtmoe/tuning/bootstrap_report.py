@@ -140,7 +140,7 @@ def plot(curves: pd.DataFrame, objective: pd.DataFrame, gates: list[str], pairs:
     def axes(index: int, title: str, ylabel: str, largest: int, ylim: tuple[float, float]):
         ax = figure.add_subplot(grid[row + index // columns, index % columns])
         ax.set_xscale("log")
-        ticks = [s for s in SHOWN_BUDGETS if s <= largest]
+        ticks = [s for s in SHOWN_BUDGETS if s <= largest]  # and the largest budget, unless it crowds the last
         ax.xaxis.set_major_locator(FixedLocator(ticks + [largest] * (largest > 1.6 * ticks[-1])))
         ax.xaxis.set_major_formatter(ScalarFormatter())
         ax.xaxis.set_minor_locator(NullLocator())
@@ -257,10 +257,10 @@ def _objective_text(settings: Settings, objective: pd.DataFrame) -> str:
     conservative = objective[objective.ties | (objective.failed > 0)].study.unique()
     note = (f" Studies with tied or failed objectives, where the band is at least as wide as needed: "
             f"{', '.join(f'`{study}`' for study in conservative)}." if len(conservative) else "")
-    return (f"The validation objective of a study's N evaluated configurations (a failed one counts as +∞) is a sample "
+    return ("The validation objective of a study's N evaluated configurations (a failed one counts as +∞) is a sample "
             "of the objective of a random configuration. Its tuning curve, the best objective among s random "
             "configurations, has exact simultaneous distribution-free confidence bands (Lourie, Cho and He 2024, "
-            f"\"Show Your Work with Confidence\", through `opda`): here the median tuning curve with its "
+            "\"Show Your Work with Confidence\", through `opda`): here the median tuning curve with its "
             f"{percent(settings.confidence)} band (`--confidence`), which holds at every s at once, for any "
             "distribution of the objective (exact for a continuous one). An edge of −∞ or ∞: N trials do not bound the "
             "curve there (the lower edge beyond a few budgets: N trials cannot show how much better many more might "
@@ -285,6 +285,8 @@ def report_blocks(curves: pd.DataFrame, ranges: pd.DataFrame, objective: pd.Data
     scheme = ("with replacement; closed form of Dodge et al. 2019" if settings.replace else
               "without replacement; closed form hypergeometric, P(best of s is the i-th ranked) = C(N-i, s-1)/C(N, s)")
     band = percent(settings.confidence)
+    estimator = ("with replacement: Dodge et al.'s estimate, biased" if settings.replace else
+                 "without replacement: Tang et al. 2020's unbiased estimate, which Appendix F's draws approximate")
     blocks: list[tuple] = [
         ("h1", f"Tuning-budget bootstrap: {data}"),
         ("p", f"Storage `{display_url(url)}`. Appendix F: for each budget s in {{1, 2, 5, 10, ..., "
@@ -295,10 +297,9 @@ def report_blocks(curves: pd.DataFrame, ranges: pd.DataFrame, objective: pd.Data
               "(every gate's Monte-Carlo mean, then each gate family, a gate and its '+', with the 2.5th-97.5th "
               "percentile of the draws hatched), then the validation objective ×10⁻² (every gate's median tuning "
               f"curve, then per reduction-factor pair the curves with their exact {band} confidence bands filled). A "
-              "family's gates share "
-              "a hue, light and dashed without local search, dark and solid with it; markers at the budgets "
-              "measured. The closed form is in the tables below and in `bootstrap_curves.csv`. Vector copy of the "
-              "figure: `bootstrap.pdf`."),
+              "family's gates share a hue, light and dashed without local search, dark and solid with it; markers at "
+              "the budgets measured. The closed form is in the tables below and in `bootstrap_curves.csv`. Vector "
+              "copy of the figure: `bootstrap.pdf`."),
         ("img", "bootstrap.png", "tuning curves"),
         ("h2", f"The objective's tuning curve with exact {band} confidence bands"),
         ("p", _objective_text(settings, objective)),
@@ -320,11 +321,10 @@ def report_blocks(curves: pd.DataFrame, ranges: pd.DataFrame, objective: pd.Data
     blocks += [
         ("h2", "Tuning reduction factors"),
         ("p", "Factor of A over B at budget s_B: s_B' / s_A, where s_A and s_B' are the smallest budgets at which "
-              "A's and B's curves reach B's at s_B (s_B' = s_B when B's curve does not fall there). Range over the "
-              "grid's s_B >= 2; ≥: a lower bound (A beats that level with one trial); never: A does not reach it "
-              "within its trials. The paper's, on the closed-form expected test loss of the best-validation trial "
-              f"(without replacement, the unbiased estimate of what Appendix F's draws average): "
-              "`bootstrap_factors.csv`."),
+              "A's and B's curves reach B's at s_B (s_B' = s_B unless B's curve is as low before s_B: flat, as a "
+              "median curve often is, or rising). Range over the grid's s_B >= 2; ≥: a lower bound (A beats that "
+              "level with one trial); never: A does not reach it within its trials. The paper's, on the closed-form "
+              f"expected test loss of the best-validation trial ({estimator}): `bootstrap_factors.csv`."),
     ]
     header = ["Dataset", "alpha", "A over B", "range (s_B ≥ 2)", "s_B at min – max", "never"]
     rows = [[r.data, r.alpha or "-", f"{r.gate_a} over {r.gate_b}",
