@@ -23,6 +23,7 @@ from mtmoe.tuning.bootstrap import (
     best_rank_distribution,
     budget_grid,
     closed_form,
+    default_pairs,
     expected_curve,
     factor_range,
     monte_carlo,
@@ -32,6 +33,7 @@ from mtmoe.tuning.bootstrap import (
     summarize,
     tuning_curves,
 )
+from mtmoe.tuning.bands import median_band, objective_curves
 from mtmoe.tuning.bootstrap_report import plot
 
 from conftest import run_cli
@@ -192,19 +194,46 @@ def test_identical_gates_give_1_and_a_uniformly_better_gate_more() -> None:
     assert (factors[factors.gate_a == "hash"].factor.dropna() <= 1.0).all()  # and the other way round, below 1
 
 
-def test_plot_has_an_overview_and_a_panel_per_gate_family_for_each_dataset_and_alpha() -> None:
+def test_plot_has_an_overview_a_panel_per_gate_family_and_one_per_factor_pair() -> None:
     trials = pd.concat([table(*correlated_trials(20, 5), gate=gate, alpha=alpha, data=data)
                         for data, alphas in (("movielens", ("0.1", "0.9")), ("books", (None,)))
                         for alpha in alphas for gate in ("topk", "topk+")], ignore_index=True)
-    figure = plot(tuning_curves(trials, Settings(draws=50)), ["topk+", "topk"])
+    curves = tuning_curves(trials, Settings(draws=50))
+    figure = plot(curves, objective_curves(trials), ["topk+", "topk"], [("topk+", "topk")], 0.95)
     titles = [ax.get_title() for ax in figure.axes]
-    assert titles == ["books, α = -: all gates", "books, α = -: topk vs topk+", "movielens, α = 0.1: all gates",
-                      "movielens, α = 0.1: topk vs topk+", "movielens, α = 0.9: all gates",
-                      "movielens, α = 0.9: topk vs topk+"]
-    for overview, family in zip(figure.axes[::2], figure.axes[1::2]):
-        assert [line.get_label() for line in overview.get_lines()] == ["topk", "topk+"]  # means only, no band
-        assert not overview.collections and len(family.collections) == 1  # the "+" band filled, the other outlined
-        assert len(family.get_lines()) == 2 * 3  # per gate: the mean and the band's two ends
+    assert titles == [f"{panel}: {what}" for panel in ("books, α = -", "movielens, α = 0.1", "movielens, α = 0.9")
+                      for what in ("all gates", "topk vs topk+", "all gates, objective", "topk vs topk+, objective")]
+    for overview, family, medians, exact in zip(*(figure.axes[i::4] for i in range(4))):
+        for curves_only in (overview, medians):  # means or medians, no band
+            assert [line.get_label() for line in curves_only.get_lines()] == ["topk", "topk+"]
+            assert not curves_only.collections
+        assert [band.get_hatch() for band in family.collections] == ["////", "\\\\\\\\"]
+        assert [line.get_label() for line in family.get_lines()] == ["topk", "topk+"]
+        assert len(exact.collections) == 2 and not any(band.get_hatch() for band in exact.collections)  # filled
+        assert len(exact.get_lines()) == 2 * 3  # per gate: the median and the band's two edges
+        high = 100 * curves[curves.gate == "topk"].mc_high.max()
+        assert family.get_ylim()[1] > high and overview.get_ylim()[1] < high  # bands fit their panels
+    legend = [text.get_text() for text in figure.legends[0].get_texts()]
+    assert legend == ["topk", "topk+", "test loss: spread of the draws", "objective: exact 95% band",
+                      "dashed: without local search", 'solid: with local search ("+")']
+
+
+def test_plot_of_eight_trials_marks_its_budgets_and_explains_only_what_it_draws() -> None:
+    """Issue 22: 8 trials give 3 budgets, drawn as bare lines; the "+" line style explained with no "+" gate drawn."""
+    trials = pd.concat([table(*correlated_trials(8, 5), gate="topk"), table(*correlated_trials(8, 6), gate="comet")],
+                       ignore_index=True)
+    figure = plot(tuning_curves(trials, Settings(draws=50)), objective_curves(trials), ["topk", "comet"],
+                  [("comet", "topk")], 0.95)
+    assert [ax.get_title() for ax in figure.axes] == [
+        "movielens, α = -: all gates", "movielens, α = -: topk", "movielens, α = -: comet",
+        "movielens, α = -: all gates, objective", "movielens, α = -: topk vs comet, objective"]
+    for line in figure.axes[0].get_lines():
+        assert line.get_marker() == "o" and list(line.get_xdata()) == [1, 2, 5]
+    for ax in figure.axes[3:]:
+        medians = [line for line in ax.get_lines() if not line.get_label().startswith("_")]
+        assert [line.get_markevery() for line in medians] == [[0, 1, 4]] * 2  # of s = 1..8, the grid's 1, 2, 5
+    legend = [text.get_text() for text in figure.legends[0].get_texts()]
+    assert legend == ["topk", "comet", "test loss: spread of the draws", "objective: exact 95% band"]
 
 
 # --------------------------------------------------------------------------------------------------- command line
@@ -251,6 +280,8 @@ def storage(tmp_path_factory) -> tuple[str, dict]:
             add_study(url, "movielens", gate, objectives, losses + shift, alpha, diverged)
             trials[(alpha, gate)] = (objectives, losses + shift)
     add_study(url, "books", "topk", *correlated_trials(10, 9))  # another dataset: not read
+    add_study(url, "tiny", "topk", *correlated_trials(5, 9))  # too few trials for the exact bands
+    add_study(url, "one", "topk", [0.4], [0.41])
     return url, trials
 
 
@@ -283,6 +314,22 @@ def test_cli_end_to_end(storage, tmp_path: Path, capsys) -> None:
     factors = pd.read_csv(out / "bootstrap_factors.csv", dtype={"alpha": str})
     assert len(factors[(factors.alpha == "0.1") & (factors.gate_a == "hash+")]) == len(budget_grid(30))
 
+    objective = pd.read_csv(out / "bootstrap_objective.csv", dtype={"alpha": str})
+    for (alpha, gate), (objectives, _) in trials.items():
+        rows = objective[(objective.alpha == alpha) & (objective.gate == gate)]
+        failed = {"hash": 2, "topk+": 1}.get(gate, 0)
+        values = np.r_[objectives, [np.inf] * failed]  # a failed configuration is a draw of +inf
+        band = median_band(values, np.arange(1, len(values) + 1), 0.95)
+        assert list(rows.s) == list(range(1, len(values) + 1)) and set(rows.failed) == {failed}
+        for column in ("median", "low", "high"):
+            assert rows[column].tolist() == band[column].tolist()
+    detail = pd.read_csv(out / "bootstrap_objective_factors.csv", dtype={"alpha": str})
+    assert sorted(set(zip(detail.alpha, detail.gate_a, detail.gate_b))) == sorted(
+        (a, f"{g}+", g) for a in ("0.1", "0.9") for g in ("hash", "topk"))
+    defined = detail[detail.factor.notna()]
+    assert (defined.factor_low <= defined.factor).all() and (defined.factor <= defined.factor_high).all()
+    assert {"median_min", "unbiased_max", "interval_low", "interval_high_bound"} <= set(ranges.columns)
+
     png = (out / "bootstrap.png").read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
     markdown = (out / "bootstrap.md").read_text()
@@ -293,7 +340,10 @@ def test_cli_end_to_end(storage, tmp_path: Path, capsys) -> None:
         assert len({row.count("|") for row in rows}) <= 1, block
     page = (out / "bootstrap.html").read_text()
     inlined = re.search(r'src="data:image/png;base64,([^"]+)"', page).group(1)
-    assert base64.b64decode(inlined) == png and page.count("<table>") == 4  # factors, studies, 2 panels
+    assert "objective's tuning curve with exact 95% confidence bands" in markdown
+    assert "| movielens | 0.9 | topk+ over topk | " in markdown.split("Median factor [95% interval]")[1]
+    # the objective's 2 panels, the paper's factors, the objective's, at selected budgets, studies, 2 test-loss panels
+    assert base64.b64decode(inlined) == png and page.count("<table>") == 8
     assert not list(out.glob(".*"))  # atomic writes leave no temporary files
 
 
@@ -324,6 +374,13 @@ def test_cli_seed_and_options(storage, tmp_path: Path, capsys) -> None:
         (["--storage", "sqlite:///{tmp}/missing.db"], "no study storage at"),
         (["--pairs", "topk:comet", "--gates", "topk"], "--pairs: 'topk:comet' is not A:B"),
         (["--draws", "1"], "--draws must be >= 2"),
+        (["--confidence", "1"], "--confidence must be in (0, 1), got 1"),
+        (["--confidence", "0"], "--confidence must be in (0, 1), got 0"),
+        (["--confidence", "nan"], "--confidence must be in (0, 1), got nan"),
+        (["--confidence", "high"], "argument --confidence: invalid float value: 'high'"),
+        (["--data", "tiny"], "study 'tiny/topk' has 5 evaluated trials: the exact 95% bands need at least 8; run "),
+        (["--data", "one"], "study 'one/topk' has 1 evaluated trial: the exact 95% bands need at least 8"),
+        (["--data", "books", "--confidence", "0.99"], "has 10 evaluated trials: the exact 99% bands need at least 11"),
         (["--draws", "many"], "argument --draws: invalid int value: 'many'"),
         (["--resample", "bogus"], "invalid choice: 'bogus'"),
         (["--bogus"], "unrecognised arguments: --bogus"),
@@ -361,7 +418,8 @@ def test_outputs_are_replaced_atomically(storage, tmp_path: Path, monkeypatch, c
     assert run_bootstrap(url, out, "--draws", "100") == 0
     before = {path.name: path.read_bytes() for path in out.iterdir()}
     assert set(before) == {"bootstrap.png", "bootstrap.pdf", "bootstrap.md", "bootstrap.html", "bootstrap_curves.csv",
-                           "bootstrap_factors.csv", "bootstrap_ranges.csv"}
+                           "bootstrap_factors.csv", "bootstrap_ranges.csv", "bootstrap_objective.csv",
+                           "bootstrap_objective_factors.csv"}
     replace = files_module.os.replace
 
     def fail_on_png(source, target):
@@ -438,19 +496,25 @@ def test_the_figure_at_paper_scale_tells_every_gate_apart(paper_scale: str) -> N
     from mtmoe.tuning.trials import collect
 
     _, trials = collect(paper_scale, "movielens")
-    figure = plot(tuning_curves(trials, Settings(draws=200)), list(PAPER_SCALE_GATES))
+    gates = list(PAPER_SCALE_GATES)
+    figure = plot(tuning_curves(trials, Settings(draws=200)), objective_curves(trials), gates, default_pairs(gates),
+                  0.95)
     axes = figure.axes
     assert [ax.get_title() for ax in axes] == [
         f"movielens, α = {alpha}: {what}" for alpha in ("0.1", "0.9")
-        for what in ("all gates", "topk vs topk+", "hash vs hash+", "comet vs comet+")]
+        for what in ("all gates", "topk vs topk+", "hash vs hash+", "comet vs comet+", "all gates, objective",
+                     "topk vs topk+, objective", "hash vs hash+, objective", "topk vs comet, objective",
+                     "hash vs comet, objective", "comet vs comet+, objective")]
     for ax in axes:
-        assert ax.get_ylabel() == "test loss ×10⁻²" and 30 < ax.get_ylim()[0] < ax.get_ylim()[1] < 90
+        objective = ax.get_title().endswith("objective")
+        label = "best validation objective ×10⁻²" if objective else "test loss ×10⁻²"
+        assert ax.get_ylabel() == label and 30 < ax.get_ylim()[0] < ax.get_ylim()[1] < 120
         means = {line.get_label(): line for line in ax.get_lines() if not line.get_label().startswith("_")}
         assert len({tuple(line.get_color()) if not isinstance(line.get_color(), str) else line.get_color()
                     for line in means.values()}) == len(means)  # every gate its own colour, "+" too
         for gate, line in means.items():
             assert (line.get_linestyle() == "-") == gate.endswith("+")  # dashed: without local search
-        assert len(ax.collections) == (0 if ax.get_title().endswith("all gates") else 1)  # one filled band at most
+        assert len(ax.collections) == (0 if "all gates" in ax.get_title() else 2)  # a band per gate
     assert [line.get_label() for line in axes[0].get_lines()] == PAPER_ORDER
     legend = [text.get_text() for text in figure.legends[0].get_texts()]
     assert legend[:6] == PAPER_ORDER and "dashed: without local search" in legend

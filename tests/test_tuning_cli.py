@@ -95,7 +95,7 @@ def test_a_study_resumed_with_the_same_settings_in_another_order_runs_nothing(ti
               "--trainer.*", "--model.*", "--data.*", "--early_stopping.*", "PGPASSWORD"]),
     ("report", ["--data", "--storage", "--out", "Tables 2-3"]),
     ("bootstrap", ["--data", "--storage", "--out", "--gates", "--pairs", "--draws", "--seed", "--max-budget",
-                   "--replacement", "--resample", "--device", "Appendix F"]),
+                   "--replacement", "--resample", "--device", "--confidence", "Appendix F"]),
 ])
 def test_help_documents_every_option(capsys, command: str, expected: list[str]) -> None:
     assert run_cli([command, "--help"]) == 0

@@ -36,6 +36,9 @@ draws a figure: ``python -m mtmoe bootstrap`` (:mod:`mtmoe.tuning.bootstrap_repo
   s_B >= 2 (at s_B = 1 the factor cannot exceed 1 by construction).
   Default pairs: every "G+" over its "G" (Figure 3) and ``comet`` over every other gate without "+" (Figure 2);
   ``--pairs A:B,...`` chooses. Factors compare gates within a panel (same dataset and alpha).
+* **Not a confidence band.** The 95% band above is the spread of what tuning with s trials gives, not the
+  uncertainty of the curve (at s = N without replacement it is one value). Exact confidence bands, for the
+  validation objective's tuning curve, and the factor's interval: :mod:`mtmoe.tuning.bands`.
 """
 from __future__ import annotations
 
@@ -117,8 +120,10 @@ def closed_form(losses: np.ndarray, budgets: np.ndarray, replace: bool = False) 
 
 
 def expected_curve(losses: np.ndarray, replace: bool = False) -> np.ndarray:
-    """``E[s-1]``: the closed-form expected test loss at every budget s = 1..N."""
-    return best_rank_distribution(len(losses), np.arange(1, len(losses) + 1), replace) @ losses
+    """``E[s-1]``: the closed-form expected value of the best-ranked draw at every budget s = 1..N; +inf where a
+    +inf value (a failed trial's objective) can be it. Without replacement, Tang et al. 2020's unbiased estimator."""
+    p = best_rank_distribution(len(losses), np.arange(1, len(losses) + 1), replace)
+    return np.multiply(p, losses, out=np.zeros_like(p), where=p > 0).sum(axis=1)
 
 
 # ------------------------------------------------------------------------------------------------ Monte Carlo
@@ -186,6 +191,7 @@ class Settings:
     replace: bool = False
     resampling: str = "nested"
     device: str = "cpu"
+    confidence: float = 0.95  # of the objective's exact bands (mtmoe.tuning.bands)
 
 
 def tuning_curves(trials: pd.DataFrame, settings: Settings = Settings()) -> pd.DataFrame:

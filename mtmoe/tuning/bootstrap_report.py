@@ -1,17 +1,20 @@
-"""``python -m mtmoe bootstrap --data movielens``: the tuning-budget bootstrap report (Figures 2-3, Appendix F).
+"""``python -m mtmoe bootstrap --data movielens``: the tuning-budget bootstrap report (Figures 2-3, Appendix F), with
+exact confidence bands for the objective's tuning curve.
 
 It reads the trials of the tuning studies (the trial table, :mod:`mtmoe.tuning.trials`; it never trains), runs the
-estimators of :mod:`mtmoe.tuning.bootstrap` on them and renders the result: the figure, Markdown and HTML.
+estimators of :mod:`mtmoe.tuning.bootstrap` (the paper's) and :mod:`mtmoe.tuning.bands` (the exact bands and the
+factor's interval) on them and renders the result: the figure, Markdown and HTML.
 
 ``--gates`` picks gates (default: every gate with a study of the dataset); each must have a study with finished
 trials in the storage, and a panel shows those with a study at its alpha. ``--data`` takes a comma-separated list
 for a figure of several datasets (Figure 2).
 
 Outputs (written atomically into ``--out``, default ``studies/reports/<data>/`` under the current directory):
-``bootstrap.png`` and its vector copy ``bootstrap.pdf`` (:func:`plot`: per dataset and alpha, every gate's mean, then
-each gate family with its 95% bands), ``bootstrap_curves.csv``, ``bootstrap_factors.csv`` (every s_B),
-``bootstrap_ranges.csv``, and ``bootstrap.md`` / ``bootstrap.html`` (the HTML embeds the plot). Rows and gates in
-the paper's order (:func:`mtmoe.tuning.trials.paper_order`); the storage URL without its password.
+``bootstrap.png`` and its vector copy ``bootstrap.pdf`` (:func:`plot`), ``bootstrap_curves.csv`` (Appendix F),
+``bootstrap_factors.csv`` (every s_B), ``bootstrap_ranges.csv`` (per pair, the paper's and the objective's ranges),
+``bootstrap_objective.csv`` (the objective's curves and bands at every s), ``bootstrap_objective_factors.csv`` (every
+s_B), and ``bootstrap.md`` / ``bootstrap.html`` (the HTML embeds the plot). Rows and gates in the paper's order
+(:func:`mtmoe.tuning.trials.paper_order`); the storage URL without its password.
 """
 from __future__ import annotations
 
@@ -21,18 +24,22 @@ import html
 import io
 import math
 import re
+import textwrap
 import time
 
+import numpy as np
 import pandas as pd
 import torch
 
 from mtmoe.errors import UsageError
+from mtmoe.tuning.bands import objective_curves, objective_factors, pair_confidence, percent
 from mtmoe.tuning.bootstrap import (
     DRAWS,
     PAPER_MAX_BUDGET,
     RESAMPLING,
     Settings,
     agreement,
+    budget_grid,
     default_pairs,
     panel_factors,
     tuning_curves,
@@ -79,70 +86,149 @@ def gate_style(gate: str, gates: list[str]) -> dict:
     return {"color": dark if plus else light, "linestyle": "-" if plus else (0, (4, 2)), "linewidth": 1.8}
 
 
-def plot(curves: pd.DataFrame, gates: list[str]):
-    """The tuning curves, test loss ×10⁻² against the budget s (log scale), as Figures 2-3: for each (dataset,
-    alpha), a panel with every gate's Monte-Carlo mean (Figure 2), then one panel per gate family with the means
-    and 95% bands of the gate and its "+" (Figure 3). A family's two gates share a hue, light and dashed without
-    local search, dark and solid with it; the panels of a (dataset, alpha) share their y axis, which fits the
-    means and the bands' lower ends (the bands' upper ends at small s may run past it)."""
+def _band_panels(present: list[str], pairs: list[tuple[str, str]]) -> list[list[str]]:
+    """The objective's panels of a (dataset, alpha): every gate, then one per factor pair of its gates, in the factor
+    tables' order (A, then B, in the paper's gate order), then each gate in none."""
+    ordered = sorted(pairs, key=lambda pair: (gate_order(pair[0]), gate_order(pair[1])))
+    panels = [sorted(pair, key=gate_order) for pair in ordered if set(pair) <= set(present)]
+    return [present, *panels, *([gate] for gate in present if not any(gate in panel for panel in panels))]
+
+
+def _limits(*columns: pd.Series) -> tuple[float, float]:
+    """y limits that fit every finite value of ``columns`` with a margin."""
+    values = pd.concat(columns).to_numpy(dtype=float)
+    values = values[np.isfinite(values)]
+    low, high = values.min(), values.max()
+    margin = 0.06 * (high - low) or 0.01 * abs(high) or 0.01
+    return low - margin, high + margin
+
+
+def plot(curves: pd.DataFrame, objective: pd.DataFrame, gates: list[str], pairs: list[tuple[str, str]],
+         confidence: float):
+    """The tuning curves against the budget s (log scale), per (dataset, alpha), in two kinds of panels. **Test
+    loss** (Appendix F, Figures 2-3): every gate's Monte-Carlo mean, then one panel per gate family with the mean
+    and the 2.5th-97.5th percentile band of the draws (hatched) of the gate and its "+". **Objective**: every gate's
+    median tuning curve of the validation objective, then per reduction-factor pair (or gate) the curves with their
+    exact simultaneous bands (filled; :mod:`mtmoe.tuning.bands`). Markers at the budgets measured (the objective's
+    curve is computed at every s up to N, its markers at the grid's budgets); a family's two gates share a hue, light
+    and dashed without local search, dark and solid with it. The y axis of an overview fits its curves; the band
+    panels of a kind and (dataset, alpha) share theirs, which fits every finite band edge; an infinite edge (the
+    trials do not bound the curve there) is drawn to the axis."""
     from matplotlib.figure import Figure
-    from matplotlib.lines import Line2D
     from matplotlib.ticker import FixedLocator, NullLocator, ScalarFormatter
 
     gates = sorted(gates, key=gate_order)
-    groups = []  # per (dataset, alpha): its curves and its panels' gates (every gate, then each family)
+    groups = []  # per (dataset, alpha): its curves, objective and the gates of its test-loss and objective panels
     for data, alpha in _panels(curves):
         panel = curves[(curves.data == data) & (curves.alpha == alpha)]
+        band = objective[(objective.data == data) & (objective.alpha == alpha)]
         present = [g for g in gates if g in set(panel.gate)]
         families = dict.fromkeys(g.removesuffix("+") for g in present)
-        groups.append((data, alpha, panel, [present, *([g for g in present if g.removesuffix("+") == family]
-                                                      for family in families)]))
-    most = max(len(panels) for *_, panels in groups)
-    columns = math.ceil(most / math.ceil(most / MAX_COLUMNS))  # rows of even length: 6 panels as 3 + 3, not 4 + 2
-    rows = sum(math.ceil(len(panels) / columns) for *_, panels in groups)
-    figure = Figure(figsize=(3.4 * columns, 2.9 * rows + 0.7), layout="constrained")
+        loss_panels = [present, *([g for g in present if g.removesuffix("+") == family] for family in families)]
+        groups.append((data, alpha, panel, band, loss_panels, _band_panels(present, pairs)))
+    kinds = [len(panels) for group in groups for panels in group[4:]]  # panels per kind and (dataset, alpha)
+
+    def rows_of(columns: int) -> int:
+        return sum(math.ceil(panels / columns) for panels in kinds)
+
+    columns = min(range(1, MAX_COLUMNS + 1), key=lambda c: (rows_of(c), c))  # fewest rows, then the narrowest
+    rows = rows_of(columns)
+    figure = Figure(figsize=(3.4 * columns, 2.9 * rows + 1.2), layout="constrained")
     grid = figure.add_gridspec(rows, columns)
     row = 0
-    for data, alpha, panel, panels in groups:
+
+    def axes(index: int, title: str, ylabel: str, largest: int, ylim: tuple[float, float]):
+        ax = figure.add_subplot(grid[row + index // columns, index % columns])
+        ax.set_xscale("log")
+        ticks = [s for s in SHOWN_BUDGETS if s <= largest]  # and the largest budget, unless it crowds the last
+        ax.xaxis.set_major_locator(FixedLocator(ticks + [largest] * (largest > 1.6 * ticks[-1])))
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.set_xlim(1, max(largest, 2))
+        ax.set_ylim(*ylim)
+        ax.set_title(title, fontsize=8.5)
+        ax.set_xlabel("tuning budget s (trials)", fontsize=8.5)
+        ax.set_ylabel(ylabel, fontsize=8.5)
+        ax.tick_params(labelsize=8)
+        ax.grid(True, color="#dddddd", linewidth=0.6)
+        return ax
+
+    for data, alpha, panel, band, loss_panels, band_panels in groups:
+        largest = int(max(panel.s.max(), band.s.max()))
         scaled = panel.assign(**{c: 100 * panel[c] for c in ("mc_mean", "mc_low", "mc_high")})
-        low, high = scaled.mc_low.min(), scaled.mc_mean.max()
-        margin = 0.06 * (high - low) or 0.01 * abs(high) or 0.01
-        for index, members in enumerate(panels):
-            ax = figure.add_subplot(grid[row + index // columns, index % columns])
+        ylim = _limits(scaled.mc_mean, scaled.mc_low, scaled.mc_high)
+        for index, members in enumerate(loss_panels):
+            what = "all gates" if index == 0 else " vs ".join(members)
+            ax = axes(index, f"{_panel_title(data, alpha)}: {what}", "test loss ×10⁻²", largest,
+                      ylim if index else _limits(scaled.mc_mean))
             for gate in members:
                 rows_ = scaled[scaled.gate == gate]
                 style = gate_style(gate, gates)
-                if index:  # a family panel: the "+" gate's band filled, the other's outlined in its dashes
-                    if gate.endswith("+"):
-                        ax.fill_between(rows_.s, rows_.mc_low, rows_.mc_high, color=style["color"], alpha=0.15,
-                                        linewidth=0)
-                    for end in (rows_.mc_low, rows_.mc_high):
-                        ax.plot(rows_.s, end, color=style["color"], linewidth=0.8, linestyle=style["linestyle"])
-                ax.plot(rows_.s, rows_.mc_mean, label=gate, **style)
-            ax.set_xscale("log")
-            ax.xaxis.set_major_locator(FixedLocator([s for s in SHOWN_BUDGETS if s <= panel.s.max()]))
-            ax.xaxis.set_major_formatter(ScalarFormatter())
-            ax.xaxis.set_minor_locator(NullLocator())
-            ax.set_xlim(1, panel.s.max())
-            ax.set_ylim(low - margin, high + margin)
+                if index:  # a family panel: the spread of the draws, hatched
+                    ax.fill_between(rows_.s, rows_.mc_low, rows_.mc_high, **_spread_style(gate, style["color"]))
+                ax.plot(rows_.s, rows_.mc_mean, label=gate, marker="o", markersize=3.5, **style)
+        row += math.ceil(len(loss_panels) / columns)
+        scaled = band.assign(**{c: 100 * band[c] for c in ("median", "low", "high")})
+        ylim = _limits(scaled["median"], scaled.low, scaled.high)
+        beyond = (2 * ylim[0] - ylim[1], 2 * ylim[1] - ylim[0])  # where an infinite edge is drawn, off the axis
+        shown = set(budget_grid(largest))
+        for index, members in enumerate(band_panels):
             what = "all gates" if index == 0 else " vs ".join(members)
-            ax.set_title(f"{_panel_title(data, alpha)}: {what}", fontsize=9.5)
-            ax.set_xlabel("tuning budget s (trials)", fontsize=8.5)
-            ax.set_ylabel("test loss ×10⁻²", fontsize=8.5)
-            ax.tick_params(labelsize=8)
-            ax.grid(True, color="#dddddd", linewidth=0.6)
-        row += math.ceil(len(panels) / columns)
-    blank = Line2D([], [], linestyle="none", label=" ")
-    handles = []  # a column per gate family (the gate above its "+"), then the styles: legends fill column by column
-    for family in dict.fromkeys(gate.removesuffix("+") for gate in gates):
-        handles += [Line2D([], [], label=gate, **gate_style(gate, gates)) if gate in gates else blank
-                    for gate in (family, family + "+")]
-    handles += [Line2D([], [], color="#555555", linestyle=(0, (4, 2)), label="dashed: without local search"),
-                Line2D([], [], color="#555555", label='solid: with local search ("+")')]
-    figure.legend(handles=handles, loc="outside lower center", ncol=len(handles) // 2, fontsize=8.5, frameon=False,
-                  title_fontsize=8.5, title="Lines: Monte-Carlo mean of the best-validation trial's test loss. Bands: "
-                                            '95% of the draws (2.5th-97.5th percentile), filled for "+".')
+            ax = axes(index, f"{_panel_title(data, alpha)}: {what}, objective", "best validation objective ×10⁻²",
+                      largest, ylim if index else _limits(scaled["median"]))
+            for gate in members:
+                rows_ = scaled[scaled.gate == gate]
+                style = gate_style(gate, gates)
+                if index:  # a pair's panel: the exact bands, filled and edged
+                    low, high = (np.clip(rows_[c], *beyond) for c in ("low", "high"))
+                    ax.fill_between(rows_.s, low, high, **_exact_style(style["color"]))
+                    for edge in (low, high):
+                        ax.plot(rows_.s, edge, color=style["color"], linestyle=style["linestyle"], linewidth=0.9)
+                ax.plot(rows_.s, rows_["median"], label=gate, marker="o", markersize=3.5,
+                        markevery=[i for i, s in enumerate(rows_.s) if s in shown], **style)
+        row += math.ceil(len(band_panels) / columns)
+    _legend(figure, gates, confidence, columns)
     return figure
+
+
+def _legend(figure, gates: list[str], confidence: float, columns: int) -> None:
+    """What is drawn: the gates (with "+" gates, a column per family, the gate above its "+"), the two kinds of
+    band, and the line styles where gates with and without local search are both drawn."""
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    def line(gate: str) -> Line2D:
+        return Line2D([], [], label=gate, marker="o", markersize=3.5, **gate_style(gate, gates))
+
+    handles = [line(gate) for gate in gates]
+    if any(gate.endswith("+") for gate in gates):  # legends fill column by column
+        blank = Line2D([], [], linestyle="none", label=" ")
+        families = dict.fromkeys(g.removesuffix("+") for g in gates)
+        handles = [line(gate) if gate in gates else blank for family in families for gate in (family, family + "+")]
+    handles += [Patch(label="test loss: spread of the draws", **_spread_style("", "#555555")),
+                Patch(label=f"objective: exact {percent(confidence)} band", **_exact_style("#555555"))]
+    if any(gate.endswith("+") for gate in gates) and not all(gate.endswith("+") for gate in gates):
+        handles += [Line2D([], [], color="#555555", linestyle=(0, (4, 2)), label="dashed: without local search"),
+                    Line2D([], [], color="#555555", label='solid: with local search ("+")')]
+    title = ["Test loss (Appendix F): Monte-Carlo mean of the best-validation trial's test loss; hatched: 2.5th-97.5th "
+             "percentile of the draws (a spread of outcomes, not a confidence band).",
+             "Objective: median of the best validation objective of s random trials; filled: its exact simultaneous "
+             f"{percent(confidence)} confidence band (Lourie et al. 2024), unbounded where it meets the axis."]
+    figure.legend(handles=handles, loc="outside lower center", ncol=math.ceil(len(handles) / 2), fontsize=8.5,
+                  frameon=False, title_fontsize=8.5,
+                  title="\n".join(textwrap.fill(text, int(16 * 3.4 * columns)) for text in title))
+
+
+def _spread_style(gate: str, colour: str) -> dict:
+    """The Appendix F band (a spread of outcomes, not a confidence band): hatched in the gate's colour, one way
+    without local search and the other with it."""
+    return {"facecolor": "none", "edgecolor": colour, "hatch": "\\\\\\\\" if gate.endswith("+") else "////",
+            "linewidth": 0, "alpha": 0.6}
+
+
+def _exact_style(colour: str) -> dict:
+    """The exact confidence band: filled in the gate's colour (its edges are drawn as lines)."""
+    return {"facecolor": colour, "edgecolor": colour, "alpha": 0.15, "linewidth": 0}
 
 
 def figure_bytes(figure, format: str) -> bytes:
@@ -153,47 +239,123 @@ def figure_bytes(figure, format: str) -> bytes:
 
 
 def _loss(value: float) -> str:
+    if math.isinf(value):
+        return "∞" if value > 0 else "−∞"
     return "n/a" if math.isnan(value) else f"{100 * value:.2f}"
 
 
 def _factor(value: float, bound: str) -> str:
+    if bound == "never":
+        return "never"
     if math.isnan(value):
         return "n/a"
     return f"{'≥' if bound == '>=' else ''}{value:.3g}×"
 
 
-def report_blocks(curves: pd.DataFrame, ranges: pd.DataFrame, trials: pd.DataFrame, gates: list[str],
-                  settings: Settings, url: str, data: str) -> list[tuple]:
+def _objective_text(settings: Settings, objective: pd.DataFrame) -> str:
+    """What the objective's bands are, where they hold and where they do not."""
+    conservative = objective[objective.ties | (objective.failed > 0)].study.unique()
+    note = (f" Studies with tied or failed objectives, where the band is at least as wide as needed: "
+            f"{', '.join(f'`{study}`' for study in conservative)}." if len(conservative) else "")
+    return ("The validation objective of a study's N evaluated configurations (a failed one counts as +∞) is a sample "
+            "of the objective of a random configuration. Its tuning curve, the best objective among s random "
+            "configurations, has exact simultaneous distribution-free confidence bands (Lourie, Cho and He 2024, "
+            "\"Show Your Work with Confidence\", through `opda`): here the median tuning curve with its "
+            f"{percent(settings.confidence)} band (`--confidence`), which holds at every s at once, for any "
+            "distribution of the objective (exact for a continuous one). An edge of −∞ or ∞: N trials do not bound the "
+            "curve there (the lower edge beyond a few budgets: N trials cannot show how much better many more might "
+            "get). Beside it, the expected best objective by Tang et al. 2020's unbiased estimator (drawing without "
+            "replacement; Dodge et al.'s with replacement is biased), which has no distribution-free band (the loss "
+            "is unbounded above). **The test loss of the best-validation trial** (Appendix F, the paper's curve) "
+            "depends on the validation objective and the test loss together, which a band for one distribution does "
+            "not bound: no exact band there; its band above is the bootstrap's 2.5th-97.5th percentile of the draws, "
+            f"a spread of outcomes, not a confidence band. Every budget: `bootstrap_objective.csv`.{note}")
+
+
+def _factor_cell(row) -> str:
+    """A median factor with its interval: ``2× [0.5×, ≥4×]``."""
+    return (f"{_factor(row.factor, row.bound)} [{_factor(row.factor_low, row.low_bound)}, "
+            f"{_factor(row.factor_high, row.high_bound)}]")
+
+
+def report_blocks(curves: pd.DataFrame, ranges: pd.DataFrame, objective: pd.DataFrame, objective_detail: pd.DataFrame,
+                  trials: pd.DataFrame, gates: list[str], settings: Settings, url: str, data: str) -> list[tuple]:
     """The report as blocks (``("h1"|"h2"|"p", text)``, ``("img", file, alt)``, ``("table", header, rows)``),
-    rendered to Markdown and to HTML; ``curves`` and ``ranges`` in the paper's order."""
+    rendered to Markdown and to HTML; the frames in the paper's order (``ranges`` with the objective's ranges)."""
     scheme = ("with replacement; closed form of Dodge et al. 2019" if settings.replace else
               "without replacement; closed form hypergeometric, P(best of s is the i-th ranked) = C(N-i, s-1)/C(N, s)")
+    band = percent(settings.confidence)
+    estimator = ("with replacement: Dodge et al.'s estimate, biased" if settings.replace else
+                 "without replacement: Tang et al. 2020's unbiased estimate, which Appendix F's draws approximate")
     blocks: list[tuple] = [
         ("h1", f"Tuning-budget bootstrap: {data}"),
         ("p", f"Storage `{display_url(url)}`. Appendix F: for each budget s in {{1, 2, 5, 10, ..., "
               f"{settings.max_budget or PAPER_MAX_BUDGET}}} (up to a study's N completed trials), {settings.draws} "
               f"repetitions draw s trials ({scheme}; {settings.resampling} draws, seed {settings.seed}), keep the best "
-              "validation objective (ties: lower config_id) and record its test loss. Figure: test loss ×10⁻² against "
-              "s; per dataset and alpha, every gate's Monte-Carlo mean, then each gate family (a gate and its '+', "
-              "one hue: light and dashed without local search, dark and solid with it) with its 95% bands, the "
-              "2.5th-97.5th percentiles of the recorded test losses (the y axis fits the means and the bands' lower "
-              "ends: the upper ends at small s may run past it). The closed form is in the tables below and in "
-              "`bootstrap_curves.csv`. Failed trials (diverged, or lost too often) are left out of the bag. Vector "
+              "validation objective (ties: lower config_id) and record its test loss. Failed trials (diverged, or lost "
+              "too often) are left out of this bag. Figure, against s: per dataset and alpha, the test loss ×10⁻² "
+              "(every gate's Monte-Carlo mean, then each gate family, a gate and its '+', with the 2.5th-97.5th "
+              "percentile of the draws hatched), then the validation objective ×10⁻² (every gate's median tuning "
+              f"curve, then per reduction-factor pair the curves with their exact {band} confidence bands filled). A "
+              "family's gates share a hue, light and dashed without local search, dark and solid with it; markers at "
+              "the budgets measured. The closed form is in the tables below and in `bootstrap_curves.csv`. Vector "
               "copy of the figure: `bootstrap.pdf`."),
         ("img", "bootstrap.png", "tuning curves"),
+        ("h2", f"The objective's tuning curve with exact {band} confidence bands"),
+        ("p", _objective_text(settings, objective)),
+    ]
+    for data_, alpha in _panels(objective):
+        panel = objective[(objective.data == data_) & (objective.alpha == alpha)]
+        present = [g for g in gates if g in set(panel.gate)]
+        table_rows = []
+        for s in [s for s in SHOWN_BUDGETS if s in set(panel.s)]:
+            cells = []
+            for gate in present:
+                hit = panel[(panel.gate == gate) & (panel.s == s)]
+                cells.append("-" if hit.empty else (f"{_loss(hit['median'].iloc[0])} [{_loss(hit.low.iloc[0])}, "
+                                                    f"{_loss(hit.high.iloc[0])}]; {_loss(hit.expected.iloc[0])}"))
+            table_rows.append([str(s), *cells])
+        blocks += [("p", f"**{_panel_title(data_, alpha)}**: best validation objective ×10⁻² of s trials, median "
+                         f"[exact {band} band]; unbiased expected"),
+                   ("table", ["s", *present], table_rows)]
+    blocks += [
         ("h2", "Tuning reduction factors"),
         ("p", "Factor of A over B at budget s_B: s_B' / s_A, where s_A and s_B' are the smallest budgets at which "
-              "A's and B's closed-form expected test loss reach B's at s_B (s_B' = s_B when B's curve does not "
-              "rise). Range over the grid's s_B >= 2; ≥: a lower bound (A beats that level with one trial); "
-              "never: budgets s_B whose level A does not reach within its trials. Every s_B: "
-              "`bootstrap_factors.csv`."),
+              "A's and B's curves reach B's at s_B (s_B' = s_B unless B's curve is as low before s_B: flat, as a "
+              "median curve often is, or rising). Range over the grid's s_B >= 2; ≥: a lower bound (A beats that "
+              "level with one trial); never: A does not reach it within its trials. The paper's, on the closed-form "
+              f"expected test loss of the best-validation trial ({estimator}): `bootstrap_factors.csv`."),
     ]
     header = ["Dataset", "alpha", "A over B", "range (s_B ≥ 2)", "s_B at min – max", "never"]
     rows = [[r.data, r.alpha or "-", f"{r.gate_a} over {r.gate_b}",
              f"{_factor(r.factor_min, r.min_bound)} – {_factor(r.factor_max, r.max_bound)}",
              "-" if pd.isna(r.s_b_at_min) else f"{int(r.s_b_at_min)} – {int(r.s_b_at_max)}",
              str(r.never)] for r in ranges.itertuples()]
-    blocks.append(("table", header, rows) if rows else ("p", "No pair of gates shares a panel."))
+    if not rows:
+        blocks.append(("p", "No pair of gates shares a panel."))
+    else:
+        pair_band = percent(pair_confidence(settings.confidence))
+        blocks += [
+            ("table", header, rows),
+            ("p", "On the objective's curves: the same factor on the unbiased expected best objective and on the "
+                  f"median, with the median's {band} interval: the smallest and largest factors of any curves "
+                  f"inside both studies' exact bands, each taken at {pair_band} so that the intervals of every s_B "
+                  f"hold together with probability at least {band} (Bonferroni). Every s_B: "
+                  "`bootstrap_objective_factors.csv`."),
+            ("table", ["Dataset", "alpha", "A over B", "unbiased expected (s_B ≥ 2)", "median (s_B ≥ 2)",
+                       f"{band} interval, all s_B ≥ 2 at once"],
+             [[r.data, r.alpha or "-", f"{r.gate_a} over {r.gate_b}",
+               f"{_factor(r.unbiased_min, r.unbiased_min_bound)} – {_factor(r.unbiased_max, r.unbiased_max_bound)}",
+               f"{_factor(r.median_min, r.median_min_bound)} – {_factor(r.median_max, r.median_max_bound)}",
+               f"{_factor(r.interval_low, r.interval_low_bound)} – {_factor(r.interval_high, r.interval_high_bound)}"]
+              for r in ranges.itertuples()])]
+        budgets = [s for s in SHOWN_BUDGETS if s in set(objective_detail.s_b)]
+        blocks += [("p", f"Median factor [{band} interval] at selected budgets s_B:"),
+                   ("table", ["Dataset", "alpha", "A over B", *(f"s_B = {s}" for s in budgets)],
+                    [[data_, alpha or "-", f"{gate_a} over {gate_b}",
+                      *(_factor_cell(hit.iloc[0]) if len(hit := pair[pair.s_b == s]) else "-" for s in budgets)]
+                     for (data_, alpha, gate_a, gate_b), pair in objective_detail.groupby(
+                         ["data", "alpha", "gate_a", "gate_b"], sort=False)])]
     studies = curves.assign(z=agreement(curves.mc_mean, curves.exact_mean, curves.exact_std, settings.draws)).groupby(
         "study", sort=False).agg(gate=("gate", "first"), alpha=("alpha", "first"), trials=("trials", "first"),
                                  left_out=("left_out", "first"), largest=("s", "max"), z=("z", "max"))
@@ -205,7 +367,8 @@ def report_blocks(curves: pd.DataFrame, ranges: pd.DataFrame, trials: pd.DataFra
                           "budgets up to", "max abs(MC − closed form) / SE"],
                 [[study, r.gate, r.alpha or "-", as_text(tuned.seed[study]) or "-", tuned.settings[study],
                   str(r.trials), str(r.left_out), str(r.largest), f"{r.z:.2f}"] for study, r in studies.iterrows()])]
-    blocks.append(("h2", "Test loss ×10⁻² at selected budgets: Monte-Carlo mean (closed form) [95% band]"))
+    blocks.append(("h2", "Test loss ×10⁻² at selected budgets: Monte-Carlo mean (closed form) [2.5th-97.5th "
+                         "percentile of the draws]"))
     for data_, alpha in _panels(curves):
         panel = curves[(curves.data == data_) & (curves.alpha == alpha)]
         present = [g for g in gates if g in set(panel.gate)]
@@ -289,9 +452,14 @@ def parse_bootstrap_args(argv: list[str]) -> tuple[argparse.Namespace, Settings]
                         help="nested: one random order per repetition, its prefixes are the draws; independent: "
                              "fresh draws for every budget")
     parser.add_argument("--device", default="cpu", help="torch device of the draws (cuda: a GPU)")
+    parser.add_argument("--confidence", type=float, default=0.95,
+                        help="confidence of the objective's exact bands, in (0, 1) (default 0.95; the factor's "
+                             "interval has it too, from bands at 1 - (1 - confidence)/2)")
     args = parse_strict(parser, argv)
     if args.draws < 2:
         raise UsageError(f"--draws must be >= 2, got {args.draws}")
+    if not 0 < args.confidence < 1:
+        raise UsageError(f"--confidence must be in (0, 1), got {args.confidence:g}")
     if args.max_budget is not None and args.max_budget < 1:
         raise UsageError(f"--max-budget must be >= 1, got {args.max_budget}")
     try:
@@ -300,7 +468,8 @@ def parse_bootstrap_args(argv: list[str]) -> tuple[argparse.Namespace, Settings]
         raise UsageError(f"--device: {error}") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"--device {args.device}: no CUDA device is available here")
-    settings = Settings(args.draws, args.seed, args.max_budget, args.replacement, args.resample, args.device)
+    settings = Settings(args.draws, args.seed, args.max_budget, args.replacement, args.resample, args.device,
+                        args.confidence)
     return args, settings
 
 
@@ -348,21 +517,33 @@ def bootstrap(argv: list[str]) -> None:
             raise UsageError(f"--pairs: {':'.join(pair)!r} is not A:B of two of the bootstrapped gates "
                              f"({', '.join(gates)})")
     start = time.perf_counter()
+    objective = paper_order(objective_curves(trials, settings))
+    pairs = pairs or default_pairs(gates)
+    objective_detail, objective_ranges = objective_factors(trials, pairs, settings)
+    banded = time.perf_counter() - start
+    start = time.perf_counter()
     curves = paper_order(tuning_curves(trials, settings))
     elapsed = time.perf_counter() - start
-    factors, ranges = (paper_order(frame, ("gate_a", "gate_b"))
-                       for frame in panel_factors(trials, pairs or default_pairs(gates), settings))
-    blocks = report_blocks(curves, ranges, trials, gates, settings, url, ", ".join(datasets))
-    figure = plot(curves, gates)
+    factors, ranges = panel_factors(trials, pairs, settings)
+    keys = ["data", "alpha", "gate_a", "gate_b"]
+    ranges = ranges.merge(objective_ranges, on=keys, how="left")
+    factors, ranges, objective_detail = (paper_order(frame, ("gate_a", "gate_b"))
+                                         for frame in (factors, ranges, objective_detail))
+    blocks = report_blocks(curves, ranges, objective, objective_detail, trials, gates, settings, url,
+                           ", ".join(datasets))
+    figure = plot(curves, objective, gates, pairs, settings.confidence)
     images = {"bootstrap.png": figure_bytes(figure, "png")}
+    figure.set_layout_engine("none")  # the PDF keeps the PNG's layout: one constrained-layout solve, not two
     text = markdown(blocks)
     write_outputs(out, {**images, "bootstrap.pdf": figure_bytes(figure, "pdf"),
                         "bootstrap_curves.csv": curves.to_csv(index=False),
                         "bootstrap_factors.csv": factors.to_csv(index=False),
-                        "bootstrap_ranges.csv": ranges.to_csv(index=False), "bootstrap.md": text,
-                        "bootstrap.html": html_page(blocks, images)})
+                        "bootstrap_ranges.csv": ranges.to_csv(index=False),
+                        "bootstrap_objective.csv": objective.to_csv(index=False),
+                        "bootstrap_objective_factors.csv": objective_detail.to_csv(index=False),
+                        "bootstrap.md": text, "bootstrap.html": html_page(blocks, images)})
     print(text, end="")
     print(f"bootstrap: {curves.study.nunique()} studies, {settings.draws} draws x up to {curves.s.nunique()} budgets: "
-          f"curves in {elapsed:.2f} s on {settings.device}")
+          f"curves in {elapsed:.2f} s on {settings.device}; exact bands and factor intervals in {banded:.2f} s")
     print(f"written to {out}/bootstrap.md, bootstrap.html, bootstrap.png, bootstrap.pdf, bootstrap_curves.csv, "
-          "bootstrap_factors.csv, bootstrap_ranges.csv")
+          "bootstrap_factors.csv, bootstrap_ranges.csv, bootstrap_objective.csv, bootstrap_objective_factors.csv")
