@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import sys
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from jsonargparse import Namespace
 
 from mtmoe.dataset_info import DatasetInfo
 from mtmoe.errors import UsageError
-from mtmoe.lit.module import task_weights
+from mtmoe.losses import task_weights
 
 #: Model settings whose ``None`` stands for the dataset's value (Supplement S1.2; ``mtmoe.mmoe.build_mmoe``).
 DATASET_SETTINGS = ("n_experts", "embedding_dim", "expert_units", "tower_units", "expert_dropout")
@@ -125,6 +126,28 @@ def read_checkpoint(path: str) -> dict[str, Any]:
     return checkpoint
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bfloat16 natively (x86: AVX512-BF16 or AMX-BF16; Arm: BF16); True where
+    ``/proc/cpuinfo`` cannot tell."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return True
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def warn_about_precision(trainer: Namespace) -> None:
+    """bf16-mixed on a CPU without native bf16 runs its matmuls emulated, far slower than float32 (figures in
+    ``benchmarks/README.md``): one warning line."""
+    if str(trainer.precision) != "bf16-mixed":
+        return
+    accelerator = str(trainer.accelerator)
+    on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
+    if on_cpu and not cpu_has_native_bf16():
+        print("warning: --trainer.precision bf16-mixed on a CPU without native bf16 (no avx512_bf16 or amx_bf16): "
+              "its matmuls are emulated and far slower than in precision 32", file=sys.stderr, flush=True)
+
+
 def check_trainer_settings(trainer: Namespace) -> None:
     """The trainer settings the training engine cannot honour: one line naming the setting."""
     for key, (honoured, why) in UNSUPPORTED_TRAINER_SETTINGS.items():
@@ -140,6 +163,7 @@ def check_run_settings(config: Namespace, command: str | None) -> None:
     """Settings that are valid for Lightning but make the command meaningless, or that the engine does not honour."""
     trainer = config.trainer
     check_trainer_settings(trainer)
+    warn_about_precision(trainer)
     if command in (None, "fit"):
         if trainer.max_epochs is not None and (trainer.max_epochs == 0 or trainer.max_epochs < -1):
             raise UsageError("--trainer.max_epochs must be >= 1 (or -1: until early stopping), "

@@ -185,6 +185,36 @@ def test_a_refilled_slot_trains_its_trial_as_alone(name: str) -> None:
     assert_same_state(b, b_alone)
 
 
+def test_a_finished_trial_keeps_its_best_weights_when_its_slot_is_refilled() -> None:
+    """At the end of its trial a net gets its own copy of its best epoch's weights (issue 25): a trial refilled into
+    its slot and trained on does not change it."""
+    pack = trials("comet+", 0.5, 3)
+    engine = engine_of(pack[:2])
+    data = [batches(0), batches(1)]
+    for epoch in range(3):
+        engine.start_epoch()
+        for i in range(2 * epoch, 2 * epoch + 2):
+            engine.train_step({key: torch.stack([d[i][key] for d in data]) for key in data[0][i]})
+        engine.prepare_evaluation()
+        engine.eval_step(batches(5, 1)[0])
+        validation = engine.eval_metrics.results()
+        if epoch == 1:
+            best = {name: tensor[0].clone() for name, tensor in engine.stack.tensors().items()}
+            validation[0]["loss"] = -1.0  # trial 0's best epoch, whatever its loss
+        ended = engine.end_epoch(validation)
+    engine.slots[0].wait = engine.slots[0].patience  # it stops now
+    (result,) = engine.finish([0], [batches(6, 1)[0]])
+    assert result.results["best_epoch"] == 1
+    finished = dict(pack[0].net.named_parameters()) | dict(pack[0].net.named_buffers())
+    for name, value in best.items():
+        assert torch.equal(finished[name], value), name
+    engine.load(0, pack[2])
+    engine.train_step({key: torch.stack([batches(2)[0][key], data[1][6][key]]) for key in data[0][0]})
+    for name, value in best.items():
+        assert torch.equal(finished[name], value), name
+    assert not ended
+
+
 def test_a_diverging_trial_leaves_its_neighbours_bit_identical() -> None:
     """Slot 1 holds a trial whose Adam has no epsilon and a huge learning rate (NaN within steps) in one pack, a
     healthy trial in the other: slots 0 and 2 end bitwise the same in both."""

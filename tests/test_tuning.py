@@ -322,7 +322,7 @@ def test_sqlite_study_resume_reproducible_and_report(tiny_root: Path, tmp_path: 
     assert run_cli(args) == 0
     out = capsys.readouterr().out
     assert re.search(r"^\[movielens-100k/topk\] 3/3 done, 0 failed, best \d+\.\d+, ETA \S+ \(0 running in a pack of 1, "
-                     r"pack epoch \d+\)$", out, re.M), out
+                     r"pack epoch \d+, \S+\)$", out, re.M), out
     trials = trials_of(url, "movielens-100k/topk")
     assert len(trials) == 3
     assert_each_config_once(trials, 3)

@@ -44,7 +44,9 @@ class CapturedStep:
             return
         static = {name: tensor.clone() for name, tensor in inputs.items()}
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: a CUDA call of another thread (a tune worker's heartbeats, Python's collector freeing a
+        # tensor) does not invalidate the capture; this thread's own unsafe calls still fail it
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             self.step(static)
         self.graphs[key] = (graph, static)
         graph.replay()

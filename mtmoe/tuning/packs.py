@@ -167,7 +167,9 @@ class PackWorker:
         trainer.fit(module)
 
     def _release(self) -> None:
-        """Fail the running trials as interrupted (no reason, no lost attempt): ``tune`` runs them again."""
+        """Fail the running trials as interrupted (no reason, no lost attempt): ``tune`` runs them again. The
+        heartbeat thread stops first, so the two do not contend for the storage (hundreds of trials in a pack)."""
+        self.heartbeats.stop()
         for trial_id in list(self.running):
             self.study._storage.set_trial_user_attr(trial_id, "interrupted", True)
             self.study._storage.set_trial_state_values(trial_id, TrialState.FAIL)
@@ -290,19 +292,66 @@ class PackProgress:
         rate = self.finished / (now - self.start)
         eta = time.strftime("%Hh%Mm%Ss", time.gmtime((self.total - done) / rate)) if rate > 0 else "?"
         engine = module.engine
+        elapsed = time.strftime("%Hh%Mm%Ss", time.gmtime(now - self.start))
         print(f"[{self.study.study_name}] {done}/{self.total} done, {len(counts['failed'])} failed, best "
               f"{'none complete yet' if best is None else f'{best:.5g}'}, ETA {eta} "
-              f"({len(engine.running)} running in a pack of {engine.capacity}, pack epoch {self.epochs})", flush=True)
+              f"({len(engine.running)} running in a pack of {engine.capacity}, pack epoch {self.epochs}, {elapsed})",
+              flush=True)
 
 
-#: On a CPU, without a measurement, the pack size ``bench_packs.py`` measured fastest on this project's VMs.
-CPU_PACK = 8
+#: On a CPU, ``--pack auto`` measures packs of at most this many trials (a CPU's matmuls are saturated long before).
+CPU_MAX_PACK = 32
 
 
-def resolve_capacity(requested: int | str, run: Run, trials: int) -> int:
-    """``--pack``'s number of slots: ``auto`` fits the device (on a GPU as many trials as 80% of its free memory
-    holds, :func:`mtmoe.pack.memory.memory_per_trial`; on a CPU :data:`CPU_PACK`), never more than the trials there
-    are to run; a number is checked against the device's memory."""
+def fastest_capacity(run: Run, limit: int) -> int:
+    """The pack size with the most trial-steps per second on this device, measured: packs of 1, 2, 4, ... (at most
+    ``limit``) of throwaway copies of the run's net each train a few steps on random rows, as the run would (its
+    precision, CUDA graphs), until the rate falls below the best so far."""
+    import copy
+
+    from mtmoe.pack.engine import PackEngine, Trial
+
+    device, datamodule = run.trainer.strategy.root_device, run.datamodule
+    split, net = datamodule.splits["train"], run.model.net
+    rows = len(next(iter(split.values())))
+    tasks = datamodule.info.tasks
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=str(run.trainer.precision) == "bf16-mixed")
+    candidates = sorted({min(2**i, limit) for i in range(limit.bit_length() + 1)})
+    best, best_rate = 1, 0.0
+    for capacity in candidates:
+        engine = PackEngine(net, tasks, capacity, device, run.config.model.cuda_graphs)
+        engine.set_steps_per_epoch(10**6)
+        for slot in range(capacity):
+            engine.load(slot, Trial(None, copy.deepcopy(net), (1.0,) * len(tasks), 1e-4, 1e-7, 0, None, 1))
+        index = torch.randint(rows, (capacity, datamodule.batch_size), generator=torch.Generator().manual_seed(0))
+        batch = {key: tensor[index.to(tensor.device)] for key, tensor in split.items()}
+        with autocast:
+            for _ in range(5):  # warm-up (and, on a GPU, the graph's capture)
+                engine.train_step(batch)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            for _ in range(3):
+                engine.train_step(batch)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        rate = capacity * 3 / (time.perf_counter() - start)
+        del engine
+        if rate > best_rate:
+            best, best_rate = capacity, rate
+        elif rate < 0.95 * best_rate:
+            break
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    print(f"--pack auto: {best} trials a pack ({best_rate:.1f} trial-steps/s measured on {device})", flush=True)
+    return best
+
+
+def resolve_capacity(requested: int | str, run: Run, trials: int, measure: bool = True) -> int:
+    """``--pack``'s number of slots: ``auto`` is the fastest pack size that fits the device and the trials there are
+    to run, measured (:func:`fastest_capacity`; on a GPU what fits is what 80% of its free memory holds,
+    :func:`mtmoe.pack.memory.memory_per_trial`; ``measure=False``: the largest of them); a number is checked against
+    the device's memory."""
     device, datamodule = run.trainer.strategy.root_device, run.datamodule
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
@@ -313,7 +362,8 @@ def resolve_capacity(requested: int | str, run: Run, trials: int) -> int:
         per_trial = 5 * sum(p.numel() * p.element_size() for p in run.model.net.parameters())  # + grads, moments, best
         fits = int(free / per_trial)
     if requested == "auto":
-        return max(1, min(fits, trials, CPU_PACK if device.type != "cuda" else trials))
+        limit = max(1, min(fits, trials, CPU_MAX_PACK if device.type != "cuda" else trials))
+        return fastest_capacity(run, limit) if measure and limit > 1 else limit
     if int(requested) > fits:
         raise UsageError(f"a pack of {requested} trials does not fit in the memory of {device} ({free / 2**30:.1f} "
                          f"GiB free, about {per_trial / 2**20:.0f} MiB per trial): pass --pack {max(1, fits)} or "

@@ -319,8 +319,8 @@ def parse_tune_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                              "(default: SQLite studies/optuna.db under the current directory, one worker)")
     parser.add_argument("--workers", type=int, default=1, help="local worker processes")
     parser.add_argument("--pack", default=None,
-                        help="trials each worker trains at once as one packed model: a number, or auto (the most that "
-                             "fit the device); default: auto on a GPU, 1 on a CPU")
+                        help="trials each worker trains at once as one packed model: a number, or auto (default: the "
+                             "fastest pack size that fits the device, measured at the start)")
     parser.add_argument("--study-name", default=None, help="default: <data>/<gate>[/alpha=<alpha>]")
     parser.add_argument("--space", default=None, help="search-space file (default: the packaged spaces/<data>.yaml)")
     parser.add_argument("--log-dir", default=None,
@@ -331,16 +331,10 @@ def parse_tune_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         raise UsageError(str(error)) from None
 
 
-def pack_size(value: str | None, overrides: list[str]) -> int | str:
-    """``--pack``: a positive number or ``auto``; by default ``auto`` when the trials train on a GPU, else 1."""
-    if value is None:
-        import torch
-
-        accelerator = _option_value(overrides, "trainer.accelerator") or "auto"
-        on_gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
-        return "auto" if on_gpu else 1
-    if value == "auto":
-        return value
+def pack_size(value: str | None) -> int | str:
+    """``--pack``: a positive number or ``auto`` (the default: the fastest pack size that fits, measured)."""
+    if value is None or value == "auto":
+        return "auto"
     if not value.isdigit() or int(value) < 1:
         raise UsageError(f"--pack must be a positive number of trials or auto, got {value!r}")
     return int(value)
@@ -383,7 +377,7 @@ def check_overrides(space: SearchSpace, configurations: list[dict], overrides: l
         if pack != 1:
             run.datamodule.prepare_data()
             run.datamodule.setup("fit")
-            resolve_capacity(pack, run, len(configurations))
+            resolve_capacity(pack, run, len(configurations), measure=False)
         search, max_epochs = run.model.net.local_search, run.trainer.max_epochs
         if search is not None and max_epochs not in (None, -1) and search.epochs > max_epochs:
             raise UsageError(
@@ -429,7 +423,7 @@ def _tune(argv: list[str]) -> None:
     given_alpha = _option_value(overrides, "model.alpha")
     study_name = args.study_name or f"{args.data}/{args.gate}" + (f"/alpha={given_alpha}" if given_alpha else "")
     configurations = plan_configurations(space, trials, args.seed)
-    pack = pack_size(args.pack, overrides)
+    pack = pack_size(args.pack)
     settings, alpha = check_overrides(space, configurations, overrides, args.seed, pack)
     with setup_lock(url):
         prepare_study(url, study_name, space, args.seed, configurations, settings, alpha)
