@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import mtmoe.permutation as permutation_module
 from conftest import run_cli
+from test_sinkhorn import module_init_u, unrolled_log_sinkhorn
 from mtmoe.data.base import DatasetInfo, TaskSpec
 from mtmoe.errors import UsageError
 from mtmoe.gates import GateDims, HashGate, gate_class, list_gates
@@ -56,12 +57,6 @@ def one_thread():
 # ----------------------------------------------------------------------------------------------------------- helpers
 
 
-def module_init_u(m: int, n: int, seed: int, dtype=torch.float64) -> torch.Tensor:
-    """U as LocalSearch initialises it: U(-0.05, 0.05)."""
-    generator = torch.Generator().manual_seed(seed)
-    return (torch.rand(m, n, n, generator=generator, dtype=dtype) - 0.5) * 0.1
-
-
 def random_permutation_matrix(n: int, seed: int, dtype=torch.float32) -> torch.Tensor:
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
     return torch.eye(n, dtype=dtype)[order]
@@ -70,15 +65,6 @@ def random_permutation_matrix(n: int, seed: int, dtype=torch.float32) -> torch.T
 def planted_u(q: torch.Tensor, seed: int) -> torch.Tensor:
     """U(-0.05, 0.05) noise plus 0.2 on the permutation ``q``: ``q`` is the unique max-weight matching, with margin."""
     return module_init_u(1, q.shape[-1], seed, q.dtype) + 0.2 * q
-
-
-def plain_log_sinkhorn(u: torch.Tensor, tau: float, iterations: int) -> torch.Tensor:
-    """Eq. (8) in log space, unrolled in torch (autograd differentiates it): rows then columns, then exp."""
-    log_p = u / tau
-    for _ in range(iterations):
-        log_p = log_p - torch.logsumexp(log_p, dim=-1, keepdim=True)
-        log_p = log_p - torch.logsumexp(log_p, dim=-2, keepdim=True)
-    return log_p.exp()
 
 
 def reference_penalty(p: torch.Tensor, zeta: float) -> torch.Tensor:
@@ -311,7 +297,7 @@ def test_sinkhorn_small_tau_without_a_clear_matching_is_not_row_stochastic() -> 
     for seed in range(10):
         u = module_init_u(1, 6, seed)
         p = sinkhorn(u, TAU_END, ITERATIONS_END)
-        assert torch.allclose(p, plain_log_sinkhorn(u, TAU_END, ITERATIONS_END), atol=1e-12, rtol=0)
+        assert torch.allclose(p, unrolled_log_sinkhorn(u, TAU_END, ITERATIONS_END), atol=1e-12, rtol=0)
         assert float((p.sum(-2) - 1).abs().max()) < 1e-12
         worst = max(worst, float((p.sum(-1) - 1).abs().max()))
         assert_permutation_matrices(round_to_permutation(p))  # rounding copes with it
@@ -467,7 +453,7 @@ def test_training_matrices_are_soft_and_differentiable_inside_the_window() -> No
             assert torch.allclose(o.sum(-1), w.sum(-1), atol=1e-6)
         (grad,) = torch.autograd.grad((out * target).sum() + aux, search.log_weights)
         u = search.log_weights.detach().double().requires_grad_()
-        p_ref = plain_log_sinkhorn(u, tau, iterations)
+        p_ref = unrolled_log_sinkhorn(u, tau, iterations)
         loss_ref = (softly_permuted(weights.double(), p_ref) * target.double()).sum() + reference_penalty(p_ref, 0.5)
         assert float(aux.detach()) == pytest.approx(float(reference_penalty(p_ref, 0.5).detach()), rel=1e-5)
         (grad_ref,) = torch.autograd.grad(loss_ref, u)

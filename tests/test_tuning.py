@@ -543,28 +543,6 @@ def test_study_name_with_another_space_is_refused(tiny_root: Path, tmp_path: Pat
 # ---------------------------------------------------------------------------------------------------- Ctrl-C (SQLite)
 
 
-def test_ctrl_c_stops_cleanly_and_the_rerun_resumes(root_and_tmp) -> None:
-    root, tmp = root_and_tmp
-    url = f"sqlite:///{tmp / 'int.db'}"
-    optuna.storages.RDBStorage(url)  # the schema exists before the worker starts (no create race with the poller)
-    args = tune_args(url, root, tmp / "runs", *SLOW, trials=2, name="int")
-    code, err, target = interrupt_while_running(args, tmp, root, url, "int")
-    assert code == 130, err
-    assert "Traceback" not in err, err
-    assert err.strip().splitlines()[-1].startswith("error: interrupted"), err
-    trials = {t.number: t for t in trials_of(url, "int")}
-    assert trials[target.number].state == TrialState.FAIL  # not RUNNING forever
-    assert "fail_reason" not in trials[target.number].user_attrs  # lost, not diverged: to be re-run
-    assert not [t for t in trials.values() if t.state == TrialState.RUNNING]
-
-    code, out, err = run_tune(args, tmp, root, "second")
-    assert code == 0, err
-    trials = trials_of(url, "int")
-    assert_each_config_once(trials, 2)
-    assert target.user_attrs["config_id"] in {t.user_attrs["config_id"] for t in trials
-                                              if t.state == TrialState.COMPLETE and t.number > target.number}
-
-
 # ----------------------------------------------------------------------------------------------------- PostgreSQL
 
 
@@ -599,34 +577,6 @@ def test_three_workers_on_postgres_evaluate_each_configuration_once(pg_study) ->
     space = load_space("movielens-100k", "comet")
     plan = plan_configurations(type(space)(space.data, space.gate, 6, space.fixed, space.distributions), 6, 0)
     assert {t.user_attrs["config_id"]: t.params for t in trials} == dict(enumerate(plan))
-
-
-def test_sigkilled_worker_trial_is_failed_by_heartbeat_and_retried(postgres_url: str, root_and_tmp) -> None:
-    root, tmp = root_and_tmp
-    name = "killed"
-    args = tune_args(postgres_url, root, tmp / "runs", *SLOW, trials=2, name=name)
-    heartbeat = {"MTMOE_HEARTBEAT_INTERVAL": "1", "MTMOE_HEARTBEAT_GRACE": "3"}
-    proc = start_tune(args, tmp, root, "first", **heartbeat)
-    try:
-        target = wait_for_running(postgres_url, name, proc, tmp, "first")
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == -signal.SIGKILL
-    killed = {t.number: t for t in trials_of(postgres_url, name)}[target.number]
-    assert killed.state == TrialState.RUNNING  # what a SIGKILL leaves behind
-
-    code, out, err = run_tune(args, tmp, root, "second", **heartbeat)
-    assert code == 0, err[-3000:]
-    trials = trials_of(postgres_url, name)
-    killed = next(t for t in trials if t.number == target.number)
-    assert killed.state == TrialState.FAIL and "fail_reason" not in killed.user_attrs
-    assert_each_config_once(trials, 2)
-    retry = next(t for t in trials if t.state == TrialState.COMPLETE
-                 and t.user_attrs["config_id"] == target.user_attrs["config_id"])
-    assert retry.number > target.number and retry.params == target.params
 
 
 def test_optuna_dashboard_serves_the_trials(pg_study, tmp_path: Path) -> None:

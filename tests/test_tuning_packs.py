@@ -91,6 +91,7 @@ def test_ctrl_c_fails_the_packs_trials_and_the_rerun_resumes(root_and_tmp) -> No
     args = tune_args(url, root, tmp / "runs", *SLOW, "--pack", "3", trials=4, name="int")
     code, err, _ = interrupt_while_running(args, tmp, root, url, "int", min_age=3)
     assert code == 130 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1].startswith("error: interrupted"), err
     trials = trials_of(url, "int")
     interrupted = [t for t in trials if t.state == TrialState.FAIL]
     assert len(interrupted) == 3 and not any("fail_reason" in t.user_attrs for t in interrupted)

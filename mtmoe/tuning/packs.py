@@ -163,7 +163,8 @@ class PackWorker:
         capacity = resolve_capacity(self.capacity, run, waiting + 1)
         module = PackModule(datamodule.info, datamodule.splits, datamodule.batch_size, datamodule.eval_batch_size,
                             capacity, next_trial, self._finished, self._epoch, run.config.model.cuda_graphs)
-        trainer = run.cli.instantiate_trainer(**PACK_TRAINER)
+        # the structure's configuration (config.yaml) goes with the trials' logs, not into the working directory
+        trainer = run.cli.instantiate_trainer(**PACK_TRAINER, default_root_dir=str(self.log_dir))
         trainer.fit(module)
 
     def _release(self) -> None:
@@ -343,7 +344,7 @@ def fastest_capacity(run: Run, limit: int) -> int:
             break
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    print(f"--pack auto: {best} trials a pack ({best_rate:.1f} trial-steps/s measured on {device})", flush=True)
+    print(f"--pack auto: packs of {best} ({best_rate:.1f} trial-steps/s measured on {device})", flush=True)
     return best
 
 
