@@ -43,8 +43,7 @@ from mtmoe.data.base import InMemoryDataModule
 from mtmoe.dataset_info import DatasetInfo
 from mtmoe.errors import TrainingDiverged, UsageError
 from mtmoe.files import write_atomic
-from mtmoe.gates import gate_class, list_gates
-from mtmoe.gates.base import no_plus_variant
+from mtmoe.gates import PLUS_PERM_EPOCHS, parse_gate_name
 from mtmoe.lit.module import MultiTaskMoE
 from mtmoe.lit.outputs import AtomicCheckpointIO, RunCheckpoint, RunLogger, run_checkpoints
 from mtmoe.pack.engine import EarlyStopping
@@ -289,22 +288,14 @@ def translate_shortcuts(argv: list[str]) -> list[str]:
                 raise UsageError(f"{flag} needs a value")
             value, i = argv[i + 1], i + 1
         if flag == "--gate":  # "NAME+": the gate with local search (E_perm = 5 unless --model.perm_epochs is given)
-            base = value.removesuffix("+")
-            if base not in list_gates():
-                raise UsageError(
-                    f"unknown gate {value!r}; valid gates: {', '.join(list_gates())} "
-                    "(append '+' for permutation local search, e.g. comet+)"
-                )
-            cls = gate_class(base)
-            if value.endswith("+") and not cls.permutable:
-                raise no_plus_variant(base)
+            cls, plus = parse_gate_name(value)
             out.append(f"--model.gate={cls.__module__}.{cls.__qualname__}")
             perm_epochs = any(a.startswith("--model.perm_epochs") for a in argv)
-            if perm_epochs and not value.endswith("+"):
-                raise UsageError(f"--model.perm_epochs adds local search to {base}: pass --gate {base}+ for that, "
+            if perm_epochs and not plus:
+                raise UsageError(f"--model.perm_epochs adds local search to {value}: pass --gate {value}+ for that, "
                                  f"or drop --model.perm_epochs")
-            if value.endswith("+") and not perm_epochs:
-                out.append("--model.perm_epochs=5")
+            if plus and not perm_epochs:
+                out.append(f"--model.perm_epochs={PLUS_PERM_EPOCHS}")
         elif flag == "--data" and "." not in value:
             if value not in DATASETS:
                 raise UsageError(f"unknown dataset {value!r}; valid datasets: {', '.join(sorted(DATASETS))}")

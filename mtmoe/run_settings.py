@@ -6,6 +6,7 @@
   decides the model; the settings a user gave must agree with it;
 * :func:`check_run_settings`: settings Lightning accepts that make a command meaningless, and the trainer settings
   the training engine does not honour (:data:`UNSUPPORTED_TRAINER_SETTINGS`; the same list for ``fit`` and ``tune``).
+* :func:`check_loggers`: a logger whose package is not installed (TensorBoard: mtmoe's ``tensorboard`` extra).
 
 Each problem is a :class:`~mtmoe.errors.UsageError`: one line, exit code 2 at the command line.
 """
@@ -45,6 +46,7 @@ UNSUPPORTED_TRAINER_SETTINGS = {
     "plugins": (None, "the engine trains in precision 32 or bf16-mixed on one device"),
 }
 ENGINE_PRECISIONS = ("32", "32-true", "bf16-mixed")
+TENSORBOARD_EXTRA = "pip install 'mtmoe[tensorboard]'"
 
 
 def import_class(path: str) -> type:
@@ -159,10 +161,34 @@ def check_trainer_settings(trainer: Namespace) -> None:
                          f"train in {' or '.join(ENGINE_PRECISIONS)}")
 
 
+def check_loggers(loggers: Any) -> None:
+    """``--trainer.logger`` (one logger or a list): a TensorBoard logger needs the ``tensorboard`` package (or
+    ``tensorboardX``), which mtmoe installs only as its ``tensorboard`` extra; without it, one line naming the extra
+    (Lightning's own error comes at the first scalar logged, deep in a traceback)."""
+    from lightning.fabric.loggers import TensorBoardLogger  # Lightning is loaded by the run that checks its settings
+
+    for logger in loggers if isinstance(loggers, list) else [loggers]:
+        class_path = logger.get("class_path") if isinstance(logger, (dict, Namespace)) else None
+        if class_path is None or not issubclass(import_class(class_path), TensorBoardLogger):
+            continue
+        if not any(importable(module) for module in ("torch.utils.tensorboard", "tensorboardX")):
+            raise UsageError(f"--trainer.logger {class_path.rpartition('.')[2]} needs the tensorboard package, which is "
+                             f"not installed: {TENSORBOARD_EXTRA}")
+
+
+def importable(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
+
+
 def check_run_settings(config: Namespace, command: str | None) -> None:
     """Settings that are valid for Lightning but make the command meaningless, or that the engine does not honour."""
     trainer = config.trainer
     check_trainer_settings(trainer)
+    check_loggers(trainer.logger)
     warn_about_precision(trainer)
     if command in (None, "fit"):
         if trainer.max_epochs is not None and (trainer.max_epochs == 0 or trainer.max_epochs < -1):

@@ -8,7 +8,9 @@ from mtmoe.gates.competesmoe import CompeteSMoEGate, CompeteSMoEV2Gate
 from mtmoe.gates.dselect_k import DSelectKGate
 from mtmoe.gates.expert_choice import ExpertChoiceGate
 from mtmoe.gates.hash import HashGate
-from mtmoe.gates.registry import create_gate, gate_class, list_gates, register_gate
+from mtmoe.gates.registry import (
+    PLUS_PERM_EPOCHS, create_gate, gate_class, list_gates, parse_gate_name, register_gate,
+)
 from mtmoe.gates.softmax import SoftmaxGate
 from mtmoe.gates.sparsemixer import SparseMixerGate
 from mtmoe.gates.topk import TopKGate
@@ -17,5 +19,5 @@ from mtmoe.gates.usmoe import USMoEGate
 __all__ = [
     "COMETGate", "CompeteSMoEGate", "CompeteSMoEV2Gate", "DSelectKGate", "ExpertChoiceGate", "Gate", "GateDims",
     "GateOutput", "HashGate", "RoutingInput", "SoftmaxGate", "SparseMixerGate", "TopKGate", "USMoEGate",
-    "create_gate", "gate_class", "list_gates", "register_gate",
+    "PLUS_PERM_EPOCHS", "create_gate", "gate_class", "list_gates", "parse_gate_name", "register_gate",
 ]

@@ -189,22 +189,24 @@ def default_alpha(data: str) -> str | None:
     return f"{task_weights(info, None)[0]:g}" if info.task_weighting == "alpha" else None
 
 
-def collect(url: str | None, data: str) -> tuple[str, pd.DataFrame]:
-    """(storage URL, trial table in the paper's order) of the dataset's studies; ``url=None`` reads the default
-    storage."""
+def collect(url: str | None, data: str | None = None, study: str | None = None) -> tuple[str, pd.DataFrame]:
+    """(storage URL, trial table in the paper's order) of the studies of dataset ``data``, or of the study named
+    ``study``, or both (neither: every study ``tune`` wrote); ``url=None`` reads the default storage."""
     url, storage = open_storage(url)
     rows: list[dict[str, Any]] = []
     names = []
-    alpha = default_alpha(data)
     for summary in optuna.get_all_study_summaries(storage, include_best_trial=False):
-        if summary.user_attrs.get("data") != data or "gate" not in summary.user_attrs:
+        attrs = summary.user_attrs
+        if "gate" not in attrs or data not in (None, attrs.get("data")) or study not in (None, summary.study_name):
             continue
         names.append(summary.study_name)
-        study = optuna.load_study(study_name=summary.study_name, storage=storage)
-        rows += trial_rows(summary.study_name, summary.user_attrs, study.get_trials(deepcopy=False), alpha)
+        trials = optuna.load_study(study_name=summary.study_name, storage=storage).get_trials(deepcopy=False)
+        alpha = default_alpha(attrs.get("data"))
+        rows += [{**row, "data": attrs.get("data")} for row in trial_rows(summary.study_name, attrs, trials, alpha)]
     where = display_url(url)
     if not names:
-        raise UsageError(f"no studies for dataset {data!r} in {where} (run `python -m mtmoe tune --data {data}` first)")
+        which = (f" named {study!r}" if study else "") + (f" for dataset {data!r}" if data else "")
+        raise UsageError(f"no studies{which} in {where} (run `python -m mtmoe tune --data {data or 'NAME'}` first)")
     if not rows:
-        raise UsageError(f"the studies of {data!r} in {where} ({', '.join(sorted(names))}) have no finished trials yet")
-    return url, paper_order(pd.DataFrame(rows).assign(data=data))
+        raise UsageError(f"the studies in {where} ({', '.join(sorted(names))}) have no finished trials yet")
+    return url, paper_order(pd.DataFrame(rows))
