@@ -59,7 +59,8 @@ def build_model(gate: str, data: str, seed_everything: int | None = 0, **setting
     unknown = sorted(set(settings) - set(MODEL_SETTINGS) - set(gate_settings))
     if unknown:
         raise UsageError(f"unknown setting{'s' * (len(unknown) > 1)} {', '.join(unknown)}; the model's: "
-                         f"{', '.join(MODEL_SETTINGS)}; the {cls.registry_name} gate's: {', '.join(gate_settings) or 'none'}")
+                         f"{', '.join(MODEL_SETTINGS)}; the {cls.registry_name} gate's: "
+                         f"{', '.join(gate_settings) or 'none'}")
     model = {name: value for name, value in settings.items() if name in MODEL_SETTINGS}
     if plus:
         model.setdefault("perm_epochs", PLUS_PERM_EPOCHS)

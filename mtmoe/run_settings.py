@@ -172,8 +172,8 @@ def check_loggers(loggers: Any) -> None:
         if class_path is None or not issubclass(import_class(class_path), TensorBoardLogger):
             continue
         if not any(importable(module) for module in ("torch.utils.tensorboard", "tensorboardX")):
-            raise UsageError(f"--trainer.logger {class_path.rpartition('.')[2]} needs the tensorboard package, which is "
-                             f"not installed: {TENSORBOARD_EXTRA}")
+            raise UsageError(f"--trainer.logger {class_path.rpartition('.')[2]} needs the tensorboard package, which "
+                             f"is not installed: {TENSORBOARD_EXTRA}")
 
 
 def importable(module: str) -> bool:
