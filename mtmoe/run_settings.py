@@ -163,8 +163,8 @@ def check_trainer_settings(trainer: Namespace) -> None:
 
 def check_loggers(loggers: Any) -> None:
     """``--trainer.logger`` (one logger or a list): a TensorBoard logger needs the ``tensorboard`` package (or
-    ``tensorboardX``), which mtmoe installs only as its ``tensorboard`` extra; without it, one line naming the extra
-    (Lightning's own error comes at the first scalar logged, deep in a traceback)."""
+    ``tensorboardX``), which mtmoe installs only as its ``tensorboard`` extra; without it, one line naming the extra,
+    before anything is built (Lightning's own answer is a long traceback, at the logger or at its first scalar)."""
     from lightning.fabric.loggers import TensorBoardLogger  # Lightning is loaded by the run that checks its settings
 
     for logger in loggers if isinstance(loggers, list) else [loggers]:
