@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from mtmoe.files import write_atomic
+from mtmoe.gate_names import split_gate_name
 
 OUT = Path(__file__).resolve().parent / "out"
 
@@ -57,7 +58,7 @@ def run_one(gate: str, epochs: int, device: str, data_name: str, batch_size: int
     import lightning.pytorch as pl
 
     from mtmoe.data import DATASETS
-    from mtmoe.gates import gate_class
+    from mtmoe.gates import parse_gate_name
     from mtmoe.lit.callbacks import EpochTimer
     from mtmoe.lit.module import MultiTaskMoE
 
@@ -67,10 +68,10 @@ def run_one(gate: str, epochs: int, device: str, data_name: str, batch_size: int
     data = data_class(**({} if batch_size is None else {"batch_size": batch_size}))
     data.setup()
     model = MultiTaskMoE(
-        gate=partial(gate_class(gate.removesuffix("+"))),
+        gate=partial(parse_gate_name(gate)[0]),
         info=data.info,
         lr=1e-4,
-        perm_epochs=epochs if gate.endswith("+") else None,
+        perm_epochs=epochs if parse_gate_name(gate)[1] else None,
     )
     timer = EpochTimer()
     trainer = pl.Trainer(
@@ -167,11 +168,11 @@ def main() -> None:
     ]
     step_of = {r["gate"]: r["step_ms"] for r in rows}
     for r in rows:
+        base, plus = split_gate_name(r["gate"])
         lines.append(
             f"| {r['gate']} | {r['epoch_s']:.2f} | {r['train_samples_per_s']:,.0f} | {r['inference_samples_per_s']:,.0f}"
             f" | {r['peak_memory_mib']:.0f} | {r['step_ms']:.1f} | {r['floor_ms']:.1f} | {r['step_over_floor']:.2f} | "
-            + (f"{r['step_ms'] / step_of[r['gate'][:-1]]:.3f} |" if r["gate"].endswith("+") and r["gate"][:-1] in step_of
-               else "|")
+            + (f"{r['step_ms'] / step_of[base]:.3f} |" if plus and base in step_of else "|")
         )
     table = "\n".join(lines)
     print(table)

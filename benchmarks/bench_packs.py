@@ -34,7 +34,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -44,6 +43,7 @@ from pathlib import Path
 import torch
 
 from mtmoe.files import write_atomic
+from mtmoe.gate_names import split_gate_name
 
 OUT = Path(__file__).resolve().parent / "out"
 DATA = "movielens-100k"
@@ -57,7 +57,7 @@ def plan(gate: str, n: int, epochs: int) -> list[dict]:
     space = load_space(DATA, gate)
     configurations = []
     for params in plan_configurations(space, n, 0):
-        if gate.endswith("+"):
+        if split_gate_name(gate)[1]:
             params = {**params, "model.perm_epochs": epochs}  # the window covers every timed epoch
         configurations.append({**params, "trainer.max_epochs": epochs})
     return configurations
@@ -255,7 +255,6 @@ def main() -> None:
                    f"{milliseconds:.1f} ms (mean of {args.setup})"]
         print(tables[-1], flush=True)
     if args.study:
-        from scipy.stats import ttest_rel
 
         trials, epochs = (int(x) for x in args.study.split("x"))
         scratch = Path(tempfile.mkdtemp())

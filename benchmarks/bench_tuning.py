@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 
 from mtmoe.files import write_atomic
+from mtmoe.gate_names import split_gate_name
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = Path(__file__).resolve().parent / "out"
@@ -102,7 +103,7 @@ def epoch_cost(gate: str, epochs: int, data_root: str | None) -> dict:
     space = load_space("movielens-100k", gate)
     params = plan_configurations(space, 1, 0)[0]
     overrides = [f"--trainer.max_epochs={epochs}", "--early_stopping.patience=1000"]
-    overrides += [f"--model.perm_epochs={epochs}"] if gate.endswith("+") else []
+    overrides += [f"--model.perm_epochs={epochs}"] if split_gate_name(gate)[1] else []
     overrides += [f"--data.root={data_root}"] if data_root else []
     with tempfile.TemporaryDirectory() as scratch:
         start = time.perf_counter()

@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 from mtmoe.data import DATASETS  # noqa: E402
 from mtmoe.errors import UsageError  # noqa: E402
 from mtmoe.files import write_atomic, write_csv_atomic  # noqa: E402
-from mtmoe.gates import gate_class, list_gates  # noqa: E402
+from mtmoe.gates import PLUS_PERM_EPOCHS, list_gates, parse_gate_name  # noqa: E402
 from mtmoe.lit.callbacks import EpochTimer  # noqa: E402
 from mtmoe.tuning.trials import TASK_METRICS  # noqa: E402
 from mtmoe.lit.module import MultiTaskMoE  # noqa: E402
@@ -81,8 +81,9 @@ def run_gate(gate: str, args: argparse.Namespace) -> dict:
     pl.seed_everything(args.seed, verbose=False)
     data = datamodule(args)
     data.setup()
-    perm_epochs = min(args.perm_epochs or 5, args.epochs) if gate.endswith("+") else None
-    model = MultiTaskMoE(gate=partial(gate_class(gate.removesuffix("+"))), info=data.info, lr=args.lr,
+    gate_cls, plus = parse_gate_name(gate)
+    perm_epochs = min(args.perm_epochs or PLUS_PERM_EPOCHS, args.epochs) if plus else None
+    model = MultiTaskMoE(gate=partial(gate_cls), info=data.info, lr=args.lr,
                          perm_epochs=perm_epochs)
     timer = EpochTimer()
     trainer = pl.Trainer(
@@ -149,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     gates = args.gates.split(",") if args.gates else [*list_gates(), "comet+"]
     try:  # unknown names fail before any training
         for gate in gates:
-            gate_class(gate.removesuffix("+"))
+            parse_gate_name(gate)
     except UsageError as error:
         parser.error(str(error))
     device = (torch.cuda.get_device_name() if args.accelerator == "gpu"

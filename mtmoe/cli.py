@@ -17,6 +17,7 @@ import sys
 from argparse import ArgumentError
 
 from mtmoe.errors import TrainingDiverged, UsageError
+from mtmoe.gate_names import plus_variant
 
 # Each command imports what it needs when it runs: help and the listings import neither Lightning nor Optuna's
 # storages, and the listing of datasets not even torch.
@@ -80,7 +81,7 @@ def print_gates() -> None:
     for name in list_gates():
         cls = gate_class(name)
         kind = "sparse" if cls.sparse else "dense"
-        for variant in (name, f"{name}+"):
+        for variant in (name, plus_variant(name)):
             if variant == name or variant in searched:
                 by_space = searched.get(variant, {})
                 missing = [d for d in DATASETS if not any(d in datasets for datasets in by_space.values())]

@@ -31,6 +31,7 @@ from functools import partial
 from pathlib import Path
 
 from mtmoe.files import write_atomic
+from mtmoe.gate_names import plus_variant, split_gate_name
 
 PAPER_TABLE_1 = {  # test loss x 1e-2, mean +- SE over 100 initialisations (MovieLens 200k)
     "hash": "57.434 ± 0.025", "hash+": "*57.000 ± 0.037",
@@ -67,7 +68,7 @@ def train_one(data, gate: str, seed: int, args: argparse.Namespace) -> dict:
     from mtmoe.gates import gate_class
     from mtmoe.lit.module import MultiTaskMoE
 
-    base = gate.removesuffix("+")
+    base, plus = split_gate_name(gate)
     hparams = {"gamma": 0.01, "entropy_reg": 1.0} if base == "comet" else {}
     if base in ("topk", "comet"):
         hparams["k"] = 2
@@ -77,7 +78,7 @@ def train_one(data, gate: str, seed: int, args: argparse.Namespace) -> dict:
         info=data.info,
         lr=args.lr,
         alpha=args.alpha,
-        perm_epochs=args.perm_epochs if gate.endswith("+") else None,
+        perm_epochs=args.perm_epochs if plus else None,
         zeta=args.zeta,
     )
     trainer = pl.Trainer(
@@ -103,7 +104,7 @@ def summarise(rows: list[dict], gates: list[str]) -> str:
         "|---|---|---|---|---|",
     ]
     for gate in gates:
-        for variant in (gate, gate + "+"):
+        for variant in (gate, plus_variant(gate)):
             losses = [100 * r["test_loss"] for r in rows if r["gate"] == variant]
             if not losses:
                 continue
@@ -115,7 +116,7 @@ def summarise(rows: list[dict], gates: list[str]) -> str:
             )
             p_cell = ""
             base_losses = [100 * r["test_loss"] for r in rows if r["gate"] == gate]
-            if variant.endswith("+") and len(losses) > 1 and len(base_losses) > 1:
+            if split_gate_name(variant)[1] and len(losses) > 1 and len(base_losses) > 1:
                 p = ttest_ind(losses, base_losses, alternative="less", equal_var=False).pvalue
                 p_cell = f"{p:.3g}" + (" *" if p < 0.05 else "")
             lines.append(f"| {variant} | {len(losses)} | {mean:.3f} ± {se:.3f} | {p_cell} | {PAPER_TABLE_1[variant]} |")

@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torchmetrics.functional.classification import binary_auroc as torchmetrics_auroc
 

@@ -258,7 +258,7 @@ def test_the_password_is_never_shown_and_may_come_from_the_environment(password_
     assert PASSWORD in password_url
     code, out, err = run_tune(tune_args(password_url, root, tmp / "runs", *TINY, trials=2, name="pw"), tmp, root, "pw")
     assert code == 0, err[-3000:]
-    assert PASSWORD not in out + err and f"mtmoe:***@127.0.0.1" in out
+    assert PASSWORD not in out + err and "mtmoe:***@127.0.0.1" in out
 
     bare = password_url.replace(f":{PASSWORD}@", "@")
     code, out, err = run_tune(tune_args(bare, root, tmp / "runs", *TINY, trials=2, name="pw"), tmp, root, "env",

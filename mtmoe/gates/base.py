@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from mtmoe.errors import UsageError
 from mtmoe.random import Stream

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from mtmoe.errors import UsageError
+from mtmoe.gate_names import split_gate_name
 from mtmoe.gates.base import Gate, GateDims, no_plus_variant
 
 _GATES: dict[str, type[Gate]] = {}
@@ -46,11 +47,10 @@ def parse_gate_name(name: str) -> tuple[type[Gate], bool]:
     """The class of gate ``name`` and whether the name asks for local search: ``"comet"`` -> ``(COMETGate, False)``,
     ``"comet+"`` -> ``(COMETGate, True)`` (the "+" variant, COMET paper Section 4). An unknown name, or "+" on a gate
     that is not ``permutable``, is a UsageError."""
-    base = name.removesuffix("+")
+    base, plus = split_gate_name(name)
     if base not in _GATES:
         raise UsageError(f"unknown gate {name!r}; valid gates: {', '.join(list_gates())} "
                          "(append '+' for permutation local search, e.g. comet+)")
-    plus = name.endswith("+")
     if plus and not _GATES[base].permutable:
         raise no_plus_variant(base)
     return _GATES[base], plus

@@ -20,7 +20,6 @@ losses are pure task losses, and ``loss`` is the official code's batch-size-weig
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator
 from typing import Any
 

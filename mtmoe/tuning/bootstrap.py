@@ -52,6 +52,7 @@ import pandas as pd
 import torch
 
 from mtmoe.errors import UsageError
+from mtmoe.gate_names import split_gate_name
 from mtmoe.tuning.trials import as_text
 
 PAPER_MAX_BUDGET = 250
@@ -252,9 +253,10 @@ def factor_range(factors: pd.DataFrame) -> dict[str, Any]:
 
 def default_pairs(gates: list[str]) -> list[tuple[str, str]]:
     """Figure 3: every "G+" over its "G"; Figure 2: comet over every other gate without "+"."""
-    pairs = [(gate, gate.removesuffix("+")) for gate in gates if gate.endswith("+") and gate[:-1] in gates]
+    split = {gate: split_gate_name(gate) for gate in gates}
+    pairs = [(gate, base) for gate, (base, plus) in split.items() if plus and base in gates]
     if "comet" in gates:
-        pairs += [("comet", gate) for gate in gates if gate != "comet" and not gate.endswith("+")]
+        pairs += [("comet", gate) for gate in gates if gate != "comet" and not split[gate][1]]
     return pairs
 
 

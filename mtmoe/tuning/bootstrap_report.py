@@ -32,6 +32,7 @@ import pandas as pd
 import torch
 
 from mtmoe.errors import UsageError
+from mtmoe.gate_names import plus_variant, split_gate_name
 from mtmoe.tuning.bands import objective_curves, objective_factors, pair_confidence, percent
 from mtmoe.tuning.bootstrap import (
     DRAWS,
@@ -78,11 +79,10 @@ def _panel_title(data: str, alpha: str) -> str:
 
 def gate_style(gate: str, gates: list[str]) -> dict:
     """A gate's line: its family's hue, light and dashed without local search, dark and solid with it ("+")."""
-    families = list(dict.fromkeys(g.removesuffix("+") for g in gates))
-    family = gate.removesuffix("+")
+    families = list(dict.fromkeys(split_gate_name(g)[0] for g in gates))
+    family, plus = split_gate_name(gate)
     others = [f for f in families if f not in FAMILY_COLOURS]
     light, dark = FAMILY_COLOURS.get(family) or OTHER_COLOURS[others.index(family) % len(OTHER_COLOURS)]
-    plus = gate.endswith("+")
     return {"color": dark if plus else light, "linestyle": "-" if plus else (0, (4, 2)), "linewidth": 1.8}
 
 
@@ -123,8 +123,8 @@ def plot(curves: pd.DataFrame, objective: pd.DataFrame, gates: list[str], pairs:
         panel = curves[(curves.data == data) & (curves.alpha == alpha)]
         band = objective[(objective.data == data) & (objective.alpha == alpha)]
         present = [g for g in gates if g in set(panel.gate)]
-        families = dict.fromkeys(g.removesuffix("+") for g in present)
-        loss_panels = [present, *([g for g in present if g.removesuffix("+") == family] for family in families)]
+        families = dict.fromkeys(split_gate_name(g)[0] for g in present)
+        loss_panels = [present, *([g for g in present if split_gate_name(g)[0] == family] for family in families)]
         groups.append((data, alpha, panel, band, loss_panels, _band_panels(present, pairs)))
     kinds = [len(panels) for group in groups for panels in group[4:]]  # panels per kind and (dataset, alpha)
 
@@ -201,13 +201,15 @@ def _legend(figure, gates: list[str], confidence: float, columns: int) -> None:
         return Line2D([], [], label=gate, marker="o", markersize=3.5, **gate_style(gate, gates))
 
     handles = [line(gate) for gate in gates]
-    if any(gate.endswith("+") for gate in gates):  # legends fill column by column
+    plus = [split_gate_name(gate)[1] for gate in gates]
+    if any(plus):  # legends fill column by column
         blank = Line2D([], [], linestyle="none", label=" ")
-        families = dict.fromkeys(g.removesuffix("+") for g in gates)
-        handles = [line(gate) if gate in gates else blank for family in families for gate in (family, family + "+")]
+        families = dict.fromkeys(split_gate_name(g)[0] for g in gates)
+        handles = [line(gate) if gate in gates else blank for family in families
+                   for gate in (family, plus_variant(family))]
     handles += [Patch(label="test loss: spread of the draws", **_spread_style("", "#555555")),
                 Patch(label=f"objective: exact {percent(confidence)} band", **_exact_style("#555555"))]
-    if any(gate.endswith("+") for gate in gates) and not all(gate.endswith("+") for gate in gates):
+    if any(plus) and not all(plus):
         handles += [Line2D([], [], color="#555555", linestyle=(0, (4, 2)), label="dashed: without local search"),
                     Line2D([], [], color="#555555", label='solid: with local search ("+")')]
     title = ["Test loss (Appendix F): Monte-Carlo mean of the best-validation trial's test loss; hatched: 2.5th-97.5th "
@@ -222,7 +224,7 @@ def _legend(figure, gates: list[str], confidence: float, columns: int) -> None:
 def _spread_style(gate: str, colour: str) -> dict:
     """The Appendix F band (a spread of outcomes, not a confidence band): hatched in the gate's colour, one way
     without local search and the other with it."""
-    return {"facecolor": "none", "edgecolor": colour, "hatch": "\\\\\\\\" if gate.endswith("+") else "////",
+    return {"facecolor": "none", "edgecolor": colour, "hatch": "\\\\\\\\" if split_gate_name(gate)[1] else "////",
             "linewidth": 0, "alpha": 0.6}
 
 

@@ -6,18 +6,13 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
-import socket
-import time
 from pathlib import Path
 from typing import Any
 
 import optuna
 from optuna.trial import TrialState
 
-from mtmoe.run import build_run
 from mtmoe.tuning.space import SearchSpace
-from mtmoe.tuning.storage import beating
 
 
 class TrialInterrupted(KeyboardInterrupt):

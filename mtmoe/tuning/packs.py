@@ -42,6 +42,7 @@ from optuna.trial import TrialState
 
 from mtmoe.errors import UsageError
 from mtmoe.files import write_atomic
+from mtmoe.gate_names import split_gate_name
 from mtmoe.gates import gate_class
 from mtmoe.lit.module import PackModule, build_trial
 from mtmoe.pack.engine import EarlyStopping, Trial, TrialResult
@@ -62,7 +63,7 @@ PACK_TRAINER = {"max_epochs": -1, "logger": False, "enable_progress_bar": False,
 
 def pack_key(space: SearchSpace, params: dict[str, Any]) -> str:
     """What trials must share to be packed together: every setting of the configuration but the per-trial ones."""
-    scalars = {f"model.gate.{name}" for name in gate_class(space.gate.removesuffix("+")).scalar_names}
+    scalars = {f"model.gate.{name}" for name in gate_class(split_gate_name(space.gate)[0]).scalar_names}
     shared = {k: v for k, v in {**space.fixed, **params}.items() if k not in PER_TRIAL_KEYS | scalars}
     return json.dumps(shared, sort_keys=True, default=str)
 

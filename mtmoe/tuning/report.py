@@ -30,6 +30,7 @@ from typing import Any
 
 import pandas as pd
 
+from mtmoe.gate_names import split_gate_name
 from mtmoe.tuning.storage import display_url
 from mtmoe.tuning.trials import (
     TASK_METRICS, as_text, collect, output_dir, paper_order, parse_strict, studies_parser, write_outputs,
@@ -92,7 +93,7 @@ def aggregate(trials: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
     baselines, p_values = [], []
     for row in table.itertuples():
         candidates = table[(table.alpha_key == row.alpha_key) & (table.study != row.study)
-                           & ~table.gate.astype(str).str.endswith("+") & table.test_loss_x100_mean.notna()]
+                           & ~table.gate.astype(str).map(lambda g: split_gate_name(g)[1]) & table.test_loss_x100_mean.notna()]
         if candidates.empty:
             baselines.append(None)
             p_values.append(math.nan)

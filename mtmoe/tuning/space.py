@@ -33,6 +33,7 @@ import yaml
 from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
 
 from mtmoe.errors import UsageError
+from mtmoe.gate_names import split_gate_name
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
@@ -84,7 +85,7 @@ def _valid_keys(gate: str, data: str) -> dict[str, set[str]]:
         return set(inspect.signature(fn).parameters) - {"self", "args", "kwargs", "dims", "info", "gate"}
 
     return {
-        "model.gate.": names(gate_class(gate.removesuffix("+")).__init__),
+        "model.gate.": names(gate_class(split_gate_name(gate)[0]).__init__),
         "model.": names(MultiTaskMoE.__init__),
         "data.": data_keys - {"self", "kwargs", "variant"},
         "trainer.": names(pl.Trainer.__init__),

@@ -25,6 +25,7 @@ from optuna.trial import TrialState
 
 from mtmoe.errors import UsageError
 from mtmoe.files import write_atomic
+from mtmoe.gate_names import split_gate_name
 from mtmoe.tuning.storage import STUDIES_DIR, display_url, open_storage
 
 #: Per-task test metrics as the reports show them: (label, scale); AUC and accuracy x100, MSE as is (Table 7).
@@ -100,7 +101,7 @@ def gate_order(gate: str) -> tuple:
     """Sort key of a gate: the paper's order, then the others by name, each "+" after its gate."""
     if gate in PAPER_GATES:
         return (0, PAPER_GATES.index(gate), False)
-    return (1, gate.removesuffix("+"), gate.endswith("+"))
+    return (1, *split_gate_name(gate))
 
 
 def alpha_order(alpha: Any) -> float:
