@@ -2,15 +2,18 @@
 from mtmoe.gates import (  # noqa: F401  (registers the gates)
     comet, competesmoe, dselect_k, expert_choice, hash, softmax, sparsemixer, topk, usmoe,
 )
+from mtmoe.gates import moesart, topany  # noqa: F401  (registers the gates)
 from mtmoe.gates.base import Gate, GateDims, GateOutput, RoutingInput
 from mtmoe.gates.comet import COMETGate
 from mtmoe.gates.competesmoe import CompeteSMoEGate, CompeteSMoEV2Gate
 from mtmoe.gates.dselect_k import DSelectKGate
 from mtmoe.gates.expert_choice import ExpertChoiceGate
 from mtmoe.gates.hash import HashGate
+from mtmoe.gates.moesart import MOESARTGate
 from mtmoe.gates.registry import create_gate, gate_class, list_gates, register_gate
 from mtmoe.gates.softmax import SoftmaxGate
 from mtmoe.gates.sparsemixer import SparseMixerGate
+from mtmoe.gates.topany import TopAnyGate
 from mtmoe.gates.topk import TopKGate
 from mtmoe.gates.usmoe import USMoEGate
 
@@ -18,4 +21,5 @@ __all__ = [
     "COMETGate", "CompeteSMoEGate", "CompeteSMoEV2Gate", "DSelectKGate", "ExpertChoiceGate", "Gate", "GateDims",
     "GateOutput", "HashGate", "RoutingInput", "SoftmaxGate", "SparseMixerGate", "TopKGate", "USMoEGate",
     "create_gate", "gate_class", "list_gates", "register_gate",
+    "MOESARTGate", "TopAnyGate",
 ]
