@@ -59,11 +59,17 @@ class StraightThroughSign(torch.autograd.Function):
 
 
 def diversity_and_simplicity(embeddings: Tensor) -> Tensor:
-    """``|W_n^T W_n - I|_F + mean_e |w_e|`` for the embeddings ``W`` ``[p, n]`` (one column per expert)."""
-    unit = F.normalize(embeddings, dim=0)
+    """``|W_n^T W_n - I|_F + mean_e |w_e|`` for the embeddings ``W`` ``[p, n]`` (one column per expert).
+
+    The diversity term is computed in float64 and cast back. At the orthogonal initialisation ``W_n^T W_n - I`` is
+    float32 rounding, and the norm's gradient ``M / |M|`` is a unit-size direction: in float32 it is the rounding
+    noise of the matmul kernel (which differs between a trial alone and in a pack), in float64 it is the float32
+    weights' own departure from orthogonality, the same for every kernel."""
+    unit = F.normalize(embeddings.double(), dim=0)
     similarity = unit.T @ unit
     identity = torch.eye(similarity.shape[0], dtype=similarity.dtype, device=similarity.device)
-    return torch.linalg.matrix_norm(similarity - identity) + embeddings.norm(dim=0).mean()
+    diversity = torch.linalg.matrix_norm(similarity - identity).to(embeddings.dtype)
+    return diversity + embeddings.norm(dim=0).mean()
 
 
 @register_gate("topany")
