@@ -1,14 +1,15 @@
 """MOESART: sampling-based k-sparse routing (Ibrahim, Chen, Mazumder et al., "MOESART: An Effective Sampling-based
-Router for Sparse Mixture of Experts", arXiv 2312, §3), as the authors' TensorFlow gate
+Router for Sparse Mixture of Experts", arXiv 2312), as the authors' TensorFlow gate
 ``SampleKSoftmaxUnbiasedWithTrimmedLassoGate`` computes it (``biasness="small-random"``, ``replace=False``,
-``tau = 1``, no jitter: their MOESART settings).
+``tau = 1``, no jitter: their MOESART settings). The paper's text was not available here; the formulas below are
+the code's, whose docstring states the same algorithm.
 
 With router logits ``o = W x + b`` and the softmax ``g = softmax(o)``:
 
 * training: a set ``S`` of ``k`` experts is drawn from ``g`` without replacement; one ``j`` of ``S``, uniformly at
   random, keeps its logit and the others are adjusted to ``o_i - log((k - 1) (g_i + 1e-10))``; the weights are the
   softmax of the adjusted logits over ``S`` (zero outside). The adjustment makes the sparse weights a small-bias
-  estimate of ``g`` (§3);
+  estimate of ``g``;
 * inference: ``S`` is the top-k of ``o`` and every logit of ``S`` is adjusted by ``log(k (g_i + 1e-10))``;
 * trimmed-lasso penalty (training only): ``trimmed_lasso_reg * mean_b sum_{i not in topk(g_b)} g_bi``, pushing
   ``g``'s mass into its top k so that sampling and the top-k inference agree.

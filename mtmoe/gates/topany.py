@@ -1,25 +1,24 @@
 """Top-any gating of DynMoE (Guo et al., "Dynamic Mixture of Experts: An Auto-Tuning Approach for Efficient
-Transformer Models", ICLR 2025, arXiv 2405.14297, §3.1), as the authors' DeepSpeed implementation computes it
-(github.com/LINs-lab/DynMoE, commit 49272326, ``DeepSpeed-0.9.5/deepspeed/moe/sharded_moe.py``: ``GAMoEGateT``,
+Transformer Models", ICLR 2025, arXiv 2405.14297), as the authors' DeepSpeed implementation computes it (github.com/LINs-lab/DynMoE, commit 49272326, ``DeepSpeed-0.9.5/deepspeed/moe/sharded_moe.py``: ``GAMoEGateT``,
 ``topanygating_opt``; ``deepspeed/moe/loss.py``: ``diverse_and_simple_gate_loss``).
 
 Each expert ``e`` has a gate embedding ``w_e`` (a column of ``W``, orthogonal at initialisation) and a trainable
 threshold ``G_e`` (zero at initialisation):
 
-* scores ``s = sigmoid(<x / |x|, w_e / |w_e|>)`` (eq. 2, the cosine similarity), threshold ``sigmoid(G_e)``;
-* activation ``a_e = sign(relu(s_e - sigmoid(G_e)))`` in {0, 1} with a straight-through gradient (eq. 3: the sign
-  passes its gradient unchanged, so only experts above their threshold pass one to ``s`` and ``G``);
+* scores ``s = sigmoid(<x / |x|, w_e / |w_e|>)`` (the cosine similarity), threshold ``sigmoid(G_e)``;
+* activation ``a_e = sign(relu(s_e - sigmoid(G_e)))`` in {0, 1} with a straight-through gradient (the sign passes
+  its gradient unchanged, so only experts above their threshold pass one to ``s`` and ``G``);
 * weights ``a / max(K, 1)`` with ``K = sum_e a_e`` the sample's number of experts: equal weights on the selected
   experts, and a sample's number of experts varies (``max_active`` is ``None``: no fixed count is guaranteed);
 * a sample above no threshold: in training it gets no expert (the code drops the token; here the task tower gets
   an all-zero input, logged as ``zero_expert_fraction``), in inference it goes to the expert of highest score with
   weight 1, as the code does. Rows therefore sum to 1, or to 0 for such a training sample (``simplex = False``);
 * auxiliary loss (training only), ``aux_coef`` (the code's ``router_aux_loss_coef``, 0.01) times the sum of
-  the diversity loss ``|W_n^T W_n - I|_F`` (``W_n`` the unit-norm embeddings), the simplicity loss ``mean_e |w_e|``
-  (eq. 4), the load balance ``n^2 mean_e(me_e ce_e)`` over the samples with at least one expert (``me`` the mean of
+  the diversity loss ``|W_n^T W_n - I|_F`` (``W_n`` the unit-norm embeddings), the simplicity loss ``mean_e |w_e|``,
+  the load balance ``n^2 mean_e(me_e ce_e)`` over the samples with at least one expert (``me`` the mean of
   ``a / K``, ``ce`` the mean of ``a``, no gradient) and the efficiency loss ``mean(a)``.
 
-Left out: the adaptive training process (§3.2) that adds and removes experts during training: it changes the
+Left out: the adaptive training process that adds and removes experts during training: it changes the
 model's shape mid-run, while the trials of a pack (``mtmoe.pack``) share one shape and the suite compares gates
 at a fixed ``n``; its expert mask is therefore all ones. The code's score temperature is fixed at 1 (not trained)
 and is left out too.
