@@ -103,7 +103,7 @@ def run_gate(gate: str, args: argparse.Namespace) -> dict:
         "zero_expert_fraction": sum(test[f"{t}/zero_expert_fraction"] for t in tasks) / len(tasks),
         "train_s_per_epoch": sum(timer.seconds) / len(timer.seconds),
         **count_flops(model, data.test_dataloader()),
-        **{f"{t} utilisation": [round(u, 4) for u in test[f"{t}/utilisation"]] for t in tasks},  # mean weight per expert
+        **{f"{t} utilisation": [round(u, 4) for u in test[f"{t}/utilisation"]] for t in tasks},  # per expert
     }
     print(f"{gate}: test loss {row['test_loss']:.4f}, n/s {row['n_s']:.2f}, "
           f"{row['inference_flops'] / 1e3:.0f}K inference FLOPs/sample", file=sys.stderr)

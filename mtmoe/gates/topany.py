@@ -1,5 +1,6 @@
 """Top-any gating of DynMoE (Guo et al., "Dynamic Mixture of Experts: An Auto-Tuning Approach for Efficient
-Transformer Models", ICLR 2025, arXiv 2405.14297), as the authors' DeepSpeed implementation computes it (github.com/LINs-lab/DynMoE, commit 49272326, ``DeepSpeed-0.9.5/deepspeed/moe/sharded_moe.py``: ``GAMoEGateT``,
+Transformer Models", ICLR 2025, arXiv 2405.14297), as the authors' DeepSpeed implementation computes it
+(github.com/LINs-lab/DynMoE, commit 49272326, ``DeepSpeed-0.9.5/deepspeed/moe/sharded_moe.py``: ``GAMoEGateT``,
 ``topanygating_opt``; ``deepspeed/moe/loss.py``: ``diverse_and_simple_gate_loss``).
 
 Each expert ``e`` has a gate embedding ``w_e`` (a column of ``W``, orthogonal at initialisation) and a trainable
@@ -81,7 +82,8 @@ class TopAnyGate(Gate):
         super().__init__(dims)
         check_non_negative(aux_coef=aux_coef)
         self.set_scalars(aux_coef=aux_coef)
-        self.embeddings = nn.Parameter(nn.init.orthogonal_(torch.empty(dims.n_experts, dims.in_features)).T.contiguous())
+        embeddings = nn.init.orthogonal_(torch.empty(dims.n_experts, dims.in_features))  # the code's sim_matrix
+        self.embeddings = nn.Parameter(embeddings.T.contiguous())
         self.thresholds = nn.Parameter(torch.zeros(dims.n_experts))
 
     def forward(self, routing: RoutingInput) -> GateOutput:
