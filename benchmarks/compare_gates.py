@@ -22,6 +22,8 @@ sample from ``torch.utils.flop_counter.FlopCounterMode`` over the model's eval f
   inference path that skips zero-weight experts would evaluate; an expert runs for a sample when at least one task
   gate gives it a non-zero weight (the experts are shared by the tasks).
 
+The CSV also has each task gate's per-expert utilisation (``<task> utilisation``: its mean test weight per expert).
+
 Batch-dependent routers (Expert Choice, USMoE) are evaluated with their default policy, over the test batches as
 the loader cuts them (a fixed, seeded permutation; the last batch partial). Every gate runs in this process, one
 after another; ``--accelerator gpu`` runs the same code on one GPU.
@@ -102,6 +104,7 @@ def run_gate(gate: str, args: argparse.Namespace) -> dict:
         "zero_expert_fraction": sum(test[f"{t}/zero_expert_fraction"] for t in tasks) / len(tasks),
         "train_s_per_epoch": sum(timer.seconds) / len(timer.seconds),
         **count_flops(model, data.test_dataloader()),
+        **{f"{t} utilisation": [round(u, 4) for u in test[f"{t}/utilisation"]] for t in tasks},  # per expert
     }
     print(f"{gate}: test loss {row['test_loss']:.4f}, n/s {row['n_s']:.2f}, "
           f"{row['inference_flops'] / 1e3:.0f}K inference FLOPs/sample", file=sys.stderr)
