@@ -321,6 +321,7 @@ def test_every_form_of_password_is_masked(url: str, password: str, shown: str) -
     assert message.startswith(f"cannot reach {shown}: password ") and "for user u refused" in message
 
 
+@pytest.mark.integration
 def test_a_query_password_is_masked_on_the_real_server(password_url: str, root_and_tmp, capsys) -> None:
     """The query form (``?user=u&password=...``) of the password server's URL: ``tune``'s and ``report``'s output,
     report.md and every stored attribute and file hold no password; wrong passwords of every form are one error
