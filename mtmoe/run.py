@@ -43,9 +43,9 @@ from mtmoe.data.base import InMemoryDataModule
 from mtmoe.dataset_info import DatasetInfo
 from mtmoe.errors import TrainingDiverged, UsageError
 from mtmoe.files import write_atomic
-from mtmoe.interrupts import Interrupted
 from mtmoe.gates import gate_class, list_gates
 from mtmoe.gates.base import no_plus_variant
+from mtmoe.interrupts import Interrupted
 from mtmoe.lit.module import MultiTaskMoE
 from mtmoe.lit.outputs import AtomicCheckpointIO, RunCheckpoint, RunLogger, run_checkpoints
 from mtmoe.pack.engine import EarlyStopping
@@ -222,9 +222,10 @@ class MTMoECLI(LightningCLI):
         """How an interrupted run goes on: from its ``last.ckpt`` if an epoch ended, else from the start."""
         last = next((Path(c.best_model_path) for c in self.trainer.callbacks
                      if isinstance(c, RunCheckpoint) and c.kind == "last" and c.best_model_path), None)
-        if self.subcommand == "fit" and last is not None and last.is_file():
+        fit = self.subcommand in (None, "fit")  # None: a run built by build_run
+        if fit and last is not None and last.is_file():
             return f"to resume, run the same command with --ckpt_path {last}"
-        return "no epoch ended, nothing was kept: run the same command again"
+        return ("no epoch ended, " if fit else "") + "nothing was kept: run the same command again"
 
     def fit_summary(self, model: MultiTaskMoE) -> dict[str, Any]:
         """What ``fit`` adds to the results: epochs, the best epoch (whose weights were tested, and validated at

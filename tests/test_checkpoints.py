@@ -3,6 +3,7 @@ val and test are of the same weights, ``--ckpt_path`` and the flags agree or the
 folder of its own, and a damaged or half-written checkpoint is one ``error:`` line, never a truncated file."""
 from __future__ import annotations
 
+import csv
 import json
 import signal
 import time
@@ -207,13 +208,16 @@ def test_sigterm_stops_a_fit_which_resumes_from_its_last_checkpoint(root_and_tmp
                                    f"--ckpt_path {last.relative_to(tmp)}", line
     assert sorted(p.name for p in folder.rglob("*")) == ["best.ckpt", "checkpoints", "config.yaml", "last.ckpt",
                                                          "metrics.csv"]
-    ended = torch.load(last, weights_only=True)["epoch"]  # epochs ended before the stop
-    assert ended < 4
+    ended = torch.load(last, weights_only=True)["epoch"]  # the last epoch that ended before the stop
+    assert val_epochs(folder) == list(range(ended + 1))
 
     assert run_cli([*args, f"--ckpt_path={last}"]) == 0
-    resumed = json.loads(next((tmp / "runs" / "lightning_logs" / "version_1").glob("results.json")).read_text())
-    assert resumed["epochs_run"] == 4
-    logged = (tmp / "runs" / "lightning_logs" / "version_1" / "metrics.csv").read_text().splitlines()
-    header = logged[0].split(",")
-    epochs = sorted({int(row.split(",")[header.index("epoch")]) for row in logged[1:]})
-    assert epochs == list(range(ended, 4)), epochs
+    resumed = tmp / "runs" / "lightning_logs" / "version_1"
+    assert json.loads((resumed / "results.json").read_text())["epochs_run"] == 4
+    assert val_epochs(resumed) == list(range(ended + 1, 4))  # the remaining epochs, not the first again
+
+
+def val_epochs(folder: Path) -> list[int]:
+    """The epochs a run's ``metrics.csv`` holds a validation loss of."""
+    with open(folder / "metrics.csv") as handle:
+        return [int(row["epoch"]) for row in csv.DictReader(handle) if row.get("val/loss")]
