@@ -321,6 +321,12 @@ def test_every_form_of_password_is_masked(url: str, password: str, shown: str) -
     assert message.startswith(f"cannot reach {shown}: password ") and "for user u refused" in message
 
 
+@pytest.mark.parametrize("url", ["sqlite:////tmp/a@b/optuna.db", "sqlite:///:memory:", "postgresql://u@h:5432/db",
+                                 "journal:/tmp/a@b/journal.log"])
+def test_a_url_without_password_is_shown_as_given(url: str) -> None:
+    assert display_url(url) == url
+
+
 @pytest.mark.integration
 def test_a_query_password_is_masked_on_the_real_server(password_url: str, root_and_tmp, capsys) -> None:
     """The query form (``?user=u&password=...``) of the password server's URL: ``tune``'s and ``report``'s output,

@@ -75,6 +75,8 @@ def _masked(url: str) -> tuple[str, set[str]]:
     except Exception:  # ArgumentError, or ValueError for a port that is no number
         return _masked_rfc3986(url)
     passwords = parsed.query.get("password", ())
+    if parsed.password is None and not passwords:  # nothing to mask: as given (SQLAlchemy would encode a path's "@")
+        return url, set()
     secrets = {*([passwords] if isinstance(passwords, str) else passwords)}
     if parsed.password is not None:
         userinfo, _, host = (parsed.password + "@" + (parsed.host or "")).rpartition("@")
