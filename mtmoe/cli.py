@@ -8,7 +8,9 @@ table of results on the terminal and the same results as ``results.json`` next t
 ``report`` and ``bootstrap`` read and write the tuning studies (:mod:`mtmoe.tuning`).
 
 Bad input (unknown names, out-of-range settings, missing data files) prints one ``error:`` line and exits with
-code 2; a fit that diverged writes its results, prints one ``error:`` line and exits with code 1.
+code 2; a fit that diverged writes its results, prints one ``error:`` line and exits with code 1. Ctrl-C and SIGTERM
+stop every command alike (:mod:`mtmoe.interrupts`): one ``error: interrupted`` line saying what was kept and how
+to go on, exit code 130 (Ctrl-C) or 143 (SIGTERM).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import argparse
 import sys
 from argparse import ArgumentError
 
+from mtmoe import interrupts
 from mtmoe.errors import TrainingDiverged, UsageError
 from mtmoe.gate_names import plus_variant
 
@@ -105,6 +108,7 @@ def print_datasets() -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    interrupts.handle_sigterm()
     try:
         if not argv or argv[0] in ("-h", "--help"):
             print(usage())
@@ -142,3 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     except TrainingDiverged as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(1)
+    except KeyboardInterrupt as stop:
+        detail = f"; {stop}" if str(stop) else ""
+        print(f"error: interrupted ({interrupts.signal_name()}){detail}", file=sys.stderr, flush=True)
+        sys.exit(interrupts.exit_code())

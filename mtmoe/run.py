@@ -44,6 +44,7 @@ from mtmoe.dataset_info import DatasetInfo
 from mtmoe.errors import TrainingDiverged, UsageError
 from mtmoe.files import write_atomic
 from mtmoe.gates import PLUS_PERM_EPOCHS, parse_gate_name
+from mtmoe.interrupts import Interrupted
 from mtmoe.lit.module import MultiTaskMoE
 from mtmoe.lit.outputs import AtomicCheckpointIO, RunCheckpoint, RunLogger, run_checkpoints
 from mtmoe.pack.engine import EarlyStopping
@@ -200,16 +201,30 @@ class MTMoECLI(LightningCLI):
 
     @contextmanager
     def run_folder(self) -> Iterator[None]:
-        """On bad input met while running, remove the run's log folder again unless it holds a checkpoint or
-        results (Lightning makes it once the data is prepared)."""
+        """On bad input met while running, or Ctrl-C or SIGTERM (:mod:`mtmoe.interrupts`), remove the run's log
+        folder again unless it holds a checkpoint or results (Lightning makes it once the data is prepared); an
+        interrupted fit says how to resume from its ``last.ckpt``."""
         try:
             yield
-        except (UsageError, MisconfigurationException) as error:
+        except (UsageError, MisconfigurationException, KeyboardInterrupt, SystemExit) as error:
+            if isinstance(error, SystemExit) and not self.trainer.interrupted:  # Lightning's answer to Ctrl-C
+                raise  # (exit 1) and to SIGTERM (SIGTERMException) leave it interrupted; other exits pass
             if isinstance(self.trainer.logger, RunLogger):
                 self.trainer.logger.discard_unfinished()
+            if isinstance(error, (KeyboardInterrupt, SystemExit)):
+                raise Interrupted(self.resume_hint()) from None
             if isinstance(error, UsageError):
                 raise
             raise UsageError(f"the trainer settings cannot run here: {error}") from None
+
+    def resume_hint(self) -> str:
+        """How an interrupted run goes on: from its ``last.ckpt`` if an epoch ended, else from the start."""
+        last = next((Path(c.best_model_path) for c in self.trainer.callbacks
+                     if isinstance(c, RunCheckpoint) and c.kind == "last" and c.best_model_path), None)
+        fit = self.subcommand in (None, "fit")  # None: a run built by build_run
+        if fit and last is not None and last.is_file():
+            return f"to resume, run the same command with --ckpt_path {last}"
+        return ("no epoch ended, " if fit else "") + "nothing was kept: run the same command again"
 
     def fit_summary(self, model: MultiTaskMoE) -> dict[str, Any]:
         """What ``fit`` adds to the results: epochs, the best epoch (whose weights were tested, and validated at

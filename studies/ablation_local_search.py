@@ -30,6 +30,7 @@ import time
 from functools import partial
 from pathlib import Path
 
+from mtmoe import interrupts
 from mtmoe.files import write_atomic
 from mtmoe.gate_names import plus_variant, split_gate_name
 
@@ -165,7 +166,7 @@ def main() -> None:
     threads = args.threads if args.threads is not None else max(1, (os.cpu_count() or 1) // args.workers)
     start = time.perf_counter()
     pool = multiprocessing.get_context("spawn").Pool(args.workers, _init_worker, (args.root, threads))
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # ``kill`` stops the workers too, as Ctrl-C does
+    interrupts.handle_sigterm()  # ``kill`` stops the workers too, as Ctrl-C does
     try:
         jobs = pool.imap_unordered(_train_in_worker, [(gate, seed, args) for gate, seed in todo])
         for i, row in enumerate(jobs, 1):
@@ -187,7 +188,7 @@ def main() -> None:
     except KeyboardInterrupt:
         pool.terminate()  # runs in progress are lost; finished ones are in runs.csv
         print(f"interrupted: {len(rows)} runs kept in {runs_csv}; rerun the same command to resume", file=sys.stderr)
-        sys.exit(130)
+        sys.exit(interrupts.exit_code())  # 143 for SIGTERM, 130 for Ctrl-C
     pool.close()
     pool.join()
     table = summarise(rows, gates)

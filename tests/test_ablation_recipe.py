@@ -47,7 +47,7 @@ def test_sigterm_stops_the_workers_and_keeps_finished_runs(tiny_root: Path, tmp_
     assert workers
     process.send_signal(signal.SIGTERM)
     _, err = process.communicate(timeout=120)
-    assert process.returncode == 130 and "rerun the same command to resume" in err
+    assert process.returncode == 143 and "rerun the same command to resume" in err  # 128 + SIGTERM
     time.sleep(1)
     for pid in workers:
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text(), pid

@@ -3,7 +3,10 @@ val and test are of the same weights, ``--ckpt_path`` and the flags agree or the
 folder of its own, and a damaged or half-written checkpoint is one ``error:`` line, never a truncated file."""
 from __future__ import annotations
 
+import csv
 import json
+import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -12,6 +15,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from conftest import full_disk_for, run_cli
 from mtmoe.errors import UsageError
+from test_tuning import start_tune
 
 FAST = ["--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false", "--data.batch_size=64"]
 #: Three epochs at a learning rate this tiny dataset punishes: the best validation epoch is not the last.
@@ -160,3 +164,60 @@ def test_a_fit_on_a_full_disk_is_one_error_line_and_leaves_no_run(tiny_root: Pat
     assert line.startswith(f"error: cannot write the checkpoint {CHECKPOINTS / 'best.ckpt'} (No space left on "
                            "device): free some space there")
     assert not Path("runs").exists()
+
+
+# ------------------------------------------------------------------------------------- 22.3: SIGTERM, as Ctrl-C
+
+
+def stop_when(args: list[str], tmp: Path, root: Path, log: str, path: Path, timeout: float = 240) -> tuple[int, str]:
+    """Start ``python -m mtmoe ARGS``, send it SIGTERM once ``path`` exists: its exit code and stderr's last line."""
+    proc = start_tune(args, tmp, root, log)
+    deadline = time.monotonic() + timeout
+    try:
+        while not path.exists():
+            assert proc.poll() is None, f"it ended ({proc.returncode}) before {path} appeared"
+            assert time.monotonic() < deadline, f"no {path}"
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return code, (tmp / f"{log}.err").read_text().strip().splitlines()[-1]
+
+
+@pytest.mark.integration
+def test_sigterm_stops_a_fit_which_resumes_from_its_last_checkpoint(root_and_tmp) -> None:
+    """Before: a fit sent SIGTERM (a scheduler's stop) exited 0, leaving a run folder with only config.yaml. Now,
+    as Ctrl-C: exit 143 and one line; stopped before an epoch ended, no folder is left; stopped later, the folder
+    keeps the ended epochs' checkpoints and log (no results), and the command the line gives resumes from
+    last.ckpt: the remaining epochs, not the first again."""
+    root, tmp = root_and_tmp
+    args = ["fit", "--gate", "topk", *data(root), "--data.batch_size=8", "--trainer.limit_train_batches=30",
+            "--trainer.max_epochs=4"]
+    folder = tmp / "runs" / "lightning_logs" / "version_0"
+
+    code, line = stop_when(args, tmp, root, "early", folder / "config.yaml")
+    assert code == 143 and line == "error: interrupted (SIGTERM); no epoch ended, nothing was kept: run the same " \
+                                   "command again", line
+    assert not (tmp / "runs").exists()
+
+    code, line = stop_when(args, tmp, root, "late", folder / "checkpoints" / "last.ckpt")
+    last = folder / "checkpoints" / "last.ckpt"
+    assert code == 143 and line == f"error: interrupted (SIGTERM); to resume, run the same command with " \
+                                   f"--ckpt_path {last.relative_to(tmp)}", line
+    assert sorted(p.name for p in folder.rglob("*")) == ["best.ckpt", "checkpoints", "config.yaml", "last.ckpt",
+                                                         "metrics.csv"]
+    ended = torch.load(last, weights_only=True)["epoch"]  # the last epoch that ended before the stop
+    assert val_epochs(folder) == list(range(ended + 1))
+
+    assert run_cli([*args, f"--ckpt_path={last}"]) == 0
+    resumed = tmp / "runs" / "lightning_logs" / "version_1"
+    assert json.loads((resumed / "results.json").read_text())["epochs_run"] == 4
+    assert val_epochs(resumed) == list(range(ended + 1, 4))  # the remaining epochs, not the first again
+
+
+def val_epochs(folder: Path) -> list[int]:
+    """The epochs a run's ``metrics.csv`` holds a validation loss of."""
+    with open(folder / "metrics.csv") as handle:
+        return [int(row["epoch"]) for row in csv.DictReader(handle) if row.get("val/loss")]

@@ -117,13 +117,14 @@ def wait_for_running(storage, name: str, proc: subprocess.Popen, tmp: Path, log:
     pytest.fail("no trial was caught running")
 
 
-def interrupt_while_running(args: list[str], tmp: Path, root: Path, storage, name: str,
-                            min_age: float = 1.5) -> tuple[int, str, optuna.trial.FrozenTrial]:
-    """Start ``tune``, press Ctrl-C once a trial runs: its exit code, stderr and the trial caught running."""
+def interrupt_while_running(args: list[str], tmp: Path, root: Path, storage, name: str, min_age: float = 1.5,
+                            signum: int = signal.SIGINT) -> tuple[int, str, optuna.trial.FrozenTrial]:
+    """Start ``tune``, press Ctrl-C (or send ``signum``) once a trial runs: its exit code, stderr and the trial
+    caught running."""
     proc = start_tune(args, tmp, root, "first")
     try:
         target = wait_for_running(storage, name, proc, tmp, "first", min_age=min_age)
-        os.kill(proc.pid, signal.SIGINT)
+        os.kill(proc.pid, signum)
         code = proc.wait(timeout=120)
     finally:
         if proc.poll() is None:

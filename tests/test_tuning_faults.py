@@ -12,15 +12,17 @@ import os
 import signal
 import time
 from pathlib import Path
+from urllib.parse import unquote
 
 import numpy as np
 import optuna
 import pandas as pd
 import pytest
 from optuna.trial import TrialState
+from sqlalchemy.engine import make_url
 
 from mtmoe.tuning.space import SearchSpace, load_space
-from mtmoe.tuning.storage import storage_for
+from mtmoe.tuning.storage import display_url, storage_for
 from mtmoe.tuning.objective import config_hash, plan_configurations
 
 from conftest import run_cli
@@ -291,6 +293,72 @@ def test_the_password_is_never_shown_and_may_come_from_the_environment(password_
             lines = printed.err.strip().splitlines()
             assert len(lines) == 1 and lines[0].startswith("error: cannot open the study storage"), lines
             assert PASSWORD not in printed.out + printed.err and "mtmoe:***@" in lines[0]
+
+
+# Every form a password takes in a storage URL (issue 22.2): the URL as displayed (exactly), and nothing of the
+# password, as written or decoded, in a message quoting the URL and the password.
+PASSWORD_FORMS = {
+    "userinfo": ("postgresql://u:pw-1@h:5432/db", "pw-1", "postgresql://u:***@h:5432/db"),
+    "query parameter": ("postgresql://h:5432/db?user=u&password=pw-1", "pw-1",
+                        "postgresql://h:5432/db?password=***&user=u"),
+    "unencoded @": ("postgresql://u:p@ss@h/db", "p@ss", "postgresql://u:***@h/db"),
+    "space": ("postgresql://u:p ss@h/db", "p ss", "postgresql://u:***@h/db"),
+    "double quote": ('postgresql://u:p"ss@h/db', 'p"ss', "postgresql://u:***@h/db"),
+    "percent-encoded": ("postgresql://u:p%40s%20s@h/db", "p@s s", "postgresql://u:***@h/db"),
+    "percent-encoded query": ("postgresql://h/db?user=u&password=p%26s%20s", "p&s s",
+                              "postgresql://h/db?password=***&user=u"),
+    "port no number": ("postgresql://u:p@ss@h:notaport/db", "p@ss", "postgresql://u:***@h:notaport/db"),
+}
+
+
+@pytest.mark.parametrize("url, password, shown", PASSWORD_FORMS.values(), ids=PASSWORD_FORMS)
+def test_every_form_of_password_is_masked(url: str, password: str, shown: str) -> None:
+    from urllib.parse import quote
+
+    assert display_url(url) == shown
+    message = display_url(url, f"cannot reach {url}: password {password!r} ({quote(password)}) for user u refused")
+    assert password not in message and quote(password) not in message and repr(password) not in message
+    assert message.startswith(f"cannot reach {shown}: password ") and "for user u refused" in message
+
+
+@pytest.mark.parametrize("url", ["sqlite:////tmp/a@b/optuna.db", "sqlite:///:memory:", "postgresql://u@h:5432/db",
+                                 "journal:/tmp/a@b/journal.log"])
+def test_a_url_without_password_is_shown_as_given(url: str) -> None:
+    assert display_url(url) == url
+
+
+@pytest.mark.integration
+def test_a_query_password_is_masked_on_the_real_server(password_url: str, root_and_tmp, capsys) -> None:
+    """The query form (``?user=u&password=...``) of the password server's URL: ``tune``'s and ``report``'s output,
+    report.md and every stored attribute and file hold no password; wrong passwords of every form are one error
+    line holding none of them (an unencoded ``@`` is refused before connecting)."""
+    root, tmp = root_and_tmp
+    server = make_url(password_url)
+    base = f"postgresql://{server.host}:{server.port}/{server.database}"
+    url = f"{base}?user={server.username}&password={PASSWORD}"
+    assert run_cli(tune_args(url, root, tmp / "runs", *TINY, trials=1, name="query")) == 0
+    assert run_cli(["report", "--data", "movielens-100k", "--storage", url, "--out", str(tmp / "rep")]) == 0
+    printed = capsys.readouterr()
+    assert PASSWORD not in printed.out + printed.err and f"{base}?password=***&user=mtmoe" in printed.out
+    assert f"`{base}?password=***&user=mtmoe`" in (tmp / "rep" / "report.md").read_text()
+    study = optuna.load_study(study_name="query", storage=storage_for(password_url))
+    stored = [study.user_attrs, *(trial.user_attrs for trial in study.get_trials())]
+    assert PASSWORD not in repr(stored)
+    for path in tmp.rglob("*"):
+        assert not path.is_file() or PASSWORD.encode() not in path.read_bytes(), path
+
+    wrong = {"userinfo": "Wrong-pw-1", "query": "Wrong-pw-2", "space": "wr ong", "double quote": 'wr"ong',
+             "percent-encoded": "wr%40%20ng", "unencoded @": "wr@ong"}
+    for form, password in wrong.items():
+        given = f"{base}?user=mtmoe&password={password}" if form == "query" else \
+            base.replace("://", f"://mtmoe:{password}@")
+        assert run_cli(["report", "--data", "movielens-100k", "--storage", given]) == 2, form
+        printed = capsys.readouterr()
+        lines = printed.err.strip().splitlines()
+        assert len(lines) == 1 and not printed.out, (form, lines)
+        expected = "holds an unencoded '@'" if form == "unencoded @" else "password authentication failed"
+        assert expected in lines[0] and "***" in lines[0], (form, lines)
+        assert password not in lines[0] and unquote(password) not in lines[0], (form, lines)
 
 
 # --------------------------------------------------------------------------------------- 10: an unwritable --out

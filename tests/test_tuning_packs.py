@@ -84,17 +84,23 @@ def test_bad_pack_input_is_one_line(tiny_root: Path, tmp_path: Path, capsys, pac
     assert not (tmp_path / "bad.db").exists() or not optuna.get_all_study_names(url)  # the storage is untouched
 
 
-def test_ctrl_c_fails_the_packs_trials_and_the_rerun_resumes(root_and_tmp) -> None:
+@pytest.mark.integration
+@pytest.mark.parametrize("signum, exit_code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["ctrl-c", "sigterm"])
+def test_ctrl_c_or_sigterm_fails_the_packs_trials_and_the_rerun_resumes(root_and_tmp, signum: int,
+                                                                        exit_code: int) -> None:
+    """SIGTERM (a scheduler's stop, issue 22.3) is handled as Ctrl-C: the pack's trials are failed as interrupted,
+    the exit code says which signal (128 + its number), the rerun evaluates every configuration once."""
     root, tmp = root_and_tmp
     url = f"sqlite:///{tmp / 'int.db'}"
     optuna.storages.RDBStorage(url)
     args = tune_args(url, root, tmp / "runs", *SLOW, "--pack", "3", trials=4, name="int")
-    code, err, _ = interrupt_while_running(args, tmp, root, url, "int", min_age=3)
-    assert code == 130 and "Traceback" not in err, err
+    code, err, _ = interrupt_while_running(args, tmp, root, url, "int", min_age=3, signum=signum)
+    assert code == exit_code and "Traceback" not in err, err
     assert err.strip().splitlines()[-1].startswith("error: interrupted"), err
     trials = trials_of(url, "int")
     interrupted = [t for t in trials if t.state == TrialState.FAIL]
     assert len(interrupted) == 3 and not any("fail_reason" in t.user_attrs for t in interrupted)
+    assert all(t.user_attrs.get("interrupted") for t in interrupted)
     assert not [t for t in trials if t.state == TrialState.RUNNING]
     code, out, err = run_tune(args, tmp, root, "second")
     assert code == 0, err[-3000:]

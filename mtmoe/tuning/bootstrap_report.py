@@ -490,8 +490,8 @@ def select(url: str, trials: pd.DataFrame, gates: list[str] | None) -> tuple[pd.
     for data, table in trials.groupby("data"):
         missing = [gate for gate in gates or [] if gate not in set(table.gate)]
         if missing:
-            raise UsageError(f"no study with finished trials for gate {missing[0]!r} of dataset {data!r} in {url} "
-                             f"(gates with trials: {', '.join(sorted(set(table.gate)))})")
+            raise UsageError(f"no study with finished trials for gate {missing[0]!r} of dataset {data!r} in "
+                             f"{display_url(url)} (gates with trials: {', '.join(sorted(set(table.gate)))})")
     if gates is not None:
         trials = trials[trials.gate.isin(gates)]
     studies = trials.groupby([trials.data, trials.alpha.map(as_text), trials.gate]).study.unique()

@@ -16,7 +16,8 @@ from mtmoe.tuning.space import SearchSpace
 
 
 class TrialInterrupted(KeyboardInterrupt):
-    """Ctrl-C inside a trial (Lightning turns it into ``SystemExit(1)``): the trial is failed, re-run on resume."""
+    """Ctrl-C or SIGTERM inside a trial (Lightning turns them into ``SystemExit``): the trial is failed, re-run on
+    resume."""
 
 
 def plan_configurations(space: SearchSpace, n: int, seed: int) -> list[dict[str, Any]]:

@@ -122,7 +122,8 @@ class PackWorker:
         threading.Thread(target=self._write_reports, daemon=True).start()
 
     def run(self) -> None:
-        """Pack and train until no waiting trial is left; Ctrl-C fails the running ones (re-run on resume)."""
+        """Pack and train until no waiting trial is left; Ctrl-C or SIGTERM fails the running ones (re-run on
+        resume)."""
         try:
             while (claimed := self._claim(None)) is not None:
                 trial, params, config_id = claimed
@@ -145,7 +146,8 @@ class PackWorker:
                                          self.seed + config_id)
 
                 self._train(run, key, next_trial)
-        except (KeyboardInterrupt, SystemExit) as interrupt:  # Lightning code may answer Ctrl-C with sys.exit(1)
+        except (KeyboardInterrupt, SystemExit) as interrupt:  # Lightning answers Ctrl-C with sys.exit(1), SIGTERM
+            # with its SIGTERMException (mtmoe.interrupts)
             self._release()
             raise TrialInterrupted(f"{len(self.running)} packed trial(s) interrupted") from interrupt
         except torch.OutOfMemoryError:

@@ -7,8 +7,10 @@ a flag says otherwise: the folder ``studies/`` (:data:`STUDIES_DIR`) holds the d
 JournalStorage: no server, many workers and machines sharing the file).
 
 * **Passwords** are never shown: every URL printed, written or quoted in an error goes through
-  :func:`display_url` (``postgresql://user:***@host/db``). A URL without a password lets the driver find it as
-  PostgreSQL's own tools do: ``PGPASSWORD``, or the passfile ``~/.pgpass`` (``PGPASSFILE``).
+  :func:`display_url` (``postgresql://user:***@host/db``, ``...?user=u&password=***``). A URL without a password
+  lets the driver find it as PostgreSQL's own tools do: ``PGPASSWORD``, or the passfile ``~/.pgpass``
+  (``PGPASSFILE``). A password holding an unencoded ``@`` is refused (SQLAlchemy and libpq would take its tail
+  for the host): it is written ``%40``.
 * **Heartbeats, every storage.** A running trial's worker records a heartbeat every interval (RDB storages: Optuna's
   own; JournalStorage: the trial's ``heartbeat`` user attribute, :func:`beating`); a RUNNING trial silent for the
   grace period, on any host, is stale and failed by :func:`fail_stale_trials` (``MTMOE_HEARTBEAT_INTERVAL`` /
@@ -22,9 +24,9 @@ from __future__ import annotations
 import fcntl
 import importlib.util
 import os
-import re
 import threading
 import time
+import urllib.parse
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -39,7 +41,6 @@ STUDIES_DIR = Path("studies")  # relative: under the current directory
 HEARTBEAT_INTERVAL, GRACE_PERIOD = 10, 30  # seconds; MTMOE_HEARTBEAT_INTERVAL / MTMOE_HEARTBEAT_GRACE override
 HEARTBEAT_ATTR = "heartbeat"  # JournalStorage: a running trial's last heartbeat, seconds since the epoch
 SETUP_LOCK_KEY = 0x6D746D6F65  # PostgreSQL advisory lock of the first-start work ("mtmoe")
-_PASSWORD = re.compile(r"(\b[a-z][a-z0-9+.-]*://[^:/@\s'\"]*:)[^@\s'\"]+@", re.IGNORECASE)
 
 
 def default_storage_url() -> str:
@@ -47,9 +48,65 @@ def default_storage_url() -> str:
     return f"sqlite:///{Path.cwd() / STUDIES_DIR / 'optuna.db'}"
 
 
-def display_url(text: str) -> str:
-    """``text`` (a URL, or a message quoting one) with every URL's password replaced by ``***``."""
-    return _PASSWORD.sub(r"\1***@", text)
+def display_url(url: str, text: str | None = None) -> str:
+    """``url`` with its password shown as ``***``; with ``text`` (a message about ``url``, a driver's error),
+    ``text`` with ``url`` shown so and every other occurrence of its password, as written or decoded, masked.
+
+    The password is where SQLAlchemy's URL parser finds it (spaces, quotes, percent-encoded characters; an
+    unencoded ``@`` in it runs to the host's last ``@``) and in the ``password`` query parameter; a URL SQLAlchemy
+    cannot parse (a port that is no number) is split as RFC 3986 says (the userinfo ends at the last ``@``)."""
+    shown, secrets = _masked(url)
+    if text is None:
+        return shown
+    pieces = text.split(url)
+    for secret in sorted(secrets | {urllib.parse.quote(secret, safe="") for secret in secrets}, key=len, reverse=True):
+        pieces = [piece.replace(secret, "***") for piece in pieces]
+    return shown.join(pieces)
+
+
+def _masked(url: str) -> tuple[str, set[str]]:
+    """(``url`` with its passwords shown as ``***``, the passwords as written and decoded)."""
+    from sqlalchemy.engine import make_url
+
+    if url.startswith("journal:"):
+        return url, set()
+    try:
+        parsed = make_url(url)
+    except Exception:  # ArgumentError, or ValueError for a port that is no number
+        return _masked_rfc3986(url)
+    passwords = parsed.query.get("password", ())
+    if parsed.password is None and not passwords:  # nothing to mask: as given (SQLAlchemy would encode a path's "@")
+        return url, set()
+    secrets = {*([passwords] if isinstance(passwords, str) else passwords)}
+    if parsed.password is not None:
+        userinfo, _, host = (parsed.password + "@" + (parsed.host or "")).rpartition("@")
+        secrets.add(userinfo)
+        parsed = parsed.set(host=host or None)  # an unencoded "@" in the password: the host is after the last one
+    if passwords:
+        parsed = parsed.update_query_dict({"password": "***"})
+    shown = parsed.render_as_string(hide_password=True).replace("password=%2A%2A%2A", "password=***")
+    return shown, (secrets | _masked_rfc3986(url)[1]) - {""}
+
+
+def _masked_rfc3986(url: str) -> tuple[str, set[str]]:
+    """:func:`_masked` by ``urllib.parse``: the userinfo ends at the netloc's last ``@``; no ``scheme://``: all
+    before the last ``@`` is masked."""
+    parts = urllib.parse.urlsplit(url)
+    if not parts.netloc:
+        return ("***@" + url.rpartition("@")[2] if "@" in url else url), set()
+    userinfo, at, host = parts.netloc.rpartition("@")
+    user, colon, password = userinfo.partition(":")
+    secrets = {password, urllib.parse.unquote(password)} if at and colon else set()
+    query = []
+    for pair in parts.query.split("&") if parts.query else []:
+        key, _, value = pair.partition("=")
+        if urllib.parse.unquote_plus(key) == "password":
+            secrets |= {value, urllib.parse.unquote_plus(value)}
+            pair = f"{key}=***"
+        query.append(pair)
+    netloc = f"{user}:***@{host}" if at and colon else parts.netloc
+    shown = urllib.parse.urlunsplit(parts._replace(netloc=netloc, query="&".join(query)))
+    return shown, secrets - {""}
 
 
 def heartbeat_settings() -> tuple[int, int]:
@@ -66,7 +123,17 @@ def heartbeat_settings() -> tuple[int, int]:
 
 def rdb_url(url: str) -> str:
     """``postgresql://`` with the installed driver: SQLAlchemy >= 2.1 defaults to psycopg 3, the project installs
-    psycopg2 (``psycopg2-binary``), so a plain URL would fail with "Failed to import DB access module"."""
+    psycopg2 (``psycopg2-binary``), so a plain URL would fail with "Failed to import DB access module". A password
+    with an unencoded ``@`` is refused: SQLAlchemy, as libpq, would take its tail for the host."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        parsed = make_url(url)
+    except Exception:  # the storage reports it
+        parsed = None
+    if parsed is not None and parsed.password is not None and "@" in (parsed.host or ""):
+        raise UsageError(f"the password in the storage URL {display_url(url)!r} holds an unencoded '@': write it "
+                         "as %40 (or leave the password out of the URL and set PGPASSWORD)")
     if url.startswith("postgresql://"):
         if importlib.util.find_spec("psycopg") is None and importlib.util.find_spec("psycopg2") is not None:
             return "postgresql+psycopg2://" + url.removeprefix("postgresql://")
@@ -75,7 +142,7 @@ def rdb_url(url: str) -> str:
 
 def _storage_error(url: str, error: BaseException) -> UsageError:
     """A driver's or the filesystem's error as one line naming the storage, passwords masked."""
-    reason = display_url(" ".join(str(error).split()))[:300]
+    reason = display_url(url, " ".join(str(error).split()))[:300]
     return UsageError(f"cannot open the study storage {display_url(url)!r}: {reason}")
 
 
@@ -112,6 +179,8 @@ def setup_lock(url: str) -> Iterator[None]:
             engine = sqlalchemy.create_engine(rdb_url(url), poolclass=sqlalchemy.pool.NullPool)
             connection = engine.connect()
             connection.execute(sqlalchemy.text("SELECT pg_advisory_lock(:key)"), {"key": SETUP_LOCK_KEY})
+        except UsageError:
+            raise
         except Exception as error:
             raise _storage_error(url, error) from None
         try:

@@ -43,6 +43,7 @@ import optuna
 from optuna.trial import TrialState
 
 from mtmoe.errors import UsageError
+from mtmoe.interrupts import Interrupted, handle_sigterm
 from mtmoe.run import build_run, translate_shortcuts
 from mtmoe.run_settings import dataset_info, resolve_dataset_settings
 from mtmoe.tuning.space import SearchSpace, load_space
@@ -167,6 +168,7 @@ def run_worker(url: str, study_name: str, space: SearchSpace, overrides: list[st
 
 
 def _worker_process(*args: Any) -> None:
+    handle_sigterm()  # a scheduler's SIGTERM to every process of the job stops this worker as Ctrl-C does
     if "OMP_NUM_THREADS" not in os.environ:  # N workers share the cores: no N-fold oversubscription of torch threads
         import torch
 
@@ -394,13 +396,13 @@ def check_overrides(space: SearchSpace, configurations: list[dict], overrides: l
 
 
 def tune(argv: list[str]) -> None:
-    """``python -m mtmoe tune``: plan, prepare the study, run the workers; Ctrl-C stops cleanly (exit 130)."""
+    """``python -m mtmoe tune``: plan, prepare the study, run the workers; Ctrl-C or SIGTERM stops cleanly
+    (:mod:`mtmoe.interrupts`)."""
     try:
         _tune(argv)
     except KeyboardInterrupt:
-        print("error: interrupted; trials in flight are marked failed and re-run when the same tune command runs "
-              "again (it resumes the study)", file=sys.stderr, flush=True)
-        sys.exit(130)
+        raise Interrupted("trials in flight are marked failed and re-run when the same tune command runs again (it "
+                          "resumes the study)") from None
 
 
 def _tune(argv: list[str]) -> None:

@@ -1,0 +1,47 @@
+"""Ctrl-C and SIGTERM stop a command alike. SIGTERM is what schedulers send to stop a job (Slurm at its time limit
+or on ``scancel``, Kubernetes when it evicts a pod), SIGKILL following after a grace period.
+
+:func:`handle_sigterm` turns SIGTERM into the ``KeyboardInterrupt`` Ctrl-C raises, so every place that handles Ctrl-C
+(a fit's run folder, a tune worker's trials) handles it. While a Lightning ``Trainer`` runs, its signal connector
+holds SIGTERM and calls this handler after its own: Lightning sets ``trainer.received_sigterm`` and raises
+``SIGTERMException`` (a ``SystemExit``) once the current batch is done, and the handler here only records the
+signal. The command ends with :class:`Interrupted` and exits with :func:`exit_code`, ``128 +`` the signal's number as
+a shell reports a process it stopped: 143 for SIGTERM, 130 for Ctrl-C.
+"""
+from __future__ import annotations
+
+import signal
+import threading
+from types import FrameType
+
+_received: int | None = None  # SIGTERM once it arrived (Ctrl-C raises KeyboardInterrupt by Python's own handler)
+
+
+class Interrupted(KeyboardInterrupt):
+    """A command stopped by Ctrl-C or SIGTERM; the message says what was kept and how to go on."""
+
+
+def handle_sigterm() -> None:
+    """From now on SIGTERM stops this process as Ctrl-C does (main thread only, as every signal handler)."""
+    global _received
+    _received = None
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    global _received
+    first = _received is None
+    _received = signum
+    if first and signal.getsignal(signal.SIGTERM) is _on_sigterm:  # no Trainer's connector in front of this handler
+        raise KeyboardInterrupt  # a second SIGTERM, while the first one's stop runs, does not cut it short
+
+
+def signal_name() -> str:
+    """The signal that stopped the command, as people name it."""
+    return "SIGTERM" if _received is not None else "Ctrl-C"
+
+
+def exit_code() -> int:
+    """``128 +`` the stopping signal's number: 143 for SIGTERM, 130 for Ctrl-C (SIGINT)."""
+    return 128 + (_received if _received is not None else signal.SIGINT)
