@@ -8,15 +8,16 @@ table of results on the terminal and the same results as ``results.json`` next t
 ``report`` and ``bootstrap`` read and write the tuning studies (:mod:`mtmoe.tuning`).
 
 Bad input (unknown names, out-of-range settings, missing data files) prints one ``error:`` line and exits with
-code 2; a fit that diverged writes its results, prints one ``error:`` line and exits with code 1.
+code 2; a fit that diverged writes its results, prints one ``error:`` line and exits with code 1. Lightning's
+account of the seed and the hardware (``Seed set to 0``, ``GPU available: ...``) is shown only with
+``MTMOE_VERBOSE=1`` in the environment (:data:`VERBOSE`).
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from argparse import ArgumentError
 
-from mtmoe.errors import TrainingDiverged, UsageError
+from mtmoe.errors import OneLineParser, TrainingDiverged, UsageError
 
 # Each command imports what it needs when it runs: help and the listings import neither Lightning nor Optuna's
 # storages, and the listing of datasets not even torch.
@@ -38,15 +39,20 @@ def usage() -> str:
     lines = ["usage: python -m mtmoe COMMAND [OPTIONS]", "",
              "Sparse mixture-of-experts gates in multi-task models: train, evaluate, tune, report.", "", "commands:"]
     lines += [f"  {name:<{width}}  {summary}" for name, summary in COMMANDS.items()]
-    lines += ["", "python -m mtmoe COMMAND --help describes a command's options."]
+    lines += ["", "python -m mtmoe COMMAND --help describes a command's options; python -m mtmoe --version prints "
+              "the version.", "MTMOE_VERBOSE=1 in the environment also shows Lightning's account of the seed and "
+              "the hardware (Seed set to 0, GPU available: ...)."]
     return "\n".join(lines)
 
 
-class OneLineParser(argparse.ArgumentParser):
-    """An argparse parser whose errors are :class:`UsageError` (one line, exit code 2), not usage and exit."""
+def version() -> str:
+    """The installed distribution's version (pyproject.toml's)."""
+    from importlib.metadata import PackageNotFoundError, version as installed_version
 
-    def error(self, message: str):
-        raise UsageError(f"{self.prog.removeprefix('python -m mtmoe ')}: {message}")
+    try:
+        return installed_version("mtmoe")
+    except PackageNotFoundError:
+        return "(not installed: pip install the checkout to give it a version)"
 
 
 def listing_parser(command: str) -> OneLineParser:
@@ -107,6 +113,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if not argv or argv[0] in ("-h", "--help"):
             print(usage())
+            return
+        if argv[0] == "--version":
+            print(f"mtmoe {version()}")
             return
         command, args = argv[0], argv[1:]
         if command == "tune":

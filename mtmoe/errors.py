@@ -1,4 +1,7 @@
 """User-facing errors: one clear line and an exit code, no traceback (see ``mtmoe.cli``)."""
+from __future__ import annotations
+
+import argparse
 
 
 class UsageError(ValueError):
@@ -7,3 +10,15 @@ class UsageError(ValueError):
 
 class TrainingDiverged(RuntimeError):
     """A ``fit`` whose loss turned NaN or infinite: its results are written, then ``error: <message>``, exit 1."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An argparse parser of the command line's argparse commands: every parse error (a missing required flag too,
+    which ``exit_on_error=False`` does not cover before Python 3.12) is a one-line :class:`UsageError`, and an
+    abbreviated option (``--max`` for ``--max-budget``) is refused, not expanded."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **{"exit_on_error": False, "allow_abbrev": False, **kwargs})
+
+    def error(self, message: str):
+        raise UsageError(f"{self.prog.removeprefix('python -m mtmoe ')}: {message}")

@@ -29,7 +29,6 @@ import time
 
 import numpy as np
 import pandas as pd
-import torch
 
 from mtmoe.errors import UsageError
 from mtmoe.tuning.bands import objective_curves, objective_factors, pair_confidence, percent
@@ -462,6 +461,8 @@ def parse_bootstrap_args(argv: list[str]) -> tuple[argparse.Namespace, Settings]
         raise UsageError(f"--confidence must be in (0, 1), got {args.confidence:g}")
     if args.max_budget is not None and args.max_budget < 1:
         raise UsageError(f"--max-budget must be >= 1, got {args.max_budget}")
+    import torch  # once the flags are read: help and bad flags answer without it
+
     try:
         device = torch.device(args.device)
     except RuntimeError as error:

@@ -15,7 +15,6 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
-from mtmoe.run import build_run
 from mtmoe.tuning.space import SearchSpace
 from mtmoe.tuning.storage import beating
 

@@ -43,9 +43,8 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
-from mtmoe.errors import UsageError
-from mtmoe.run import build_run, translate_shortcuts
-from mtmoe.run_settings import dataset_info, resolve_dataset_settings
+from mtmoe.data import dataset_path
+from mtmoe.errors import OneLineParser, UsageError
 from mtmoe.tuning.space import SearchSpace, load_space
 from mtmoe.tuning.storage import (
     STUDIES_DIR,
@@ -63,8 +62,10 @@ from mtmoe.tuning.objective import (
     plan_configurations,
     study_counts,
 )
-from mtmoe.tuning.packs import PackWorker, resolve_capacity
-from mtmoe.tuning.trials import OneLineParser, describe_settings
+from mtmoe.tuning.trials import describe_settings
+
+# What trains (Lightning, torch: mtmoe.run, mtmoe.tuning.packs) is imported where it is used: `tune --help`, bad flags
+# and unknown names answer without it.
 
 #: Attempts of a configuration that may end without a result (worker killed or crashed) before it is failed.
 MAX_LOST_ATTEMPTS = 3
@@ -153,6 +154,8 @@ def run_worker(url: str, study_name: str, space: SearchSpace, overrides: list[st
                log_dir: Path | None = None, pack: int | str = 1) -> None:
     """One worker: pops enqueued configurations until none is left, ``pack`` at a time (:mod:`mtmoe.tuning.packs`);
     between epochs it also takes back the trials of workers that died (:func:`reclaim_lost_trials`)."""
+    from mtmoe.tuning.packs import PackWorker
+
     quiet_libraries()
     study = optuna.load_study(study_name=study_name, storage=storage_for(url))
     if study_counts(study)["waiting"] == 0:
@@ -296,7 +299,7 @@ def check_identity(study_name: str, study: optuna.Study, identity: dict[str, Any
 
 def parse_tune_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = OneLineParser(
-        prog="python -m mtmoe tune", exit_on_error=False, formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="python -m mtmoe tune", formatter_class=argparse.RawDescriptionHelpFormatter,
         usage="%(prog)s --gate GATE --data DATA [options]\n"
               "           [--trainer.* ...] [--model.* ...] [--data.* ...] [--early_stopping.* ...]",
         description="The paper's random search: --trials configurations of a gate's search space, drawn once from "
@@ -370,6 +373,10 @@ def check_overrides(space: SearchSpace, configurations: list[dict], overrides: l
     Returns the study's settings (every non-neutral value the overrides change from the search space's run) and
     the task weight alpha in force (``None`` where the dataset weights its tasks equally).
     """
+    from mtmoe.run import build_run, translate_shortcuts
+    from mtmoe.run_settings import dataset_info, resolve_dataset_settings
+    from mtmoe.tuning.packs import resolve_capacity
+
     longest = max(range(len(configurations)), key=lambda i: configurations[i].get("model.perm_epochs") or 0)
     params = configurations[longest]
     with tempfile.TemporaryDirectory() as scratch:
@@ -405,10 +412,10 @@ def tune(argv: list[str]) -> None:
 
 
 def _tune(argv: list[str]) -> None:
-    quiet_libraries()
     args, overrides = parse_tune_args(argv)
-    translate_shortcuts(["--gate", args.gate, "--data", args.data])  # unknown names fail here, storage untouched
-    space = load_space(args.data, args.gate, args.space)
+    dataset_path(args.data)  # unknown names fail here, before Lightning is imported and the storage touched; a gate
+    space = load_space(args.data, args.gate, args.space)  # is unknown where the space has no section for it
+    quiet_libraries()
     trials = space.trials if args.trials is None else args.trials
     if trials < 1:
         raise UsageError(f"--trials must be >= 1, got {trials}")
