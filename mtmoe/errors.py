@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import argparse
+import difflib
+from collections.abc import Iterable
 
 
 class UsageError(ValueError):
@@ -22,3 +24,15 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         raise UsageError(f"{self.prog.removeprefix('python -m mtmoe ')}: {message}")
+
+
+def did_you_mean(given: str, options: Iterable[str]) -> str:
+    """``: did you mean --OPTION?`` for an unknown option ``given`` close to one of ``options`` (flags such as
+    ``--trainer.max_epochs``), else ``""``."""
+    given = given.partition("=")[0]
+    options = [option for option in options if option.startswith("--")]
+    longer = [option for option in options if option.startswith(given)]
+    close = longer if len(longer) == 1 else difflib.get_close_matches(given, options, n=1)
+    if not close:
+        return ""
+    return f": did you mean {close[0]}?" + (" (options are not abbreviated)" if close[0].startswith(given) else "")

@@ -46,7 +46,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from mtmoe.data import DATASETS, dataset_path
 from mtmoe.data.base import InMemoryDataModule
 from mtmoe.dataset_info import DatasetInfo
-from mtmoe.errors import TrainingDiverged, UsageError
+from mtmoe.errors import TrainingDiverged, UsageError, did_you_mean
 from mtmoe.files import write_atomic
 from mtmoe.gates import gate_class, list_gates
 from mtmoe.gates.base import no_plus_variant
@@ -368,7 +368,6 @@ def describe_parse_error(message: str, parser: Any, args: list[str]) -> str:
             return f"--{'.'.join(keys)} takes {wanted}, got {given.group(1) if given else 'another type'}"
     command = args[0] if args and args[0] in LIGHTNING_COMMANDS else None
     options = (parser._subcommands_action._name_parser_map[command] if command else parser)._option_string_actions
-    valid = [option.removeprefix("--") for option in options if option.startswith("--")]
     in_file = re.search(r"does not accept option '([^']+)'", message)
     if in_file:
         key, where = in_file.group(1), ""
@@ -378,16 +377,11 @@ def describe_parse_error(message: str, parser: Any, args: list[str]) -> str:
                     where = f" in {path}"
             except (OSError, yaml.YAMLError):
                 continue
-        close = difflib.get_close_matches(key, valid, n=1)
+        close = difflib.get_close_matches(key, [o.removeprefix("--") for o in options if o.startswith("--")], n=1)
         return (f"{command or 'the command'} has no setting {key!r}{where or ' (a --config file)'}"
                 + (f": did you mean {close[0]!r}?" if close else ""))
     unknown = re.search(r"nrecognized arguments: (--\S+)", message)
-    if unknown:
-        given = unknown.group(1).partition("=")[0].removeprefix("--")
-        close = difflib.get_close_matches(given, valid, n=1)
-        abbreviated = " (options are not abbreviated)" if close and close[0].startswith(given) else ""
-        return message + (f": did you mean --{close[0]}?{abbreviated}" if close else "")
-    return message
+    return message + (did_you_mean(unknown.group(1), options) if unknown else "")
 
 
 def checkpoint_dataset(args: list[str]) -> list[str]:

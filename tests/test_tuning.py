@@ -614,7 +614,7 @@ def test_optuna_dashboard_serves_the_trials(pg_study, tmp_path: Path) -> None:
                                                  "trainer.limit_train_batches": 5.0, "trainer.limit_val_batches": 2.0,
                                                  "trainer.max_epochs": 1}
         detail = get(f"/api/studies/{study['study_id']}")
-        assert detail["name"] == name and detail["objective_names"] == ["validation loss (best epoch)"]
+        assert detail["name"] == name and detail["objective_names"] == ["val_loss"]
         for space in ("union_search_space", "intersection_search_space"):
             assert sorted(entry["name"] for entry in detail[space]) == hyperparameters, space
         served = [t for t in detail["trials"] if t["state"] == "Complete"]

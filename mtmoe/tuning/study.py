@@ -44,7 +44,7 @@ import optuna
 from optuna.trial import TrialState
 
 from mtmoe.data import dataset_path
-from mtmoe.errors import OneLineParser, UsageError
+from mtmoe.errors import OneLineParser, UsageError, did_you_mean
 from mtmoe.tuning.space import SearchSpace, load_space
 from mtmoe.tuning.storage import (
     STUDIES_DIR,
@@ -78,7 +78,12 @@ NEUTRAL_SETTINGS = (
     "trainer.enable_autolog_hparams", "trainer.model_registry", "early_stopping.verbose",
     "early_stopping.log_rank_zero_only",
 )
-OBJECTIVE_NAME = "validation loss (best epoch)"
+#: The objective's name, an identifier: the validation task loss at the early-stopping best epoch, the column
+#: ``value_val_loss`` of ``study.trials_dataframe()`` and the axis of optuna-dashboard. A study named otherwise by an
+#: older mtmoe ("validation loss (best epoch)") takes this name when it is resumed.
+OBJECTIVE_NAME = "val_loss"
+#: The options ``tune`` passes to each trial's ``fit`` (a configuration file too).
+FIT_OPTIONS = ("--trainer", "--model", "--data.", "--early_stopping", "--config", "-c")
 
 
 class _QuietTrialLog(logging.Filter):
@@ -329,9 +334,23 @@ def parse_tune_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--log-dir", default=None,
                         help="per-trial logs (default: studies/runs/ under the current directory)")
     try:
-        return parser.parse_known_args(argv)
+        args, overrides = parser.parse_known_args(argv)
     except argparse.ArgumentError as error:
         raise UsageError(str(error)) from None
+    for arg in overrides:
+        flag = arg.partition("=")[0]
+        if arg.startswith("-") and not _is_number(arg) and not flag.startswith(FIT_OPTIONS):
+            raise UsageError(f"tune: unrecognized argument {flag}{did_you_mean(flag, parser._option_string_actions)}; "
+                             "the trials' fit options are --trainer.*, --model.*, --data.*, --early_stopping.*")
+    return args, overrides
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def pack_size(value: str | None) -> int | str:

@@ -24,7 +24,7 @@ import pandas as pd
 from optuna.trial import TrialState
 
 from mtmoe.data import DATASETS, dataset_path
-from mtmoe.errors import OneLineParser, UsageError
+from mtmoe.errors import OneLineParser, UsageError, did_you_mean
 from mtmoe.files import write_atomic
 from mtmoe.tuning.storage import STUDIES_DIR, display_url, open_storage
 
@@ -55,7 +55,8 @@ def parse_strict(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.N
     except argparse.ArgumentError as error:
         raise UsageError(str(error)) from None
     if extra:
-        raise UsageError(f"{parser.prog.rpartition(' ')[2]}: unrecognised arguments: {' '.join(extra)}")
+        raise UsageError(f"{parser.prog.rpartition(' ')[2]}: unrecognised arguments: {' '.join(extra)}"
+                         + did_you_mean(extra[0], parser._option_string_actions))
     for name in filter(None, (name.strip() for name in args.data.split(","))):
         dataset_path(name)
     return args
