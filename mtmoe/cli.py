@@ -17,6 +17,7 @@ from __future__ import annotations
 import sys
 from argparse import ArgumentError
 
+from mtmoe.data import DATASETS
 from mtmoe.errors import OneLineParser, TrainingDiverged, UsageError
 
 # Each command imports what it needs when it runs: help and the listings import neither Lightning nor Optuna's
@@ -59,16 +60,15 @@ def listing_parser(command: str) -> OneLineParser:
     return OneLineParser(prog=f"python -m mtmoe {command}", description=COMMANDS[command].capitalize() + ".")
 
 
-def searched_settings() -> dict[str, dict[str, list[str]]]:
-    """Per gate section of the packaged search spaces (``comet``, ``comet+``, ...): the settings it searches,
-    written ``lr, gate.gamma, ...``, -> the datasets whose space searches exactly those."""
+def searched_settings(datasets: list[str]) -> dict[str, dict[str, list[str]]]:
+    """Per gate section of the packaged search spaces of ``datasets`` (``comet``, ``comet+``, ...): the settings it
+    searches, written ``lr, gate.gamma, ...``, -> the datasets whose space searches exactly those."""
     import yaml
 
-    from mtmoe.data import DATASETS
     from mtmoe.tuning.space import _distribution, space_file
 
     searched: dict[str, dict[str, list[str]]] = {}
-    for data in DATASETS:
+    for data in datasets:
         path = space_file(data)
         for gate, section in (yaml.safe_load(path.read_text()).get("gates") or {}).items():
             keys = [key.removeprefix("model.") for key, spec in (section or {}).items()
@@ -77,11 +77,14 @@ def searched_settings() -> dict[str, dict[str, list[str]]]:
     return searched
 
 
-def print_gates() -> None:
+def print_gates(data: str | None) -> None:
+    """The gates and what ``tune`` searches for each: in ``data``'s search space, else in every dataset's (the
+    datasets named where their spaces differ)."""
     from mtmoe.data import DATASETS
     from mtmoe.gates import gate_class, list_gates
 
-    searched = searched_settings()
+    datasets = [data] if data else list(DATASETS)
+    searched = searched_settings(datasets)
     rows = []
     for name in list_gates():
         cls = gate_class(name)
@@ -89,21 +92,21 @@ def print_gates() -> None:
         for variant in (name, f"{name}+"):
             if variant == name or variant in searched:
                 by_space = searched.get(variant, {})
-                missing = [d for d in DATASETS if not any(d in datasets for datasets in by_space.values())]
+                missing = [d for d in datasets if not any(d in names for names in by_space.values())]
                 groups = [keys if len(by_space) == 1 and not missing else f"{keys} ({', '.join(datasets)})"
                           for keys, datasets in by_space.items()]
                 groups += [f"no search space ({', '.join(missing)})"] if missing else []
                 rows.append((variant, kind, f"{cls.__module__}.{cls.__qualname__}", "; ".join(groups)))
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    where = (f"on {data} (mtmoe/tuning/spaces/{data}.yaml" if data else
+             "on every dataset unless named (mtmoe/tuning/spaces/<dataset>.yaml; --data NAME: one dataset")
     print(f"{'gate':<{widths[0]}}  {'kind':<{widths[1]}}  {'class':<{widths[2]}}  "
-          "searched by tune (mtmoe/tuning/spaces/<dataset>.yaml; model.* settings)")
+          f"searched by tune {where}; model.* settings)")
     for row in rows:
         print("  ".join(f"{cell:<{width}}" for cell, width in zip(row, widths)) + f"  {row[3]}")
 
 
 def print_datasets() -> None:
-    from mtmoe.data import DATASETS
-
     width = max(map(len, DATASETS))
     print("\n".join(f"{name:<{width}}  {path}" for name, path in sorted(DATASETS.items())))
 
@@ -130,12 +133,14 @@ def main(argv: list[str] | None = None) -> None:
             from mtmoe.tuning.bootstrap_report import bootstrap
 
             bootstrap(args)
-        elif command in ("gates", "datasets"):
+        elif command == "gates":
+            parser = listing_parser(command)
+            parser.add_argument("--data", choices=sorted(DATASETS), metavar="NAME",
+                                help="list what this dataset's search space tunes (default: every dataset's)")
+            print_gates(parser.parse_args(args).data)
+        elif command == "datasets":
             listing_parser(command).parse_args(args)
-            if command == "gates":
-                print_gates()
-            else:
-                print_datasets()
+            print_datasets()
         elif command in ("fit", "validate", "test"):
             from mtmoe.run import run_lightning
 

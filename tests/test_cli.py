@@ -105,6 +105,15 @@ def test_gates_shows_what_each_search_space_tunes(capsys) -> None:
     assert "competesmoe+" not in rows and "softmax" in rows
 
 
+def test_gates_says_whose_search_space_it_lists(capsys) -> None:
+    assert run_cli(["gates", "--data", "movielens"]) == 0
+    header, *rows = capsys.readouterr().out.splitlines()
+    assert "searched by tune on movielens (mtmoe/tuning/spaces/movielens.yaml; model.* settings)" in header
+    assert not any("(" in row.split("  ")[-1] for row in rows)  # one dataset: no per-dataset groups
+    assert run_cli(["gates"]) == 0
+    assert "searched by tune on every dataset unless named" in capsys.readouterr().out.splitlines()[0]
+
+
 def test_print_config_shows_the_values_in_force(tiny_root: Path, capsys) -> None:
     assert run_cli(fit(tiny_root, "--print_config")) == 0
     config = yaml.safe_load(capsys.readouterr().out)
@@ -245,6 +254,7 @@ ANSWERED_WITHOUT_TORCH = {  # argv -> exit code, the error line's text (None: no
     ("gates", "--help"): (0, None),
     ("datasets", "--help"): (0, None),
     ("datasets",): (0, None),
+    ("gates", "--data", "nope"): (2, "argument --data: invalid choice: 'nope'"),
     ("predict",): (2, "unknown command 'predict'"),
     ("report", "--data", "nope"): (2, "unknown dataset 'nope'; valid datasets: books, celeba"),
     ("bootstrap", "--data", "movielens,nope"): (2, "unknown dataset 'nope'"),
