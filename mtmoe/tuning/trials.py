@@ -23,7 +23,7 @@ import optuna
 import pandas as pd
 from optuna.trial import TrialState
 
-from mtmoe.data import DATASETS, dataset_path
+from mtmoe.data import DATASETS
 from mtmoe.errors import OneLineParser, UsageError, did_you_mean
 from mtmoe.files import write_atomic
 from mtmoe.tuning.storage import STUDIES_DIR, display_url, open_storage
@@ -48,8 +48,7 @@ def studies_parser(command: str, description: str) -> argparse.ArgumentParser:
 
 
 def parse_strict(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
-    """Parse ``argv``; a bad or unknown flag, or an unknown dataset in ``--data`` (a comma-separated list), is a
-    one-line UsageError, answered before the storage is opened."""
+    """Parse ``argv``; a bad or unknown flag is a one-line UsageError naming the closest option."""
     try:
         args, extra = parser.parse_known_args(argv)
     except argparse.ArgumentError as error:
@@ -57,8 +56,6 @@ def parse_strict(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.N
     if extra:
         raise UsageError(f"{parser.prog.rpartition(' ')[2]}: unrecognised arguments: {' '.join(extra)}"
                          + did_you_mean(extra[0], parser._option_string_actions))
-    for name in filter(None, (name.strip() for name in args.data.split(","))):
-        dataset_path(name)
     return args
 
 
