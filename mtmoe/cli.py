@@ -10,16 +10,18 @@ table of results on the terminal and the same results as ``results.json`` next t
 Bad input (unknown names, out-of-range settings, missing data files) prints one ``error:`` line and exits with
 code 2; a fit that diverged writes its results, prints one ``error:`` line and exits with code 1. Ctrl-C and SIGTERM
 stop every command alike (:mod:`mtmoe.interrupts`): one ``error: interrupted`` line saying what was kept and how
-to go on, exit code 130 (Ctrl-C) or 143 (SIGTERM).
+to go on, exit code 130 (Ctrl-C) or 143 (SIGTERM). Lightning's account of the seed and the hardware
+(``Seed set to 0``, ``GPU available: ...``) is shown only with ``MTMOE_VERBOSE=1`` in the environment
+(:data:`VERBOSE`).
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from argparse import ArgumentError
 
 from mtmoe import interrupts
-from mtmoe.errors import TrainingDiverged, UsageError
+from mtmoe.data import DATASETS
+from mtmoe.errors import OneLineParser, TrainingDiverged, UsageError
 from mtmoe.gate_names import plus_variant
 
 # Each command imports what it needs when it runs: help and the listings import neither Lightning nor Optuna's
@@ -42,31 +44,35 @@ def usage() -> str:
     lines = ["usage: python -m mtmoe COMMAND [OPTIONS]", "",
              "Sparse mixture-of-experts gates in multi-task models: train, evaluate, tune, report.", "", "commands:"]
     lines += [f"  {name:<{width}}  {summary}" for name, summary in COMMANDS.items()]
-    lines += ["", "python -m mtmoe COMMAND --help describes a command's options."]
+    lines += ["", "python -m mtmoe COMMAND --help describes a command's options; python -m mtmoe --version prints "
+              "the version.", "MTMOE_VERBOSE=1 in the environment also shows Lightning's account of the seed and "
+              "the hardware (Seed set to 0, GPU available: ...)."]
     return "\n".join(lines)
 
 
-class OneLineParser(argparse.ArgumentParser):
-    """An argparse parser whose errors are :class:`UsageError` (one line, exit code 2), not usage and exit."""
+def version() -> str:
+    """The installed distribution's version (pyproject.toml's)."""
+    from importlib.metadata import PackageNotFoundError, version as installed_version
 
-    def error(self, message: str):
-        raise UsageError(f"{self.prog.removeprefix('python -m mtmoe ')}: {message}")
+    try:
+        return installed_version("mtmoe")
+    except PackageNotFoundError:
+        return "(not installed: pip install the checkout to give it a version)"
 
 
 def listing_parser(command: str) -> OneLineParser:
     return OneLineParser(prog=f"python -m mtmoe {command}", description=COMMANDS[command].capitalize() + ".")
 
 
-def searched_settings() -> dict[str, dict[str, list[str]]]:
-    """Per gate section of the packaged search spaces (``comet``, ``comet+``, ...): the settings it searches,
-    written ``lr, gate.gamma, ...``, -> the datasets whose space searches exactly those."""
+def searched_settings(datasets: list[str]) -> dict[str, dict[str, list[str]]]:
+    """Per gate section of the packaged search spaces of ``datasets`` (``comet``, ``comet+``, ...): the settings it
+    searches, written ``lr, gate.gamma, ...``, -> the datasets whose space searches exactly those."""
     import yaml
 
-    from mtmoe.data import DATASETS
     from mtmoe.tuning.space import _distribution, space_file
 
     searched: dict[str, dict[str, list[str]]] = {}
-    for data in DATASETS:
+    for data in datasets:
         path = space_file(data)
         for gate, section in (yaml.safe_load(path.read_text()).get("gates") or {}).items():
             keys = [key.removeprefix("model.") for key, spec in (section or {}).items()
@@ -75,11 +81,14 @@ def searched_settings() -> dict[str, dict[str, list[str]]]:
     return searched
 
 
-def print_gates() -> None:
+def print_gates(data: str | None) -> None:
+    """The gates and what ``tune`` searches for each: in ``data``'s search space, else in every dataset's (the
+    datasets named where their spaces differ)."""
     from mtmoe.data import DATASETS
     from mtmoe.gates import gate_class, list_gates
 
-    searched = searched_settings()
+    datasets = [data] if data else list(DATASETS)
+    searched = searched_settings(datasets)
     rows = []
     for name in list_gates():
         cls = gate_class(name)
@@ -87,21 +96,21 @@ def print_gates() -> None:
         for variant in (name, plus_variant(name)):
             if variant == name or variant in searched:
                 by_space = searched.get(variant, {})
-                missing = [d for d in DATASETS if not any(d in datasets for datasets in by_space.values())]
+                missing = [d for d in datasets if not any(d in names for names in by_space.values())]
                 groups = [keys if len(by_space) == 1 and not missing else f"{keys} ({', '.join(datasets)})"
                           for keys, datasets in by_space.items()]
                 groups += [f"no search space ({', '.join(missing)})"] if missing else []
                 rows.append((variant, kind, f"{cls.__module__}.{cls.__qualname__}", "; ".join(groups)))
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    where = (f"on {data} (mtmoe/tuning/spaces/{data}.yaml" if data else
+             "on every dataset unless named (mtmoe/tuning/spaces/<dataset>.yaml; --data NAME: one dataset")
     print(f"{'gate':<{widths[0]}}  {'kind':<{widths[1]}}  {'class':<{widths[2]}}  "
-          "searched by tune (mtmoe/tuning/spaces/<dataset>.yaml; model.* settings)")
+          f"searched by tune {where}; model.* settings)")
     for row in rows:
         print("  ".join(f"{cell:<{width}}" for cell, width in zip(row, widths)) + f"  {row[3]}")
 
 
 def print_datasets() -> None:
-    from mtmoe.data import DATASETS
-
     width = max(map(len, DATASETS))
     print("\n".join(f"{name:<{width}}  {path}" for name, path in sorted(DATASETS.items())))
 
@@ -112,6 +121,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if not argv or argv[0] in ("-h", "--help"):
             print(usage())
+            return
+        if argv[0] == "--version":
+            print(f"mtmoe {version()}")
             return
         command, args = argv[0], argv[1:]
         if command == "tune":
@@ -126,12 +138,14 @@ def main(argv: list[str] | None = None) -> None:
             from mtmoe.tuning.bootstrap_report import bootstrap
 
             bootstrap(args)
-        elif command in ("gates", "datasets"):
+        elif command == "gates":
+            parser = listing_parser(command)
+            parser.add_argument("--data", choices=sorted(DATASETS), metavar="NAME",
+                                help="list what this dataset's search space tunes (default: every dataset's)")
+            print_gates(parser.parse_args(args).data)
+        elif command == "datasets":
             listing_parser(command).parse_args(args)
-            if command == "gates":
-                print_gates()
-            else:
-                print_datasets()
+            print_datasets()
         elif command in ("fit", "validate", "test"):
             from mtmoe.run import run_lightning
 

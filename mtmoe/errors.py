@@ -1,4 +1,9 @@
 """User-facing errors: one clear line and an exit code, no traceback (see ``mtmoe.cli``)."""
+from __future__ import annotations
+
+import argparse
+import difflib
+from collections.abc import Iterable
 
 
 class UsageError(ValueError):
@@ -7,3 +12,27 @@ class UsageError(ValueError):
 
 class TrainingDiverged(RuntimeError):
     """A ``fit`` whose loss turned NaN or infinite: its results are written, then ``error: <message>``, exit 1."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An argparse parser of the command line's argparse commands: every parse error (a missing required flag too,
+    which ``exit_on_error=False`` does not cover before Python 3.12) is a one-line :class:`UsageError`, and an
+    abbreviated option (``--max`` for ``--max-budget``) is refused, not expanded."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **{"exit_on_error": False, "allow_abbrev": False, **kwargs})
+
+    def error(self, message: str):
+        raise UsageError(f"{self.prog.removeprefix('python -m mtmoe ')}: {message}")
+
+
+def did_you_mean(given: str, options: Iterable[str]) -> str:
+    """``: did you mean --OPTION?`` for an unknown option ``given`` close to one of ``options`` (flags such as
+    ``--trainer.max_epochs``), else ``""``."""
+    given = given.partition("=")[0]
+    options = [option for option in options if option.startswith("--")]
+    longer = [option for option in options if option.startswith(given)]
+    close = longer if len(longer) == 1 else difflib.get_close_matches(given, options, n=1)
+    if not close:
+        return ""
+    return f": did you mean {close[0]}?" + (" (options are not abbreviated)" if close[0].startswith(given) else "")

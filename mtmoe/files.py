@@ -17,8 +17,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO
 
-import torch
-
 
 def _umask() -> int:
     """The process's umask, read without changing it where Linux shows it (``os.umask`` sets it: a race with
@@ -133,6 +131,8 @@ class _KeepWriteError:
 
 def save_torch_atomic(obj: Any, path: str | Path) -> None:
     """``torch.save(obj)`` to ``path`` atomically; a failed write (a full disk) raises its OSError."""
+    import torch  # here: the reports' writers (write_atomic) are imported by commands that need no torch
+
     with atomic_path(path) as tmp, open(tmp, "wb") as handle:
         writer = _KeepWriteError(handle)
         try:

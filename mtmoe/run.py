@@ -19,9 +19,13 @@ built, so ``--print_config``, the run's ``config.yaml`` and its checkpoints show
 """
 from __future__ import annotations
 
+import argparse
 import copy
+import difflib
 import json
 import logging
+import os
+import re
 import sys
 import warnings
 from argparse import ArgumentError
@@ -32,18 +36,19 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import yaml
 from jsonargparse import Namespace
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from mtmoe.data import DATASETS
+from mtmoe.data import DATASETS, dataset_path
 from mtmoe.data.base import InMemoryDataModule
 from mtmoe.dataset_info import DatasetInfo
-from mtmoe.errors import TrainingDiverged, UsageError
+from mtmoe.errors import TrainingDiverged, UsageError, did_you_mean
 from mtmoe.files import write_atomic
-from mtmoe.gates import PLUS_PERM_EPOCHS, parse_gate_name
+from mtmoe.gates import PLUS_PERM_EPOCHS, gate_class, list_gates, parse_gate_name
 from mtmoe.interrupts import Interrupted
 from mtmoe.lit.module import MultiTaskMoE
 from mtmoe.lit.outputs import AtomicCheckpointIO, RunCheckpoint, RunLogger, run_checkpoints
@@ -54,7 +59,11 @@ from mtmoe.run_settings import (
 
 LIGHTNING_COMMANDS = ("fit", "validate", "test")
 SHORTCUTS = """Shortcuts: --gate NAME selects a registered gate (python -m mtmoe gates; NAME+ adds permutation local
-search, --model.perm_epochs 5 unless given) and --data NAME a dataset (python -m mtmoe datasets)."""
+search, --model.perm_epochs 5 unless given) and --data NAME a dataset (python -m mtmoe datasets). Lightning's
+account of the seed and the hardware (Seed set to 0, GPU available: ...) is shown with MTMOE_VERBOSE=1 in the
+environment."""
+#: Lightning's info lines about the seed and the hardware: shown only with ``MTMOE_VERBOSE=1`` in the environment.
+LIGHTNING_ACCOUNT = ("Seed set to ", "GPU available: ", "TPU available: ", "HPU available: ", "LOCAL_RANK: ")
 DESCRIPTIONS = {
     "fit": "Train a gate on a dataset with Adam to early stopping on val/loss, restore the best epoch's weights and "
            "test them; their validation (at that epoch) and test results are printed and written as results.json in "
@@ -69,14 +78,18 @@ DESCRIPTIONS = {
 }
 
 
-def _no_tip(record: logging.LogRecord) -> bool:
-    return not record.getMessage().startswith("💡 Tip")
+def _shown(record: logging.LogRecord) -> bool:
+    message = record.getMessage()
+    verbose = os.environ.get("MTMOE_VERBOSE", "") not in ("", "0")
+    return not message.startswith("💡 Tip") and (verbose or not any(text in message for text in LIGHTNING_ACCOUNT))
 
 
 def quiet_lightning() -> None:
-    """Drop what says nothing about the run: Lightning's adverts for its other products, a deprecation inside
-    Lightning, and the ``log_every_n_steps`` warning (every metric here is logged per epoch)."""
-    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_no_tip)
+    """Drop what says nothing about the run: Lightning's adverts for its other products, its account of the seed
+    and the hardware (unless ``MTMOE_VERBOSE=1``), a deprecation inside Lightning, and the ``log_every_n_steps``
+    warning (every metric here is logged per epoch)."""
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.seed"):
+        logging.getLogger(name).addFilter(_shown)
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
     warnings.filterwarnings("ignore", message=r"The number of training batches .* is smaller than the logging")
 
@@ -100,10 +113,21 @@ class MTMoECLI(LightningCLI):
         parser.link_arguments("data.info", "model.info", apply_on="instantiate")
         parser.add_class_arguments(EarlyStopping, "early_stopping", help="Early stopping on the validation loss, "
                                    "Keras' EarlyStopping(patience, min_delta, restore_best_weights=True)")
+        gates = ", ".join(f"{name}{'[+]' if gate_class(name).permutable else ''}" for name in list_gates())
+        parser.add_argument_group("shortcuts").add_argument(
+            "--gate", action=Shortcut, metavar="NAME",
+            help=f"a registered gate, one of {gates} (python -m mtmoe gates); NAME+ adds permutation local search "
+                 "(--model.perm_epochs 5 unless given). Sets --model.gate.")
+        parser._option_string_actions["--data"].help = (
+            f"NAME: a registered dataset, one of {', '.join(sorted(DATASETS))} (python -m mtmoe datasets); or a "
+            "DataModule's class path, or a config. Its arguments: --data.ARG VALUE.")
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         self.named = {arg[2:].partition("=")[0] for arg in args if arg.startswith("--")}
-        super().parse_arguments(parser, args)
+        try:
+            super().parse_arguments(parser, args)
+        except ArgumentError as error:
+            raise UsageError(describe_parse_error(str(error), parser, args)) from None
 
     def _parse_ckpt_path(self) -> None:
         """Read ``--ckpt_path``'s checkpoint (a bad file is one error line) and keep the model settings as given;
@@ -176,8 +200,9 @@ class MTMoECLI(LightningCLI):
         max_epochs = self.trainer.max_epochs
         if search is not None and max_epochs not in (None, -1) and search.epochs > max_epochs:
             raise UsageError(
-                f"perm_epochs={search.epochs} is longer than the run (--trainer.max_epochs={max_epochs}); "
-                "the permutation would never be rounded and frozen"
+                f"perm_epochs={search.epochs} is longer than the run (--trainer.max_epochs={max_epochs}): the "
+                f"permutation would never be rounded and frozen; pass --model.perm_epochs {max_epochs} or less, or "
+                f"--trainer.max_epochs {search.epochs} or more"
             )
         model.stopping = self._get(self.config_init, "early_stopping")
         with self.run_folder():
@@ -290,6 +315,103 @@ def format_results(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+class Shortcut(argparse.Action):
+    """A shortcut in the options list (``--gate NAME``): :func:`translate_shortcuts` replaces it before parsing."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, argparse.SUPPRESS, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: str | None = None) -> None:
+        raise ArgumentError(self, "is translated before parsing")
+
+
+def _type_names(text: str) -> list[str]:
+    """jsonargparse's rendering of a type as words: ``<class 'int'>`` -> ``int``, ``NoneType`` -> ``null``, a
+    ``Literal[...]``'s members as themselves."""
+    text = text.strip()
+    if text.startswith(("Literal[", "typing.Literal[")):
+        return [member.strip("'\"") for member in _top_level_items(text[text.index("[") + 1:-1])]
+    name = re.sub(r"<class '(?:[\w.]+\.)?(\w+)'>", r"\1", text).replace("typing.", "")
+    return ["null" if name == "NoneType" else name]
+
+
+def _top_level_items(text: str) -> list[str]:
+    """``a, b[c, d], e`` -> ``[a, b[c, d], e]``."""
+    items, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        depth += {"[": 1, "(": 1, "]": -1, ")": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            items.append(text[start:i])
+            start = i + 1
+    return [item.strip() for item in items + [text[start:]]]
+
+
+def _config_files(args: list[str]) -> list[str]:
+    files = []
+    for i, arg in enumerate(args):
+        flag, eq, value = arg.partition("=")
+        if flag in ("--config", "-c"):
+            files.append(value if eq else (args[i + 1] if i + 1 < len(args) else ""))
+    return files
+
+
+def _keys(document: Any, prefix: str = "") -> set[str]:
+    """The dotted keys of a configuration file's mapping (``trainer.max_epochs``, ...)."""
+    if not isinstance(document, dict):
+        return set()
+    found = set()
+    for key, value in document.items():
+        found |= {f"{prefix}{key}"} | _keys(value, f"{prefix}{key}.")
+    return found
+
+
+def describe_parse_error(message: str, parser: Any, args: list[str]) -> str:
+    """jsonargparse's parse error as one line: a value of the wrong type names the key and the types it takes; an
+    unknown option (on the command line or in a ``--config`` file, then named) its closest valid key."""
+    message = " ".join(message.split())
+    keys = re.findall(r'Parser key "([^"]+)"', message)
+    if keys:  # a value of the wrong type: the innermost key (model.gate -> k), the types it takes, the value given
+        innermost = message.rsplit('Parser key "', 1)[1]
+        union = re.search(r"Subtypes: \[(.*?)\] Errors:", innermost)
+        single = re.search(r"Expected a (<class '[\w.]+'>)", innermost)
+        given = re.search(r"(?:Given|Got) value: (.*?)(?:\. Got value:|$)", innermost)
+        if union or single:
+            types = list(dict.fromkeys(name for item in (_top_level_items(union.group(1)) if union else
+                                                          [single.group(1)]) for name in _type_names(item)))
+            wanted = " or ".join(types) if len(types) < 4 else f"one of {', '.join(types)}"
+            return f"--{'.'.join(keys)} takes {wanted}, got {given.group(1) if given else 'another type'}"
+    command = args[0] if args and args[0] in LIGHTNING_COMMANDS else None
+    options = (parser._subcommands_action._name_parser_map[command] if command else parser)._option_string_actions
+    in_file = re.search(r"does not accept option '([^']+)'", message)
+    if in_file:
+        key, where = in_file.group(1), ""
+        for path in _config_files(args):
+            try:
+                if key in _keys(yaml.safe_load(Path(path).read_text())):
+                    where = f" in {path}"
+            except (OSError, yaml.YAMLError):
+                continue
+        close = difflib.get_close_matches(key, [o.removeprefix("--") for o in options if o.startswith("--")], n=1)
+        return (f"{command or 'the command'} has no setting {key!r}{where or ' (a --config file)'}"
+                + (f": did you mean {close[0]!r}?" if close else ""))
+    unknown = re.search(r"nrecognized arguments: (--\S+)", message)
+    return message + (did_you_mean(unknown.group(1), options) if unknown else "")
+
+
+def checkpoint_dataset(args: list[str]) -> list[str]:
+    """``validate``/``test`` of a ``--ckpt_path`` without ``--data`` (or a ``--config``): the checkpoint's dataset,
+    as ``--data`` right after the command (so that any later ``--data.*`` applies to it)."""
+    if not args or args[0] not in ("validate", "test"):
+        return args
+    flags = [arg.partition("=")[0] for arg in args]
+    if "--data" in flags or "--config" in flags or "-c" in flags or "--ckpt_path" not in flags:
+        return args
+    i = flags.index("--ckpt_path")
+    path = args[i].partition("=")[2] if "=" in args[i] else (args[i + 1] if i + 1 < len(args) else "")
+    dataset = read_checkpoint(path).get("dataset")
+    return args if dataset not in DATASETS else [args[0], f"--data={DATASETS[dataset]}", *args[1:]]
+
+
 def translate_shortcuts(argv: list[str]) -> list[str]:
     """``--gate NAME`` -> ``--model.gate CLASS``, ``--data NAME`` -> ``--data CLASS``; unknown names fail here, and
     so does ``--model.perm_epochs`` with a gate named without "+" (it would make the "+" variant)."""
@@ -312,9 +434,7 @@ def translate_shortcuts(argv: list[str]) -> list[str]:
             if plus and not perm_epochs:
                 out.append(f"--model.perm_epochs={PLUS_PERM_EPOCHS}")
         elif flag == "--data" and "." not in value:
-            if value not in DATASETS:
-                raise UsageError(f"unknown dataset {value!r}; valid datasets: {', '.join(sorted(DATASETS))}")
-            out.append(f"--data={DATASETS[value]}")
+            out.append(f"--data={dataset_path(value)}")
         elif flag == "--data":
             out.append(f"--data={value}")
         else:
@@ -326,7 +446,7 @@ def translate_shortcuts(argv: list[str]) -> list[str]:
 def _cli(argv: list[str], run: bool) -> MTMoECLI:
     """The ``MTMoECLI`` of ``argv`` (shortcuts allowed); ``run=True`` runs its subcommand, ``False`` only builds."""
     quiet_lightning()
-    args = translate_shortcuts(argv)
+    args = checkpoint_dataset(translate_shortcuts(argv))
     print_config = next((a.partition("=")[2] for a in args if a.partition("=")[0] == "--print_config"), None)
     if not any(a.partition("=")[0] in ("--data", "--config", "-c") for a in args):
         print_config = None  # no dataset, no values of its to fill in: jsonargparse prints the template as it is
@@ -346,8 +466,9 @@ def _cli(argv: list[str], run: bool) -> MTMoECLI:
                            "init_args": {"save_dir": "runs"}},
             },
             save_config_kwargs={"overwrite": True},
-            parser_kwargs={"exit_on_error": False, "prog": "python -m mtmoe",
-                           **{c: {"exit_on_error": False, "description": DESCRIPTIONS[c]} for c in LIGHTNING_COMMANDS}},
+            parser_kwargs={"exit_on_error": False, "allow_abbrev": False, "prog": "python -m mtmoe",
+                           **{c: {"exit_on_error": False, "allow_abbrev": False, "description": DESCRIPTIONS[c]}
+                              for c in LIGHTNING_COMMANDS}},
             auto_configure_optimizers=False,
         )
     finally:

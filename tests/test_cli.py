@@ -90,7 +90,7 @@ def test_a_fit_prints_its_progress_results_and_no_adverts(tiny_root: Path, tmp_p
     assert "topk on movielens-100k: val and test of epoch 0's weights" in proc.stdout
     for noise in ("Tip", "litlogger", "LeafSpec", "log_every_n_steps", "Warning"):
         assert noise not in proc.stderr, noise
-    assert "GPU available: " in proc.stderr  # Lightning's account of the hardware stays
+    assert "GPU available" not in proc.stderr and "Seed set" not in proc.stderr  # MTMOE_VERBOSE=1 shows them
 
 
 # ---------------------------------------------------------------------------------------- 14.8: small truths
@@ -103,6 +103,15 @@ def test_gates_shows_what_each_search_space_tunes(capsys) -> None:
     assert rows["topk+"].endswith("lr, perm_epochs")
     assert rows["comet"].endswith("lr, gate.gamma, gate.entropy_reg")
     assert "competesmoe+" not in rows and "softmax" in rows
+
+
+def test_gates_says_whose_search_space_it_lists(capsys) -> None:
+    assert run_cli(["gates", "--data", "movielens"]) == 0
+    header, *rows = capsys.readouterr().out.splitlines()
+    assert "searched by tune on movielens (mtmoe/tuning/spaces/movielens.yaml; model.* settings)" in header
+    assert not any("(" in row.split("  ")[-1] for row in rows)  # one dataset: no per-dataset groups
+    assert run_cli(["gates"]) == 0
+    assert "searched by tune on every dataset unless named" in capsys.readouterr().out.splitlines()[0]
 
 
 def test_print_config_shows_the_values_in_force(tiny_root: Path, capsys) -> None:
@@ -173,3 +182,126 @@ def test_a_diverged_fit_says_so_and_exits_1(tiny_root: Path, capsys) -> None:
     results = json.loads(next(Path("runs").rglob("results.json")).read_text())
     assert line.startswith(f"error: the fit diverged ({results['diverged']})") and "loss nan at epoch 0" in line
     assert "best_epoch" not in results and not list(Path("runs").rglob("best.ckpt"))
+
+
+# ----------------------------------------------------------------------- 22.4, 22.5: bad input, one short line
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--model.gate.k=2.5"], "error: --model.gate.k takes int or null, got 2.5"),
+    (["--seed_everything=abc"], "error: --seed_everything takes bool or int, got abc"),
+    (["--model.keras_init=maybe"], "error: --model.keras_init takes bool, got maybe"),
+    (["--trainer.max_epoch=2"], "did you mean --trainer.max_epochs? (options are not abbreviated)"),
+])
+def test_a_bad_value_or_option_names_the_key_in_one_line(tiny_root: Path, extra: list[str], message: str,
+                                                        capsys) -> None:
+    assert run_cli(fit(tiny_root, *extra)) == 2
+    line = one_error_line(capsys)
+    assert message in line and len(line) < 160, line
+    assert not Path("runs").exists()
+
+
+def test_an_unknown_key_of_a_config_file_names_the_file_and_the_closest_key(tiny_root: Path, capsys) -> None:
+    Path("run.yaml").write_text("trainer:\n  max_epochz: 3\n")
+    assert run_cli(fit(tiny_root, "--config=run.yaml")) == 2
+    assert "no setting 'trainer.max_epochz' in run.yaml: did you mean 'trainer.max_epochs'?" in one_error_line(capsys)
+
+
+def test_the_version(capsys) -> None:
+    from importlib.metadata import version
+
+    assert run_cli(["--version"]) == 0
+    assert capsys.readouterr().out == f"mtmoe {version('mtmoe')}\n"
+
+
+@pytest.mark.integration
+def test_lightnings_seed_and_hardware_lines_only_when_verbose(tiny_root: Path, tmp_path: Path) -> None:
+    """A window longer than the run: one line with the fix, no ``Seed set``/``GPU available`` before it unless
+    MTMOE_VERBOSE=1."""
+    args = [sys.executable, "-m", "mtmoe", *fit(tiny_root, "--trainer.max_epochs=2", gate="comet+")]
+    for verbose in ("0", "1"):
+        proc = subprocess.run(args, capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                              env={**os.environ, "PYTHONPATH": str(CHECKOUT), "MTMOE_VERBOSE": verbose})
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr
+        lines = proc.stderr.splitlines()
+        assert lines[-1] == ("error: perm_epochs=5 is longer than the run (--trainer.max_epochs=2): the permutation "
+                             "would never be rounded and frozen; pass --model.perm_epochs 2 or less, or "
+                             "--trainer.max_epochs 5 or more")
+        if verbose == "0":
+            assert len(lines) == 1, lines
+        else:
+            assert any(line.startswith("Seed set to 0") for line in lines)
+            assert any(line.startswith("GPU available: ") for line in lines)
+
+
+def test_test_takes_the_dataset_from_the_checkpoint(tiny_root: Path, capsys) -> None:
+    assert run_cli(fit(tiny_root, "--trainer.limit_train_batches=2")) == 0
+    best = next(Path("runs").rglob("best.ckpt"))
+    capsys.readouterr()
+    assert run_cli(["test", f"--ckpt_path={best}", f"--data.root={tiny_root}", *FAST[:2]]) == 0
+    assert f"topk on movielens-100k: test of the weights of {best}" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------------ 22.8: help that answers at once
+
+
+ANSWERED_WITHOUT_TORCH = {  # argv -> exit code, the error line's text (None: no error)
+    ("--help",): (0, None),
+    ("--version",): (0, None),
+    ("report", "--help"): (0, None),
+    ("bootstrap", "--help"): (0, None),
+    ("tune", "--help"): (0, None),
+    ("gates", "--help"): (0, None),
+    ("datasets", "--help"): (0, None),
+    ("datasets",): (0, None),
+    ("gates", "--data", "nope"): (2, "argument --data: invalid choice: 'nope'"),
+    ("predict",): (2, "unknown command 'predict'"),
+    ("report", "--data", "nope"): (2, "no study storage at "),
+    ("bootstrap", "--data", "nope"): (2, "no study storage at "),
+    ("report", "--data", "movielens", "--storag", "x"): (2, "did you mean --storage? (options are not abbreviated)"),
+    ("bootstrap", "--data", "movielens", "--max", "3"): (2, "did you mean --max-budget?"),
+    ("tune", "--gate", "nope", "--data", "movielens"): (2, "no section for gate 'nope' (sections: softmax, hash,"),
+    ("tune", "--gate", "topk", "--data", "nope"): (2, "unknown dataset 'nope'"),
+    ("tune", "--gate", "topk", "--data", "movielens", "--tri", "3"): (2, "did you mean --trials?"),
+}
+
+
+@pytest.mark.integration
+def test_help_and_errors_that_need_no_model_import_no_torch(tmp_path: Path) -> None:
+    """Every help but fit's and every error that needs no model answers before torch is imported (what made
+    `report --help` take seconds): one interpreter runs them all, then looks for torch."""
+    code = f"""
+import contextlib, io, json, sys
+from mtmoe.cli import main
+answers = []
+for argv in {[list(argv) for argv in ANSWERED_WITHOUT_TORCH]!r}:
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        try:
+            main(argv)
+            code = 0
+        except SystemExit as exit_:
+            code = exit_.code or 0
+    answers.append([code, err.getvalue()])
+print(json.dumps({{"answers": answers, "imported": [m for m in ("torch", "lightning") if m in sys.modules]}}))
+"""
+    proc = python(code, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.splitlines()[-1])
+    for (argv, (code, text)), (got, err) in zip(ANSWERED_WITHOUT_TORCH.items(), result["answers"]):
+        assert got == code, (argv, err)
+        if text is None:
+            assert err == "", (argv, err)
+        else:
+            assert err.count("\n") == 1 and err.startswith("error: ") and text in err, (argv, err)
+    assert result["imported"] == []
+
+
+def test_fit_help_lists_the_shortcuts_with_their_choices(capsys) -> None:
+    assert run_cli(["fit", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "shortcuts: --gate NAME a registered gate, one of comet[+], competesmoe, competesmoe-v2," in out
+    assert "NAME: a registered dataset, one of books, celeba, digits, jester, movielens, movielens-100k," in out
+    for name in ("n_experts", "embedding_dim", "expert_units", "tower_units", "expert_dropout"):
+        description = out.split(f"--model.{name} {name.upper()} ", 1)[1]
+        assert not description.startswith("(type:"), name  # a description before the type

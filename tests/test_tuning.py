@@ -488,7 +488,7 @@ def file_digest(path: Path) -> str | None:
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"gate": "nope"}, "unknown gate 'nope'"),
+        ({"gate": "nope"}, "no section for gate 'nope'"),
         ({"data": "nope"}, "unknown dataset 'nope'"),
         ({"space": BASE_SPACE.replace("model.gate.gamma:", "model.gate.gama:")}, "unknown key 'model.gate.gama'"),
         ({"space": BASE_SPACE.replace("[0.01, 0.1, 1, 5, 10]", "[]")}, "choice needs a non-empty list"),
@@ -615,7 +615,7 @@ def test_optuna_dashboard_serves_the_trials(pg_study, tmp_path: Path) -> None:
                                                  "trainer.limit_train_batches": 5.0, "trainer.limit_val_batches": 2.0,
                                                  "trainer.max_epochs": 1}
         detail = get(f"/api/studies/{study['study_id']}")
-        assert detail["name"] == name and detail["objective_names"] == ["validation loss (best epoch)"]
+        assert detail["name"] == name and detail["objective_names"] == ["val_loss"]
         for space in ("union_search_space", "intersection_search_space"):
             assert sorted(entry["name"] for entry in detail[space]) == hyperparameters, space
         served = [t for t in detail["trials"] if t["state"] == "Complete"]
@@ -763,3 +763,23 @@ def test_real_movielens_100k_small_study_and_report(tmp_path: Path, monkeypatch,
     assert all(0.5 < t.user_attrs["test/watch/auroc"] <= 1.0 for t in trials)
     assert run_cli(["report", "--data", "movielens-100k", "--storage", url, "--out", str(tmp_path / "rep")]) == 0
     assert "| movielens-100k/comet | comet |" in capsys.readouterr().out
+
+
+def test_the_objective_is_val_loss_and_a_study_of_the_older_name_is_reported_and_resumed(tmp_path: Path) -> None:
+    """Issue 22.9: ``value_val_loss`` in ``trials_dataframe()`` (optuna-dashboard's axis), not
+    ``value_validation loss (best epoch)``; a study named so by an older mtmoe still reports and takes the name."""
+    from mtmoe.tuning.study import prepare_study
+
+    space = load_space("movielens-100k", "topk")
+    configurations = plan_configurations(space, 2, 0)
+    url, name = f"sqlite:///{tmp_path / 'optuna.db'}", "movielens-100k/topk"
+    prepare_study(url, name, space, 0, configurations)
+    study = optuna.load_study(study_name=name, storage=storage_for(url))
+    assert study.metric_names == ["val_loss"]
+    study.set_metric_names(["validation loss (best epoch)"])  # as an older mtmoe named it
+    study.tell(study.ask(), 0.5)  # configuration 0, complete
+    assert trials_module.collect(url, "movielens-100k")[1].objective.tolist() == [0.5]
+    prepare_study(url, name, space, 0, configurations)  # what a rerun of tune does first
+    study = optuna.load_study(study_name=name, storage=storage_for(url))
+    assert study.metric_names == ["val_loss"]
+    assert study.trials_dataframe()["value_val_loss"].dropna().tolist() == [0.5]

@@ -16,6 +16,17 @@ DATASETS: dict[str, str] = {  # CLI name -> import path of the DataModule class
     "digits": "mtmoe.data.digits.DigitsDataModule",
 }
 
+
+
+def dataset_path(name: str) -> str:
+    """The import path of dataset ``name``'s DataModule; an unknown name is a one-line UsageError."""
+    from mtmoe.errors import UsageError
+
+    if name not in DATASETS:
+        raise UsageError(f"unknown dataset {name!r}; valid datasets: {', '.join(sorted(DATASETS))}")
+    return DATASETS[name]
+
+
 _MODULES = {  # exported name -> its module
     "DatasetInfo": "mtmoe.data.base", "IndexBatches": "mtmoe.data.base", "InMemoryDataModule": "mtmoe.data.base",
     "TaskSpec": "mtmoe.data.base", "BooksDataModule": "mtmoe.data.books", "JesterDataModule": "mtmoe.data.jester",
@@ -31,6 +42,6 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "DATASETS", "BooksDataModule", "DatasetInfo", "InMemoryDataModule", "IndexBatches", "JesterDataModule",
+    "DATASETS", "dataset_path", "BooksDataModule", "DatasetInfo", "InMemoryDataModule", "IndexBatches", "JesterDataModule",
     "MovieLens100KDataModule", "MovieLens1MDataModule", "MovieLensDataModule", "TaskSpec",
 ]

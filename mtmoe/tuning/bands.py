@@ -39,7 +39,6 @@ import warnings
 
 import numpy as np
 import pandas as pd
-from opda.nonparametric import EmpiricalDistribution
 
 from mtmoe.errors import UsageError
 from mtmoe.tuning.bootstrap import (
@@ -75,6 +74,8 @@ def _generator(n: int, confidence: float) -> np.random.Generator:
 def median_band(objectives: np.ndarray, budgets: np.ndarray, confidence: float) -> dict[str, np.ndarray]:
     """The median tuning curve of a minimised objective at ``budgets`` and its exact simultaneous band at
     ``confidence``: ``{"median", "low", "high"}``, an edge +-inf where the trials do not bound it."""
+    from opda.nonparametric import EmpiricalDistribution  # here: scipy's import would slow `bootstrap --help`
+
     values = np.asarray(objectives, dtype=np.float64)
     with warnings.catch_warnings():  # ties make the band conservative; the report says which studies have them
         warnings.filterwarnings("ignore", "Duplicates detected", RuntimeWarning)

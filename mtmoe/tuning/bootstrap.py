@@ -45,15 +45,17 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
-import torch
 
 from mtmoe.errors import UsageError
 from mtmoe.gate_names import split_gate_name
 from mtmoe.tuning.trials import as_text
+
+if TYPE_CHECKING:  # torch is imported where the draws are made: `bootstrap --help` and its bad input need none
+    import torch
 
 PAPER_MAX_BUDGET = 250
 DRAWS = 1000
@@ -137,6 +139,8 @@ def study_seed(seed: int, study: str) -> int:
 
 def _draw(n: int, s: int, draws: int, generator: torch.Generator, replace: bool) -> torch.Tensor:
     """``[draws, s]`` ranks (0-based), each row s draws in random order; distinct unless ``replace``."""
+    import torch
+
     device = generator.device
     if replace:
         return torch.randint(n, (draws, s), generator=generator, device=device)
@@ -147,6 +151,8 @@ def _draw(n: int, s: int, draws: int, generator: torch.Generator, replace: bool)
 def best_ranks(n: int, budgets: np.ndarray, draws: int, generator: torch.Generator, replace: bool = False,
                resampling: str = "nested") -> torch.Tensor:
     """``[draws, len(budgets)]``: the best (lowest) rank among s drawn trials, per repetition and budget s."""
+    import torch
+
     if resampling == "nested":
         order = _draw(n, int(budgets.max()), draws, generator, replace)
         index = torch.as_tensor(budgets - 1, device=order.device)
@@ -159,6 +165,8 @@ def best_ranks(n: int, budgets: np.ndarray, draws: int, generator: torch.Generat
 def monte_carlo(losses: np.ndarray, budgets: np.ndarray, draws: int = DRAWS, seed: int = 0, replace: bool = False,
                 resampling: str = "nested", device: str = "cpu") -> np.ndarray:
     """``[draws, len(budgets)]``: the recorded test losses of Appendix F's repetitions."""
+    import torch
+
     generator = torch.Generator(device=device).manual_seed(seed)
     ranks = best_ranks(len(losses), budgets, draws, generator, replace, resampling)
     return torch.tensor(losses, device=device)[ranks].cpu().numpy()

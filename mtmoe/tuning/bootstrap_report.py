@@ -29,7 +29,6 @@ import time
 
 import numpy as np
 import pandas as pd
-import torch
 
 from mtmoe.errors import UsageError
 from mtmoe.gate_names import plus_variant, split_gate_name
@@ -464,12 +463,15 @@ def parse_bootstrap_args(argv: list[str]) -> tuple[argparse.Namespace, Settings]
         raise UsageError(f"--confidence must be in (0, 1), got {args.confidence:g}")
     if args.max_budget is not None and args.max_budget < 1:
         raise UsageError(f"--max-budget must be >= 1, got {args.max_budget}")
-    try:
-        device = torch.device(args.device)
-    except RuntimeError as error:
-        raise UsageError(f"--device: {error}") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError(f"--device {args.device}: no CUDA device is available here")
+    if args.device != "cpu":  # torch checks the name; help, bad flags and a missing storage answer without it
+        import torch
+
+        try:
+            device = torch.device(args.device)
+        except RuntimeError as error:
+            raise UsageError(f"--device: {error}") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise UsageError(f"--device {args.device}: no CUDA device is available here")
     settings = Settings(args.draws, args.seed, args.max_budget, args.replacement, args.resample, args.device,
                         args.confidence)
     return args, settings

@@ -42,10 +42,9 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
-from mtmoe.errors import UsageError
+from mtmoe.data import dataset_path
+from mtmoe.errors import OneLineParser, UsageError, did_you_mean
 from mtmoe.interrupts import Interrupted, handle_sigterm
-from mtmoe.run import build_run, translate_shortcuts
-from mtmoe.run_settings import dataset_info, resolve_dataset_settings
 from mtmoe.tuning.space import SearchSpace, load_space
 from mtmoe.tuning.storage import (
     STUDIES_DIR,
@@ -63,8 +62,10 @@ from mtmoe.tuning.objective import (
     plan_configurations,
     study_counts,
 )
-from mtmoe.tuning.packs import PackWorker, resolve_capacity
-from mtmoe.tuning.trials import OneLineParser, describe_settings
+from mtmoe.tuning.trials import describe_settings
+
+# What trains (Lightning, torch: mtmoe.run, mtmoe.tuning.packs) is imported where it is used: `tune --help`, bad flags
+# and unknown names answer without it.
 
 #: Attempts of a configuration that may end without a result (worker killed or crashed) before it is failed.
 MAX_LOST_ATTEMPTS = 3
@@ -77,7 +78,12 @@ NEUTRAL_SETTINGS = (
     "trainer.enable_autolog_hparams", "trainer.model_registry", "early_stopping.verbose",
     "early_stopping.log_rank_zero_only",
 )
-OBJECTIVE_NAME = "validation loss (best epoch)"
+#: The objective's name, an identifier: the validation task loss at the early-stopping best epoch, the column
+#: ``value_val_loss`` of ``study.trials_dataframe()`` and the axis of optuna-dashboard. A study named otherwise by an
+#: older mtmoe ("validation loss (best epoch)") takes this name when it is resumed.
+OBJECTIVE_NAME = "val_loss"
+#: The options ``tune`` passes to each trial's ``fit`` (a configuration file too).
+FIT_OPTIONS = ("--trainer", "--model", "--data.", "--early_stopping", "--config", "-c")
 
 
 class _QuietTrialLog(logging.Filter):
@@ -153,6 +159,8 @@ def run_worker(url: str, study_name: str, space: SearchSpace, overrides: list[st
                log_dir: Path | None = None, pack: int | str = 1) -> None:
     """One worker: pops enqueued configurations until none is left, ``pack`` at a time (:mod:`mtmoe.tuning.packs`);
     between epochs it also takes back the trials of workers that died (:func:`reclaim_lost_trials`)."""
+    from mtmoe.tuning.packs import PackWorker
+
     quiet_libraries()
     study = optuna.load_study(study_name=study_name, storage=storage_for(url))
     if study_counts(study)["waiting"] == 0:
@@ -297,7 +305,7 @@ def check_identity(study_name: str, study: optuna.Study, identity: dict[str, Any
 
 def parse_tune_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = OneLineParser(
-        prog="python -m mtmoe tune", exit_on_error=False, formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="python -m mtmoe tune", formatter_class=argparse.RawDescriptionHelpFormatter,
         usage="%(prog)s --gate GATE --data DATA [options]\n"
               "           [--trainer.* ...] [--model.* ...] [--data.* ...] [--early_stopping.* ...]",
         description="The paper's random search: --trials configurations of a gate's search space, drawn once from "
@@ -327,9 +335,23 @@ def parse_tune_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--log-dir", default=None,
                         help="per-trial logs (default: studies/runs/ under the current directory)")
     try:
-        return parser.parse_known_args(argv)
+        args, overrides = parser.parse_known_args(argv)
     except argparse.ArgumentError as error:
         raise UsageError(str(error)) from None
+    for arg in overrides:
+        flag = arg.partition("=")[0]
+        if arg.startswith("-") and not _is_number(arg) and not flag.startswith(FIT_OPTIONS):
+            raise UsageError(f"tune: unrecognized argument {flag}{did_you_mean(flag, parser._option_string_actions)}; "
+                             "the trials' fit options are --trainer.*, --model.*, --data.*, --early_stopping.*")
+    return args, overrides
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def pack_size(value: str | None) -> int | str:
@@ -371,6 +393,10 @@ def check_overrides(space: SearchSpace, configurations: list[dict], overrides: l
     Returns the study's settings (every non-neutral value the overrides change from the search space's run) and
     the task weight alpha in force (``None`` where the dataset weights its tasks equally).
     """
+    from mtmoe.run import build_run, translate_shortcuts
+    from mtmoe.run_settings import dataset_info, resolve_dataset_settings
+    from mtmoe.tuning.packs import resolve_capacity
+
     longest = max(range(len(configurations)), key=lambda i: configurations[i].get("model.perm_epochs") or 0)
     params = configurations[longest]
     with tempfile.TemporaryDirectory() as scratch:
@@ -406,10 +432,10 @@ def tune(argv: list[str]) -> None:
 
 
 def _tune(argv: list[str]) -> None:
-    quiet_libraries()
     args, overrides = parse_tune_args(argv)
-    translate_shortcuts(["--gate", args.gate, "--data", args.data])  # unknown names fail here, storage untouched
-    space = load_space(args.data, args.gate, args.space)
+    dataset_path(args.data)  # unknown names fail here, before Lightning is imported and the storage touched; a gate
+    space = load_space(args.data, args.gate, args.space)  # is unknown where the space has no section for it
+    quiet_libraries()
     trials = space.trials if args.trials is None else args.trials
     if trials < 1:
         raise UsageError(f"--trials must be >= 1, got {trials}")

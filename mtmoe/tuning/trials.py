@@ -23,7 +23,8 @@ import optuna
 import pandas as pd
 from optuna.trial import TrialState
 
-from mtmoe.errors import UsageError
+from mtmoe.data import DATASETS
+from mtmoe.errors import OneLineParser, UsageError, did_you_mean
 from mtmoe.files import write_atomic
 from mtmoe.gate_names import split_gate_name
 from mtmoe.tuning.storage import STUDIES_DIR, display_url, open_storage
@@ -34,18 +35,10 @@ TASK_METRICS = {"auroc": ("AUC", 100.0), "accuracy": ("accuracy", 100.0), "mse":
 PAPER_GATES = ("softmax", "topk", "topk+", "hash", "hash+", "dselect", "comet", "comet+")
 
 
-class OneLineParser(argparse.ArgumentParser):
-    """Every parse error (a missing required flag too, which ``exit_on_error=False`` does not cover before Python
-    3.12) is a one-line UsageError."""
-
-    def error(self, message: str):
-        raise UsageError(f"{self.prog.rpartition(' ')[2]}: {message}")
-
-
 def studies_parser(command: str, description: str) -> argparse.ArgumentParser:
     """``--data``, ``--storage``, ``--out``: how the commands that read the tuning studies (``report``,
     ``bootstrap``) find them and where they write."""
-    parser = OneLineParser(prog=f"python -m mtmoe {command}", exit_on_error=False, description=description)
+    parser = OneLineParser(prog=f"python -m mtmoe {command}", description=description)
     parser.add_argument("--data", required=True, help="dataset (the studies' 'data' attribute)")
     parser.add_argument("--storage", default=None,
                         help="RDB URL or journal:PATH that tune wrote (default: studies/optuna.db under the current "
@@ -56,13 +49,14 @@ def studies_parser(command: str, description: str) -> argparse.ArgumentParser:
 
 
 def parse_strict(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
-    """Parse ``argv``; a bad or unknown flag is a one-line UsageError."""
+    """Parse ``argv``; a bad or unknown flag is a one-line UsageError naming the closest option."""
     try:
         args, extra = parser.parse_known_args(argv)
     except argparse.ArgumentError as error:
         raise UsageError(str(error)) from None
     if extra:
-        raise UsageError(f"{parser.prog.rpartition(' ')[2]}: unrecognised arguments: {' '.join(extra)}")
+        raise UsageError(f"{parser.prog.rpartition(' ')[2]}: unrecognised arguments: {' '.join(extra)}"
+                         + did_you_mean(extra[0], parser._option_string_actions))
     return args
 
 
@@ -180,7 +174,6 @@ def default_alpha(data: str) -> str | None:
     tasks equally, or not a registered one)."""
     import importlib
 
-    from mtmoe.data import DATASETS
     from mtmoe.lit.module import task_weights
 
     if data not in DATASETS:
