@@ -199,11 +199,11 @@ def expert_matmul_floor(precision: str, steps: int, device: str, repeats: int = 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--gates", default="comet")
-    parser.add_argument("--packs", default="", help="pack sizes P to time")
+    parser.add_argument("--packs", default="", help="pack sizes P to time (with --ops: to count, default 1,16)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--precision", default="32", choices=["32", "bf16-mixed"])
     parser.add_argument("--graphs", default="on", help="on, off or on,off (CUDA graphs of the training step)")
-    parser.add_argument("--ops", action="store_true", help="operation counts per phase")
+    parser.add_argument("--ops", action="store_true", help="operation counts per phase, instead of timings")
     parser.add_argument("--setup", type=int, default=0, help="per-trial set-up time over N trials")
     parser.add_argument("--study", default=None, help="NxE: a whole N-trial study of E epochs, packed and not")
     parser.add_argument("--study-pack", default="auto", help="--pack of the packed study")
@@ -215,7 +215,7 @@ def main() -> None:
     print(header, flush=True)
     rows, tables = [], [header, ""]
     gates = args.gates.split(",")
-    if args.packs:
+    if args.packs and not args.ops:
         lines = ["| gate | P | graphs | epoch (s) | trial-epochs / hour | per trial vs P = 1 | memory / trial (MiB) |",
                  "|---|---|---|---|---|---|---|"]
         print(*lines, sep="\n", flush=True)
