@@ -8,14 +8,16 @@ from mtmoe.gates.competesmoe import CompeteSMoEGate, CompeteSMoEV2Gate
 from mtmoe.gates.dselect_k import DSelectKGate
 from mtmoe.gates.expert_choice import ExpertChoiceGate
 from mtmoe.gates.hash import HashGate
+from mtmoe.gates.remoe import ReMoEGate
 from mtmoe.gates.registry import create_gate, gate_class, list_gates, register_gate
 from mtmoe.gates.softmax import SoftmaxGate
 from mtmoe.gates.sparsemixer import SparseMixerGate
-from mtmoe.gates.topk import TopKGate
+from mtmoe.gates.topk import LossFreeTopKGate, SigmoidTopKGate, TopKGate
 from mtmoe.gates.usmoe import USMoEGate
 
 __all__ = [
     "COMETGate", "CompeteSMoEGate", "CompeteSMoEV2Gate", "DSelectKGate", "ExpertChoiceGate", "Gate", "GateDims",
     "GateOutput", "HashGate", "RoutingInput", "SoftmaxGate", "SparseMixerGate", "TopKGate", "USMoEGate",
+    "LossFreeTopKGate", "ReMoEGate", "SigmoidTopKGate",
     "create_gate", "gate_class", "list_gates", "register_gate",
 ]
