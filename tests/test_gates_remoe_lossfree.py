@@ -234,8 +234,9 @@ class ReLURouter(nn.Module):
 
 def test_remoe_forward_backward_and_lambda_equal_the_official_router() -> None:
     """40 training steps on the same inputs and weights (no optimiser, so the sparsity stays on one side of its
-    target and lambda climbs from 1e-8 to ~1e-5), then 20 on zero inputs, every ReLU off (lambda falls): weights, the router's and the inputs' gradients (the L1 term's included) and lambda after every
-    step equal the official code's; evaluation adds no loss and leaves lambda alone."""
+    target and lambda climbs from 1e-8 to ~1e-5), then 20 on zero inputs, every ReLU off (lambda falls): weights, the
+    router's and the inputs' gradients (the L1 term's included) and lambda after every step equal the official code's;
+    evaluation adds no loss and leaves lambda alone."""
     torch.manual_seed(4)
     n, k, p = 8, 2, 12
     gate = create_gate("remoe", GateDims(p, n, k=k)).train()

@@ -2,14 +2,14 @@
 official code github.com/thu-ml/ReMoE, ``ReLURouter`` in ``megatron/core/transformer/moe/router.py`` and the
 coefficient update in ``megatron/training/training.py``).
 
-* Router: ``R(x) = ReLU(x W_r)`` (a linear router without bias, initialised N(0, 0.01) as the authors' scripts'
-  ``--init-method-std``); the weights are ``R(x)`` itself, neither selected nor normalised: a sample uses the
-  experts whose ReLU is positive, a varying number (none included), and rows are not on the simplex.
+* Router: ``R(x) = ReLU(x W_r)``, a linear router without bias; the weights are ``R(x)`` itself, neither selected
+  nor normalised: a sample uses the experts whose ReLU is positive, a varying number (none included), and rows are
+  not on the simplex.
 * Sparsity regulariser (training only), the gate's auxiliary loss ``lambda_i * L_reg``. By default the
-  load-balanced L1 of §3.3 (as the official code, which always uses it):
+  load-balanced L1 (as the official code, which always uses it):
   ``L_reg = sum_e f_e (1/T) sum_t R(x_t)_e`` with ``f_e = E/(k T) sum_t 1[R(x_t)_e > 0]`` (no gradient through
-  ``f``); ``load_balance=False`` gives the plain L1 ``(1/T) sum_t ||R(x_t)||_1`` (§3.2).
-* Adaptive coefficient (§3.2): with the batch's sparsity ``S_i = 1 - (1/(T E)) sum_{t,e} 1[R(x_t)_e > 0]``,
+  ``f``); ``load_balance=False`` gives the plain L1 ``(1/T) sum_t ||R(x_t)||_1``.
+* Adaptive coefficient: with the batch's sparsity ``S_i = 1 - (1/(T E)) sum_{t,e} 1[R(x_t)_e > 0]``,
   ``lambda_{i+1} = lambda_i * alpha`` when ``S_i < 1 - k/E`` and ``lambda_i / alpha`` otherwise (the code's rule;
   the paper's ``alpha^sign(...)`` leaves it unchanged at equality), from ``lambda_0 = l1_init = 1e-8`` with
   ``alpha = l1_multiplier = 1.2`` (the authors' defaults). ``k`` targets ``k`` active experts of ``E`` on average.
@@ -19,12 +19,14 @@ each task gate has its own ``lambda`` driven by its own sparsity (the paper shar
 and averages their sparsity). ``lambda`` is a persistent float32 buffer (the code keeps it float32 too), updated in
 the training forward pass after it has scaled that step's loss, as the code updates it after the step: an in-place
 tensor operation, so no host read and each trial of a pack has its own. The authors' router has no input jitter
-by default and none is used here.
+by default and none is used here. The router is initialised as every gate here (Keras' Glorot uniform), not with
+the authors' N(0, 0.01) (``--init-method-std``): that scale is for LayerNorm'd hidden states of width >= 768, and on
+the small, Keras-initialised routing features here it makes every weight, and so each task's mixture, tiny at the
+start (ReLU weights are not normalised, unlike a softmax's).
 """
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from mtmoe.errors import UsageError
 from mtmoe.gates.base import Gate, GateDims, GateOutput, RoutingInput, resolve_k

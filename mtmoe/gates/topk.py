@@ -9,13 +9,15 @@ Options (each also registered with its own defaults, so that the registry suite,
 ``compare_gates.py`` cover it):
 
 * ``score="sigmoid"`` -- sigmoid gating (Nguyen, Ho and Rinaldo, NeurIPS 2024, "Sigmoid Gating is More Sample
-  Efficient than Softmax Gating", eq. (1)): the scores are ``s_i = sigmoid(w_i x + b_i)`` instead of a softmax, and
-  the k largest are kept. ``normalize`` divides the kept scores by their sum (DeepSeek-V3's gate); the paper's gate
-  is unnormalised, and so is ``topk-sigmoid`` by default: its rows are not on the simplex. Normalised, the weights are
-  computed as ``softmax(logsigmoid(theta))`` over the kept logits (the same ratio, finite where every kept sigmoid
-  underflows). ``normalize=False`` with softmax scores keeps the full softmax's values of the selected experts
-  (DeepSeek-V3's softmax gate);
-* ``balance=True`` -- auxiliary-loss-free load balancing (Wang et al., arXiv 2408.15664, eq. (3) and Algorithm 1;
+  Efficient than Softmax Gating": the mixture ``sum_i sigmoid(beta_1i^T x + beta_0i) f_i(x)``): the scores are
+  ``s_i = sigmoid(w_i x + b_i)`` instead of a softmax, and the k largest are kept (top-k is this suite's addition).
+  ``normalize`` divides the kept scores by their sum (DeepSeek-V3's gate). ``topk-sigmoid`` leaves them unnormalised
+  by default, as the paper's gate whose sample efficiency it proves (each expert's weight is independent of the
+  others' scores; normalising brings back the softmax-like coupling): its rows are not on the simplex. Normalised,
+  the weights are computed as ``softmax(logsigmoid(theta))`` over the kept logits (the same ratio, finite where
+  every kept sigmoid underflows). ``normalize=False`` with softmax scores keeps the full softmax's values of the
+  selected experts (DeepSeek-V3's softmax gate);
+* ``balance=True`` -- auxiliary-loss-free load balancing (Wang et al., arXiv 2408.15664, §3 and Algorithm 1;
   DeepSeek-V3 §2.1.2): an expert-wise bias ``b`` enters the selection only, ``TopK(s_i + b_i)``, while the weights
   stay the unbiased scores; after each training step ``b_i += u * sign(mean_j c_j - c_i)`` with ``c_i`` the number
   of (sample, choice) pairs of the batch routed to expert ``i`` and ``u = bias_rate`` (0.001, the paper's). No
@@ -97,7 +99,8 @@ class TopKGate(Gate):
     def update_bias_(self, index: Tensor) -> Tensor:
         """Algorithm 1's step on this batch's selections ``[B, k]``; returns its MaxVio, ``max_i c_i / mean c - 1``."""
         bias = self.expert_bias
-        load = torch.zeros_like(bias).scatter_add(0, index.flatten(), torch.ones_like(index.flatten(), dtype=bias.dtype))
+        chosen = index.flatten()
+        load = torch.zeros_like(bias).scatter_add(0, chosen, torch.ones_like(chosen, dtype=bias.dtype))
         mean = load.mean()
         bias.add_(cast(self.bias_rate, bias) * (mean - load).sign())
         return load.max() / mean - 1
