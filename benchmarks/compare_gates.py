@@ -12,6 +12,8 @@ restored (Keras' ``restore_best_weights``, as ``fit`` does; no early stopping), 
 its permutation during the first ``--perm-epochs`` epochs (default: min(5, epochs), Table 1's E_perm = 5).
 ``--train-batches`` cuts every epoch short, for smoke runs only.
 
+The CSV also has each task gate's per-expert utilisation (mean weight) and selection rate on the test split.
+
 Columns: test loss (the ``test/loss`` of ``fit``, ×10⁻² as the paper's tables), the per-task test metrics (AUC and
 accuracy ×100, MSE as is), n/s (experts with non-zero weight per sample, mean over the task gates), the fraction of
 samples that a batch-level router left with no expert, training seconds per epoch, and two FLOP counts per test
@@ -104,7 +106,7 @@ def run_gate(gate: str, args: argparse.Namespace) -> dict:
         "zero_expert_fraction": sum(test[f"{t}/zero_expert_fraction"] for t in tasks) / len(tasks),
         "train_s_per_epoch": sum(timer.seconds) / len(timer.seconds),
         **count_flops(model, data.test_dataloader()),
-        **{f"{t} utilisation": [round(u, 4) for u in test[f"{t}/utilisation"]] for t in tasks},  # per expert
+        **{f"{t} {name}": test[f"{t}/{name}"] for t in tasks for name in ("utilisation", "selection_rate")},
     }
     print(f"{gate}: test loss {row['test_loss']:.4f}, n/s {row['n_s']:.2f}, "
           f"{row['inference_flops'] / 1e3:.0f}K inference FLOPs/sample", file=sys.stderr)

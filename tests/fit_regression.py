@@ -5,7 +5,8 @@ training engine that moves ``fit``'s results is seen.
 Two records: ``tests/data/fit_regression.json``, of the training loop before the engine (commit 46207d7, Lightning's
 automatic optimisation and ``torch.optim.Adam(fused=True)``), for the runs whose random draws did not change; and
 ``tests/data/fit_regression_streams.json``, of the engine, for the runs that draw from the per-trial random streams
-since (dropout on, SparseMixer's sampling): ``python tests/fit_regression.py`` rewrites the second.
+since (dropout on, SparseMixer's sampling): ``python tests/fit_regression.py`` rewrites the second. Gates registered
+after the engine (issue 24: ReMoE, Top-k's sigmoid and loss-free variants) have the engine's record in both files.
 
 The budget: 3 epochs of 16 training batches of 128 rows at learning rate 1e-3, 4 validation and 4 test batches
 (``--trainer.limit_*``), seed 0, the dataset's other settings; "+" variants with E_perm = 2: the first epoch is

@@ -12,14 +12,16 @@ from mtmoe.gates.moesart import MOESARTGate
 from mtmoe.gates.registry import (
     PLUS_PERM_EPOCHS, create_gate, gate_class, list_gates, parse_gate_name, register_gate,
 )
+from mtmoe.gates.remoe import ReMoEGate
 from mtmoe.gates.softmax import SoftmaxGate
 from mtmoe.gates.sparsemixer import SparseMixerGate
 from mtmoe.gates.topany import TopAnyGate
-from mtmoe.gates.topk import TopKGate
+from mtmoe.gates.topk import LossFreeTopKGate, SigmoidTopKGate, TopKGate
 from mtmoe.gates.usmoe import USMoEGate
 
 __all__ = [
     "COMETGate", "CompeteSMoEGate", "CompeteSMoEV2Gate", "DSelectKGate", "ExpertChoiceGate", "Gate", "GateDims",
-    "GateOutput", "HashGate", "MOESARTGate", "RoutingInput", "SoftmaxGate", "SparseMixerGate", "TopAnyGate", "TopKGate",
-    "USMoEGate", "PLUS_PERM_EPOCHS", "create_gate", "gate_class", "list_gates", "parse_gate_name", "register_gate",
+    "GateOutput", "HashGate", "LossFreeTopKGate", "MOESARTGate", "ReMoEGate", "RoutingInput", "SigmoidTopKGate",
+    "SoftmaxGate", "SparseMixerGate", "TopAnyGate", "TopKGate", "USMoEGate",
+    "PLUS_PERM_EPOCHS", "create_gate", "gate_class", "list_gates", "parse_gate_name", "register_gate",
 ]

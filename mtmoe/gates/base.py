@@ -73,7 +73,10 @@ class Gate(ScalarSettings):
 
     * ``sparse``: weights have exact zeros (False: every expert gets weight, Softmax);
     * ``simplex``: every row sums to 1 (False: rows are non-negative with a documented sum, e.g. SparseMixer's
-      ``pi_D``, Expert Choice's raw affinities, USMoE's unified scores);
+      ``pi_D``, Expert Choice's raw affinities, USMoE's unified scores); the class's value holds for its default
+      arguments, and an instance may change it (Top-k's ``normalize``);
+    * ``min_active``: the fewest non-zero weights a per-sample router gives a sample (0: ReMoE, whose ReLU may
+      leave a sample with no expert);
     * ``batch_dependent``: in eval mode a sample's weights depend on the other samples of its batch (an instance
       may clear it, e.g. a batch-level router evaluated with its per-sample policy);
     * ``permutable``: local search (the "+" variant) may permute the weights across experts;
@@ -81,7 +84,8 @@ class Gate(ScalarSettings):
     """
 
     sparse: ClassVar[bool] = True
-    simplex: ClassVar[bool] = True
+    simplex: bool = True
+    min_active: ClassVar[int] = 1
     permutable: ClassVar[bool] = True
     needs_sample_id: ClassVar[bool] = False
     needs_expert_outputs: ClassVar[bool] = False
