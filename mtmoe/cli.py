@@ -35,7 +35,7 @@ COMMANDS = {
     "report": "the tables of a dataset's studies: top-5% mean ± SE, one-sided Welch t-tests, per-task metrics",
     "bootstrap": "tuning-budget curves and reduction factors from a dataset's studies (the paper's Appendix F)",
     "gates": "list the registered gates and what each dataset's search space tunes for them",
-    "datasets": "list the datasets and their DataModules",
+    "datasets": "list the datasets, their DataModules, and whether their files are under the data root",
 }
 
 
@@ -61,7 +61,7 @@ def version() -> str:
 
 
 def listing_parser(command: str) -> OneLineParser:
-    return OneLineParser(prog=f"python -m mtmoe {command}", description=COMMANDS[command].capitalize() + ".")
+    return OneLineParser(prog=f"python -m mtmoe {command}", description=COMMANDS[command][0].upper() + COMMANDS[command][1:] + ".")
 
 
 def searched_settings(datasets: list[str]) -> dict[str, dict[str, list[str]]]:
@@ -110,9 +110,21 @@ def print_gates(data: str | None) -> None:
         print("  ".join(f"{cell:<{width}}" for cell, width in zip(row, widths)) + f"  {row[3]}")
 
 
-def print_datasets() -> None:
-    width = max(map(len, DATASETS))
-    print("\n".join(f"{name:<{width}}  {path}" for name, path in sorted(DATASETS.items())))
+def print_datasets(root: str | None) -> None:
+    """Per dataset: its DataModule, the folders of the data root its files go in, and whether they are there
+    (:func:`mtmoe.data.layout.files_status`)."""
+    import os
+
+    from mtmoe.data.layout import data_root, files_status
+
+    where = "--data.root" if root else "MTMOE_DATA" if os.environ.get("MTMOE_DATA") else "MTMOE_DATA unset"
+    root = data_root(root)
+    rows = [("dataset", "DataModule", "files go in", "files")]
+    rows += [(name, path, *reversed(files_status(name, root))) for name, path in sorted(DATASETS.items())]
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    print(f"data root: {root} ({where}; --data.root PATH looks elsewhere)")
+    for row in rows:
+        print("  ".join(f"{cell:<{width}}" for cell, width in zip(row, widths)) + f"  {row[3]}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -144,8 +156,10 @@ def main(argv: list[str] | None = None) -> None:
                                 help="list what this dataset's search space tunes (default: every dataset's)")
             print_gates(parser.parse_args(args).data)
         elif command == "datasets":
-            listing_parser(command).parse_args(args)
-            print_datasets()
+            parser = listing_parser(command)
+            parser.add_argument("--data.root", dest="root", metavar="PATH",
+                                help="the data root to look in (default: $MTMOE_DATA, else ~/.cache/mtmoe/data)")
+            print_datasets(parser.parse_args(args).root)
         elif command in ("fit", "validate", "test"):
             from mtmoe.run import run_lightning
 

@@ -3,8 +3,10 @@ Lightning, no adverts or noise, the configuration in force, and bad input as one
 and nothing written."""
 from __future__ import annotations
 
+import importlib
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,8 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from torchvision.datasets import MNIST, SVHN
 
 from conftest import run_cli
+from image_fixtures import write_mnist
+
+from mtmoe.data import DATASETS
+from mtmoe.data.layout import MNIST_SOURCES, SVHN as SVHN_FILES
+from mtmoe.errors import UsageError
 
 FAST = ["--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false", "--data.batch_size=64"]
 COMMANDS = ("fit", "validate", "test", "tune", "report", "bootstrap", "gates", "datasets")
@@ -295,6 +303,51 @@ print(json.dumps({{"answers": answers, "imported": [m for m in ("torch", "lightn
         else:
             assert err.count("\n") == 1 and err.startswith("error: ") and text in err, (argv, err)
     assert result["imported"] == []
+
+
+def datasets_rows(capsys: pytest.CaptureFixture) -> tuple[str, dict[str, list[str]]]:
+    """``datasets``' header line and its rows, dataset -> [dataset, DataModule, files go in, files]."""
+    header, columns, *lines = capsys.readouterr().out.splitlines()
+    assert re.split(r"\s{2,}", columns) == ["dataset", "DataModule", "files go in", "files"]
+    return header, {line.split()[0]: re.split(r"\s{2,}", line, maxsplit=3) for line in lines}
+
+
+def test_datasets_says_whose_files_are_under_the_data_root_and_where_they_go(tiny_root: Path, tmp_path: Path,
+                                                                           monkeypatch, capsys) -> None:
+    write_mnist(tiny_root, gz=True)  # the .gz files alone: present, gunzipped on first use
+    monkeypatch.setenv("MTMOE_DATA", str(tiny_root))
+    assert run_cli(["datasets"]) == 0
+    header, rows = datasets_rows(capsys)
+    assert header.startswith(f"data root: {tiny_root} (MTMOE_DATA;")
+    assert sorted(rows) == sorted(DATASETS)
+    assert rows["movielens-100k"][1:] == [DATASETS["movielens-100k"], str(tiny_root / "ml-100k"), "present"]
+    assert rows["multimnist"][3] == "present"
+    assert rows["movielens"][2:] == [str(tiny_root / "ml-1m"), "missing ml-1m/ratings.dat (downloaded on first use)"]
+    assert rows["digits"][2:] == [f"{tiny_root / 'MNIST' / 'raw'}, {tiny_root / 'SVHN'}",
+                                  "missing SVHN/train_32x32.mat and 2 more (downloaded on first use)"]
+    assert rows["books"][3].startswith("missing book-crossing/BX-CSV-Dump.zip (place them there by hand: the "
+                                       "official host is reported offline")
+    assert run_cli(["datasets", f"--data.root={tmp_path / 'elsewhere'}"]) == 0  # --data.root wins over MTMOE_DATA
+    header, rows = datasets_rows(capsys)
+    assert header.startswith(f"data root: {tmp_path / 'elsewhere'} (--data.root;")
+    assert rows["movielens-100k"][3] == "missing ml-100k/u.data (downloaded on first use)"
+
+
+def test_datasets_lists_the_files_each_datamodule_reads(tmp_path: Path, capsys) -> None:
+    """One table (mtmoe.data.layout): offline on an empty root, every DataModule asks for the file `datasets` names
+    first."""
+    root = tmp_path / "empty"
+    assert run_cli(["datasets", f"--data.root={root}"]) == 0
+    _, rows = datasets_rows(capsys)
+    for name, path in DATASETS.items():
+        module, cls = path.rsplit(".", 1)
+        data = getattr(importlib.import_module(module), cls)(root=str(root), cache_dir=str(tmp_path), download=False)
+        with pytest.raises(UsageError) as error:
+            data.load_splits()
+        first = rows[name][3].split()[1]
+        assert f"missing {root / first}:" in str(error.value), (name, rows[name])
+    assert [Path(name).stem for name, _ in MNIST.resources] == list(MNIST_SOURCES["MNIST"].files)  # torchvision's
+    assert [SVHN.split_list[part][1] for part in ("train", "test", "extra")] == list(SVHN_FILES.files)
 
 
 def test_fit_help_lists_the_shortcuts_with_their_choices(capsys) -> None:

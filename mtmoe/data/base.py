@@ -18,6 +18,7 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
+from mtmoe.data.layout import data_root
 from mtmoe.dataset_info import DatasetInfo, TaskSpec  # noqa: F401  (re-exported: the model's view of a dataset)
 from mtmoe.errors import UsageError
 
@@ -100,7 +101,7 @@ class InMemoryDataModule(pl.LightningDataModule):
             raise UsageError(f"batch_size must be >= 1, got {batch_size}")
         if eval_batch_size is not None and eval_batch_size < 1:
             raise UsageError(f"eval_batch_size must be >= 1, got {eval_batch_size}")
-        self.root = Path(root or os.environ.get("MTMOE_DATA") or Path.home() / ".cache" / "mtmoe" / "data")
+        self.root = data_root(root)
         self.cache_dir = Path(cache_dir or os.environ.get("MTMOE_CACHE") or Path.home() / ".cache" / "mtmoe")
         self.batch_size, self.eval_batch_size = batch_size, eval_batch_size or batch_size
         self.seed = torch.initial_seed() if seed is None else seed

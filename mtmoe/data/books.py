@@ -19,6 +19,7 @@ import pandas as pd
 from mtmoe.data.base import DatasetInfo, InMemoryDataModule, Splits
 from mtmoe.data.cache import load_or_prepare
 from mtmoe.data.download import ensure_files, raw_sha256
+from mtmoe.data.layout import RAW_FILES
 from mtmoe.data.recsys import rating_splits, rating_tasks
 from mtmoe.errors import UsageError
 
@@ -119,7 +120,7 @@ class BooksDataModule(InMemoryDataModule):
         )
 
     def load_splits(self) -> Splits:
-        path = ensure_files(self.root, "book-crossing", self.download, self.verify, self.cache_dir)
+        path = ensure_files(self.root, *RAW_FILES["books"], self.download, self.verify, self.cache_dir)
         split = "stratified" if self.stratify else "random"
         cache = self.cache_dir / f"books-{raw_sha256(path, self.cache_dir)[:16]}-seed{self.split_seed}-{split}-v1.pt"
 

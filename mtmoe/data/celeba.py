@@ -37,6 +37,7 @@ from torchvision.transforms.v2.functional import resize
 
 from mtmoe.data.base import DatasetInfo, TaskSpec
 from mtmoe.data.images import SPLITS, ImageDataModule, Splits, check_n_ids, with_sample_ids
+from mtmoe.data.layout import CELEBA
 from mtmoe.errors import UsageError
 
 ATTRIBUTES = (
@@ -52,8 +53,7 @@ BALANCED_TEN = (
     "Smiling", "Wavy_Hair", "Wearing_Lipstick",
 )
 N_IMAGES = 202_599
-FOLDER = "celeba"
-ATTR_FILE, PARTITION_FILE, IMAGE_FOLDER = "list_attr_celeba.txt", "list_eval_partition.txt", "img_align_celeba"
+FOLDER, (ATTR_FILE, PARTITION_FILE, IMAGE_FOLDER) = CELEBA.folder, CELEBA.files
 
 
 def read_attributes(path: Path) -> tuple[list[str], np.ndarray]:
@@ -146,17 +146,15 @@ class CelebADataModule(ImageDataModule):
         )
 
     def raw_files(self) -> list[Path]:
-        folder = self.root / FOLDER
-        files = [folder / ATTR_FILE, folder / PARTITION_FILE, folder / IMAGE_FOLDER]
-        if all(path.exists() for path in files):
+        folder, files, missing = self.root / FOLDER, CELEBA.paths(self.root), CELEBA.missing(self.root)
+        if not missing:
             return files
-        missing = next(path for path in files if not path.exists())
         hint = (f"download {IMAGE_FOLDER}.zip, {ATTR_FILE} and {PARTITION_FILE} from CelebA's Google Drive "
                 f"(linked from https://mmlab.ie.cuhk.edu.hk/projects/CelebA.html; scripted Drive downloads often "
                 f"fail), put the two lists in {folder} and unzip the archive there so that "
                 f"{folder / IMAGE_FOLDER / '000001.jpg'} exists")
         if not self.download:
-            raise UsageError(f"missing {missing}: {hint} (or pass --data.download true)")
+            raise UsageError(f"missing {missing[0]}: {hint} (or pass --data.download true)")
         try:
             from torchvision.datasets import CelebA
 

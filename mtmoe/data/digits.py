@@ -32,6 +32,7 @@ from mtmoe.data.images import (
     SPLITS, ImageDataModule, Splits, check_n_ids, ensure_mnist, official_train_val, read_mnist, stratified_split,
     with_sample_ids,
 )
+from mtmoe.data.layout import SVHN as SVHN_FILES
 from mtmoe.errors import UsageError
 
 TASKS = (TaskSpec("digit", "multiclass", n_classes=10),)
@@ -119,8 +120,7 @@ class DigitsDataModule(ImageDataModule):
         )
 
     def svhn_files(self) -> list[Path]:
-        names = ["train", "test"] + (["extra"] if self.svhn_extra else [])
-        return [self.root / "SVHN" / SVHN.split_list[name][1] for name in names]
+        return [path for path in SVHN_FILES.paths(self.root) if self.svhn_extra or path.name != "extra_32x32.mat"]
 
     def raw_files(self) -> list[Path]:
         mnist = ensure_mnist(self.root, MNIST, self.download)

@@ -4,7 +4,8 @@ Driven by ``manifest.json`` (package data): per dataset the archive ``url``, its
 it must provide (paths relative to the data root, main file first), each with its ``size`` in bytes and its
 ``sha256`` where known. Two optional keys say where a download goes: ``"unpack_into": "FOLDER"`` extracts the
 archive into that folder of the root (archives without a top-level folder); ``"unpack": false`` keeps the verified
-archive itself as the main file (read in place). Files already on disk are used without any network access, once
+archive itself as the main file (read in place). A third, ``"by_hand": "WHY"``, says why the files are better placed
+by hand (``python -m mtmoe datasets`` shows it). Files already on disk are used without any network access, once
 their size and sha256 match the manifest's (``verify=False`` uses them as they are; ``datasets/README.md``). A
 file's sha256 is computed once and remembered in the cache folder, keyed on its size, times and inode.
 """

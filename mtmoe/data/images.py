@@ -27,6 +27,7 @@ from torchvision.datasets import MNIST
 
 from mtmoe.data.base import InMemoryDataModule, Splits
 from mtmoe.data.cache import load_or_prepare
+from mtmoe.data.layout import MNIST_SOURCES
 from mtmoe.errors import UsageError
 from mtmoe.files import atomic_path, remove_orphans
 
@@ -164,8 +165,7 @@ def check_idx(path: Path) -> None:
 
 def mnist_files(root: Path, dataset: type[MNIST]) -> list[Path]:
     """The four extracted IDX files torchvision's ``dataset`` (MNIST or FashionMNIST) reads under ``root``."""
-    raw = Path(root) / dataset.__name__ / "raw"
-    return [raw / Path(name).stem for name, _ in dataset.resources]
+    return MNIST_SOURCES[dataset.__name__].paths(root)
 
 
 def ensure_mnist(root: Path, dataset: type[MNIST], download: bool) -> list[Path]:

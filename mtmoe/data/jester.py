@@ -24,13 +24,13 @@ from python_calamine import CalamineError
 from mtmoe.data.base import DatasetInfo, InMemoryDataModule, Splits
 from mtmoe.data.cache import load_or_prepare
 from mtmoe.data.download import ensure_files, raw_sha256
+from mtmoe.data.layout import RAW_FILES
 from mtmoe.data.recsys import rating_splits, rating_tasks
 from mtmoe.errors import UsageError
 
 TASKS = rating_tasks("rated")
 N_USERS, N_JOKES = 73_421, 100  # S1.2's embedding tables
 NOT_RATED = 99.0
-MANIFEST_NAMES = ("jester-1-1", "jester-1-2", "jester-1-3")  # jester-data-1.xls, -2, -3 in this order
 
 
 class JesterRatings(NamedTuple):
@@ -137,7 +137,7 @@ class JesterDataModule(InMemoryDataModule):
     def raw_files(self) -> list[Path]:
         """The three sheets, fetched if missing and allowed; offline, one error naming every missing sheet."""
         paths, missing = [], []
-        for name in MANIFEST_NAMES:
+        for name in RAW_FILES["jester"]:
             try:
                 paths.append(ensure_files(self.root, name, self.download, self.verify, self.cache_dir))
             except UsageError as error:

@@ -18,6 +18,7 @@ from torch import Tensor
 from mtmoe.data.base import DatasetInfo, InMemoryDataModule, TaskSpec
 from mtmoe.data.cache import load_or_prepare
 from mtmoe.data.download import ensure_files, raw_sha256
+from mtmoe.data.layout import RAW_FILES
 from mtmoe.errors import UsageError
 
 TASKS = (TaskSpec("watch", "binary"), TaskSpec("rating", "regression", masked=True))
@@ -30,15 +31,14 @@ class Ratings(NamedTuple):
 
 
 class _Variant(NamedTuple):
-    manifest_name: str  # entry of mtmoe/data/manifest.json
-    name: str  # DatasetInfo.name
+    name: str  # DatasetInfo.name, the CLI name (its files: mtmoe.data.layout.RAW_FILES)
     n_users: int
     n_items: int
 
 
 _VARIANTS = {
-    "1m": _Variant("ml-1m", "movielens", 6040, 3952),
-    "100k": _Variant("ml-100k", "movielens-100k", 943, 1682),
+    "1m": _Variant("movielens", 6040, 3952),
+    "100k": _Variant("movielens-100k", 943, 1682),
 }
 
 
@@ -174,7 +174,8 @@ class MovieLensDataModule(InMemoryDataModule):
 
     def load_splits(self) -> dict[str, dict[str, Tensor]]:
         variant = _VARIANTS[self.variant]
-        path = ensure_files(self.root, variant.manifest_name, self.download, self.verify, self.cache_dir)
+        (entry,) = RAW_FILES[variant.name]
+        path = ensure_files(self.root, entry, self.download, self.verify, self.cache_dir)
         digest = raw_sha256(path, self.cache_dir)[:16]
         cache = self.cache_dir / f"movielens-{self.variant}-{digest}-seed{self.negative_seed}-v1.pt"
 
