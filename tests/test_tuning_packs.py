@@ -109,36 +109,6 @@ def test_ctrl_c_or_sigterm_fails_the_packs_trials_and_the_rerun_resumes(root_and
     assert_each_config_once(trials_of(url, "int"), 4)
 
 
-def test_a_sigkilled_pack_is_failed_by_heartbeats_and_retried(postgres_url: str, root_and_tmp) -> None:
-    """Every trial of the killed pack had its heartbeat recorded: all are failed after the grace period and their
-    configurations re-run, each exactly once."""
-    root, tmp = root_and_tmp
-    name = "killed-pack"
-    args = tune_args(postgres_url, root, tmp / "runs", *SLOW, "--pack", "3", trials=4, name=name)
-    heartbeat = {"MTMOE_HEARTBEAT_INTERVAL": "1", "MTMOE_HEARTBEAT_GRACE": "3"}
-    proc = start_tune(args, tmp, root, "first", **heartbeat)
-    try:
-        wait_for_running(postgres_url, name, proc, tmp, "first", min_age=3)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    running = [t for t in trials_of(postgres_url, name) if t.state == TrialState.RUNNING]
-    assert len(running) == 3  # the whole pack was left RUNNING by the SIGKILL
-    time.sleep(4)  # past the grace period: a trial is stale only if a heartbeat of it was recorded
-    storage = optuna.storages.RDBStorage(postgres_url, heartbeat_interval=1, grace_period=3)
-    study_id = storage.get_study_id_from_name(name)
-    assert set(storage._get_stale_trial_ids(study_id)) == {t._trial_id for t in running}  # noqa: SLF001
-
-    code, out, err = run_tune(args, tmp, root, "second", **heartbeat)
-    assert code == 0, err[-3000:]
-    trials = trials_of(postgres_url, name)
-    assert_each_config_once(trials, 4)
-    killed = {t.number for t in running}
-    assert all(t.state == TrialState.FAIL and "fail_reason" not in t.user_attrs for t in trials if t.number in killed)
-
-
 def test_a_dead_packing_workers_trials_come_back_within_the_grace_and_a_pack_epoch(postgres_url: str,
                                                                                    root_and_tmp) -> None:
     """Two packing workers (``--pack 3``, two ``tune`` commands) on the real PostgreSQL server; one is SIGKILLed
