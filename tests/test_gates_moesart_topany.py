@@ -56,8 +56,8 @@ def official_trimmed_lasso(g: Tensor, k: int) -> Tensor:
     return torch.mean(torch.sum(torch.abs(g - g_topk), dim=1))
 
 
-def moesart_case(train: bool, k: int = 3, seed: int = 5):
-    gate = make("moesart", 6, 4, k=k, trimmed_lasso_reg=0.3).train(train)
+def moesart_case(train: bool, k: int = 3, seed: int = 5, **hp):
+    gate = make("moesart", 6, 4, k=k, trimmed_lasso_reg=0.3, **hp).train(train)
     with torch.no_grad():
         gate.logits.bias.copy_(torch.tensor([0.5, -0.2, 0.1, 0.0, 0.3, -0.4]))
     x = torch.randn(12, 4, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 2
@@ -94,6 +94,16 @@ def test_moesart_training_weights_and_gradient_equal_the_authors_code(k):
     torch.testing.assert_close(ours[1], gate.logits.bias.grad, rtol=1e-12, atol=1e-14)
     g = (x @ gate.logits.weight.T + gate.logits.bias).softmax(-1).detach()
     assert out.aux_loss.item() == pytest.approx(0.3 * official_trimmed_lasso(g, k).item(), rel=1e-12)
+
+
+def test_moesart_zero_biasness_adjusts_every_sampled_logit_as_the_authors_code():
+    """``biasness="zero"`` (the PyTorch copy's default): in training every logit of the sampled set is adjusted by
+    ``log(k g)``, the code's ``"zero"`` branch, which is its deterministic branch's formula on the sampled set."""
+    gate, x, out = moesart_case(train=True, biasness="zero")
+    support = out.weights != 0
+    assert (support.sum(-1) == 3).all()
+    torch.testing.assert_close(out.weights, official_moesart(gate, x, support, None, 3), rtol=1e-12, atol=0)
+    assert torch.equal(support, moesart_case(train=True)[2].weights != 0)  # the same draw of S as "small-random"
 
 
 def test_moesart_inference_equals_the_authors_deterministic_branch():

@@ -1,7 +1,9 @@
 """MOESART: sampling-based k-sparse routing (Ibrahim, Chen, Mazumder et al., "MOESART: An Effective Sampling-based
 Router for Sparse Mixture of Experts", arXiv 2312), as the authors' TensorFlow gate
 ``SampleKSoftmaxUnbiasedWithTrimmedLassoGate`` computes it (``biasness="small-random"``, ``replace=False``,
-``tau = 1``, no jitter: their MOESART settings). The paper's text was not available here; the formulas below are
+``tau = 1``, no jitter: their MOESART settings in the TensorFlow code; a PyTorch copy of the class defaults to
+``biasness="zero"``, which ``biasness="zero"`` here gives: every logit of ``S`` adjusted by ``log(k (g_i + 1e-10))``
+in training too). The paper's text was not available here; the formulas below are
 the code's, whose docstring states the same algorithm.
 
 With router logits ``o = W x + b`` and the softmax ``g = softmax(o)``:
@@ -25,12 +27,14 @@ from __future__ import annotations
 
 import torch
 
+from mtmoe.errors import UsageError
 from mtmoe.gates.base import Gate, GateDims, GateOutput, RoutingInput, check_non_negative, resolve_k
 from mtmoe.gates.registry import register_gate
 from mtmoe.gates.softmax import keras_dense
 from mtmoe.scalars import cast
 
 EPSILON = 1e-10  # the code's ``g + 1e-10`` inside the logarithm
+BIASNESS = ("small-random", "zero")  # the code's options that keep the weights' bias small ("large": none, left out)
 
 
 @register_gate("moesart")
@@ -38,9 +42,12 @@ class MOESARTGate(Gate):
     hyperparameters = ("k", "trimmed_lasso_reg")
     scalar_names = ("trimmed_lasso_reg",)
 
-    def __init__(self, dims: GateDims, k: int | None = None, trimmed_lasso_reg: float = 0.01) -> None:
+    def __init__(self, dims: GateDims, k: int | None = None, trimmed_lasso_reg: float = 0.01,
+                 biasness: str = "small-random") -> None:
         super().__init__(dims)
-        self.k = resolve_k(k, dims)
+        if biasness not in BIASNESS:
+            raise UsageError(f"biasness must be one of {', '.join(BIASNESS)}, got {biasness!r}")
+        self.k, self.biasness = resolve_k(k, dims), biasness
         check_non_negative(trimmed_lasso_reg=trimmed_lasso_reg)
         self.set_scalars(trimmed_lasso_reg=trimmed_lasso_reg)
         self.logits = keras_dense(dims.in_features, dims.n_experts)
@@ -57,12 +64,14 @@ class MOESARTGate(Gate):
                 raise ValueError("MOESARTGate samples in training from RoutingInput.stream")
             gumbel = routing.stream.child(0).gumbel(logits.shape, logits.device, logits.dtype)
             _, chosen = (logits.detach() + gumbel).topk(self.k, dim=-1)  # S, without replacement
+        if self.training and self.biasness == "small-random":
             coin = routing.stream.child(1).uniform(chosen.shape[:-1] + (1,), logits.device)
             kept = (coin * self.k).long()  # the position in S of the unadjusted logit j
             adjusted = torch.arange(self.k, device=logits.device) != kept
             scale = self.k - 1
-        else:
-            chosen = logits.topk(self.k, dim=-1).indices
+        else:  # inference, or biasness="zero" in training: every logit of S adjusted by log(k g)
+            if not self.training:
+                chosen = logits.topk(self.k, dim=-1).indices
             adjusted = torch.ones_like(chosen, dtype=torch.bool)
             scale = self.k
         adjustment = torch.log(scale * (g.gather(-1, chosen) + EPSILON)) if scale > 0 else torch.zeros_like(
