@@ -174,7 +174,6 @@ def dropout_reference(h: Tensor, seed: Tensor, site: int, step: Tensor, p: float
 # ---- numba (CPU tensors) -------------------------------------------------------------------------------------------
 
 _CHUNK = 1024  # words hashed per pass: the passes stay in L1
-_SPAN = 64 * 2 * _CHUNK  # elements per parallel job of the CPU kernels (a multiple of a chunk's 2 * _CHUNK)
 _U32_M1, _U32_M2 = np.uint32(_M1), np.uint32(_M2)
 
 
@@ -229,40 +228,35 @@ def _scale_chunk(values: np.ndarray, out: np.ndarray, words: np.ndarray, thresho
         out[m - 1] = values[m - 1] * (scale * np.float32((words[m // 2] & np.uint32(0xFFFF)) >= threshold))
 
 
-@numba.njit(cache=True, parallel=True)
+@numba.njit(cache=True)
 def _dropout_cpu(h: np.ndarray, out: np.ndarray, seeds: np.ndarray, steps: np.ndarray, iv0: int, iv1: int,
                  threshold: np.uint32, scale: np.float32) -> None:
     """:func:`_scale_chunk` of each trial ``t`` of ``h`` ``[T, n]`` (float32 or float64) with the words of its
-    stream, chunk by chunk: one pass over ``h``, its spans of ``_SPAN`` elements on all cores (every element depends
-    on its position alone, so the split changes no value)."""
+    stream, chunk by chunk: one pass over ``h``."""
     trials, n = h.shape
-    spans = (n + _SPAN - 1) // _SPAN
-    for job in numba.prange(trials * spans):
-        t, first = job // spans, (job % spans) * _SPAN
-        lanes = np.empty(2, np.uint32)
-        words = np.empty(_CHUNK, np.uint32)
+    lanes = np.empty(2, np.uint32)
+    words = np.empty(_CHUNK, np.uint32)
+    for t in range(trials):
         _derive_keys(lanes, seeds[t], steps[t], iv0, iv1)
-        for start in range(first, min(first + _SPAN, n), 2 * _CHUNK):
+        for start in range(0, n, 2 * _CHUNK):
             m = min(2 * _CHUNK, n - start)
             _stream(words, (m + 1) // 2, start // 2, lanes[0], lanes[1])
             _scale_chunk(h[t, start:start + m], out[t, start:start + m], words, threshold, scale)
 
 
-@numba.njit(cache=True, parallel=True)
+@numba.njit(cache=True)
 def _dropout_cpu_bfloat16(h: np.ndarray, out: np.ndarray, seeds: np.ndarray, steps: np.ndarray, iv0: int, iv1: int,
                           threshold: np.uint32, scale: np.float32) -> None:
     """:func:`_dropout_cpu` of bfloat16 values given as their uint16 bits: each chunk widened to float32 (exact),
     scaled, and rounded back to nearest even (NaN stays NaN), as torch computes bfloat16 products."""
     trials, n = h.shape
-    spans = (n + _SPAN - 1) // _SPAN
-    for job in numba.prange(trials * spans):
-        t, first = job // spans, (job % spans) * _SPAN
-        lanes = np.empty(2, np.uint32)
-        words = np.empty(_CHUNK, np.uint32)
-        values = np.empty(2 * _CHUNK, np.float32)
-        value_bits = values.view(np.uint32)
+    lanes = np.empty(2, np.uint32)
+    words = np.empty(_CHUNK, np.uint32)
+    values = np.empty(2 * _CHUNK, np.float32)
+    value_bits = values.view(np.uint32)
+    for t in range(trials):
         _derive_keys(lanes, seeds[t], steps[t], iv0, iv1)
-        for start in range(first, min(first + _SPAN, n), 2 * _CHUNK):
+        for start in range(0, n, 2 * _CHUNK):
             m = min(2 * _CHUNK, n - start)
             _stream(words, (m + 1) // 2, start // 2, lanes[0], lanes[1])
             h_chunk, out_chunk = h[t, start:start + m], out[t, start:start + m]
