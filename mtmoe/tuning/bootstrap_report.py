@@ -26,6 +26,7 @@ import math
 import re
 import textwrap
 import time
+from collections.abc import Callable
 
 import numpy as np
 import pandas as pd
@@ -306,19 +307,11 @@ def report_blocks(curves: pd.DataFrame, ranges: pd.DataFrame, objective: pd.Data
         ("p", _objective_text(settings, objective)),
     ]
     for data_, alpha in _panels(objective):
-        panel = objective[(objective.data == data_) & (objective.alpha == alpha)]
-        present = [g for g in gates if g in set(panel.gate)]
-        table_rows = []
-        for s in [s for s in SHOWN_BUDGETS if s in set(panel.s)]:
-            cells = []
-            for gate in present:
-                hit = panel[(panel.gate == gate) & (panel.s == s)]
-                cells.append("-" if hit.empty else (f"{_loss(hit['median'].iloc[0])} [{_loss(hit.low.iloc[0])}, "
-                                                    f"{_loss(hit.high.iloc[0])}]; {_loss(hit.expected.iloc[0])}"))
-            table_rows.append([str(s), *cells])
+        table = _budget_table(objective[(objective.data == data_) & (objective.alpha == alpha)], gates,
+                              lambda hit: f"{_loss(hit['median'])} [{_loss(hit.low)}, {_loss(hit.high)}]; "
+                                          f"{_loss(hit.expected)}")
         blocks += [("p", f"**{_panel_title(data_, alpha)}**: best validation objective ×10⁻² of s trials, median "
-                         f"[exact {band} band]; unbiased expected"),
-                   ("table", ["s", *present], table_rows)]
+                         f"[exact {band} band]; unbiased expected"), table]
     blocks += [
         ("h2", "Tuning reduction factors"),
         ("p", "Factor of A over B at budget s_B: s_B' / s_A, where s_A and s_B' are the smallest budgets at which "
@@ -371,19 +364,22 @@ def report_blocks(curves: pd.DataFrame, ranges: pd.DataFrame, objective: pd.Data
     blocks.append(("h2", "Test loss ×10⁻² at selected budgets: Monte-Carlo mean (closed form) [2.5th-97.5th "
                          "percentile of the draws]"))
     for data_, alpha in _panels(curves):
-        panel = curves[(curves.data == data_) & (curves.alpha == alpha)]
-        present = [g for g in gates if g in set(panel.gate)]
-        budgets = [s for s in SHOWN_BUDGETS if s in set(panel.s)]
-        table_rows = []
-        for s in budgets:
-            cells = []
-            for gate in present:
-                hit = panel[(panel.gate == gate) & (panel.s == s)]
-                cells.append("-" if hit.empty else (f"{_loss(hit.mc_mean.iloc[0])} ({_loss(hit.exact_mean.iloc[0])}) "
-                                                    f"[{_loss(hit.mc_low.iloc[0])}, {_loss(hit.mc_high.iloc[0])}]"))
-            table_rows.append([str(s), *cells])
-        blocks += [("p", f"**{_panel_title(data_, alpha)}**"), ("table", ["s", *present], table_rows)]
+        table = _budget_table(curves[(curves.data == data_) & (curves.alpha == alpha)], gates,
+                              lambda hit: f"{_loss(hit.mc_mean)} ({_loss(hit.exact_mean)}) [{_loss(hit.mc_low)}, "
+                                          f"{_loss(hit.mc_high)}]")
+        blocks += [("p", f"**{_panel_title(data_, alpha)}**"), table]
     return blocks
+
+
+def _budget_table(panel: pd.DataFrame, gates: list[str], cell: Callable[[pd.Series], str]) -> tuple:
+    """A panel's table block: a row per budget of ``SHOWN_BUDGETS`` it has, a column per gate of ``gates`` it has,
+    ``cell(row)`` of the panel's row of that gate and budget ("-" where there is none)."""
+    present = [g for g in gates if g in set(panel.gate)]
+    rows = []
+    for s in [s for s in SHOWN_BUDGETS if s in set(panel.s)]:
+        hits = [panel[(panel.gate == gate) & (panel.s == s)] for gate in present]
+        rows.append([str(s), *("-" if hit.empty else cell(hit.iloc[0]) for hit in hits)])
+    return ("table", ["s", *present], rows)
 
 
 def markdown(blocks: list[tuple]) -> str:
