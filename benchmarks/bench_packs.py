@@ -25,6 +25,8 @@ one trial, operation counts, per-trial set-up, a whole study.
    fresh journal storage: wall time, and the objectives configuration by configuration (equal to float32 rounding:
    each trial draws from its own random stream whatever its pack).
 5. **The matmul floor** (``--floor``): the expert layer's three matmuls of one step alone, per trial-epoch.
+6. **Where a step's time goes** (``--profile P``, CPU): a pack of P's training step on 512-row batches under
+   ``torch.profiler``: milliseconds per step and per trial-step, and the operations with the most self time.
 
 Prints the tables and writes them with a JSON copy to ``benchmarks/out/packs.{md,json}``.
 """
@@ -106,9 +108,9 @@ def pack_epoch_seconds(gate: str, pack: int, device: str, precision: str, graphs
     return stamps[2] - stamps[1]
 
 
-def operations(gate: str, pack: int) -> dict:
+def loaded_engine(gate: str, pack: int, steps_per_epoch: int):
+    """A CPU engine with P planned configurations loaded, and the dataset's splits."""
     from mtmoe.pack.engine import PackEngine
-    from mtmoe.pack.operations import phases
 
     configurations = plan(gate, pack, 1)
     trials = factory(gate, configurations[0], "cpu", "32")
@@ -117,13 +119,39 @@ def operations(gate: str, pack: int) -> dict:
     data.prepare_data()
     data.setup("fit")
     engine = PackEngine(pack_trials[0].net, data.info.tasks, pack, "cpu", cuda_graphs=False)
-    engine.set_steps_per_epoch(4)  # a window of 4 steps: a step inside it, then after it
+    engine.set_steps_per_epoch(steps_per_epoch)
     for slot, trial in enumerate(pack_trials):
         engine.load(slot, trial)
+    return engine, data.splits
+
+
+def operations(gate: str, pack: int) -> dict:
+    from mtmoe.pack.operations import phases
+
+    engine, splits = loaded_engine(gate, pack, 4)  # a window of 4 steps: a step inside it, then after it
     index = torch.arange(8).expand(pack, -1)  # the count does not depend on the batch's rows: 8 keep it quick
-    batch = {key: tensor[index] for key, tensor in data.splits["train"].items()}
-    eval_batch = {key: tensor[:8] for key, tensor in data.splits["val"].items()}
+    batch = {key: tensor[index] for key, tensor in splits["train"].items()}
+    eval_batch = {key: tensor[:8] for key, tensor in splits["val"].items()}
     return phases(engine, batch, eval_batch)
+
+
+def profile_step(gate: str, pack: int, batch_size: int = 512, steps: int = 3) -> tuple[float, str]:
+    """Milliseconds per training step of a CPU pack (mean of ``steps`` after 3 warm-up steps, under
+    ``torch.profiler``) and the profiler's table of the operations with the most self time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine, splits = loaded_engine(gate, pack, 10**6)
+    rows = len(next(iter(splits["train"].values())))
+    index = torch.randint(rows, (pack, batch_size), generator=torch.Generator().manual_seed(0))
+    batch = {key: tensor[index] for key, tensor in splits["train"].items()}
+    for _ in range(3):
+        engine.train_step(batch)
+    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.train_step(batch)
+        milliseconds = (time.perf_counter() - start) / steps * 1000
+    return milliseconds, profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
 
 
 def setup_milliseconds(gate: str, n: int) -> float:
@@ -208,6 +236,7 @@ def main() -> None:
     parser.add_argument("--study", default=None, help="NxE: a whole N-trial study of E epochs, packed and not")
     parser.add_argument("--study-pack", default="auto", help="--pack of the packed study")
     parser.add_argument("--floor", action="store_true", help="the expert matmuls' time per trial-epoch")
+    parser.add_argument("--profile", type=int, default=0, help="P: where a CPU pack's training step spends its time")
     args = parser.parse_args()
     where = (torch.cuda.get_device_name() if args.device == "cuda"
              else f"CPU {platform.machine()} {platform.processor() or ''}, {torch.get_num_threads()} threads")
@@ -268,6 +297,11 @@ def main() -> None:
                    f"{args.study_pack} {packed:.0f} s, --pack 1 {alone:.0f} s, {alone / packed:.2f}x; objectives of the "
                    f"{len(ids)} configurations: largest relative difference {worst:.1e}"]
         print(tables[-1], flush=True)
+    if args.profile:
+        milliseconds, table = profile_step(gates[0], args.profile)
+        tables += ["", f"{gates[0]}, P = {args.profile}, CPU: {milliseconds:.1f} ms per training step, "
+                   f"{milliseconds / args.profile:.1f} ms per trial-step (torch.profiler, 3 steps)", "", table]
+        print(*tables[-3:], sep="\n", flush=True)
     if args.floor:
         floors = {precision: expert_matmul_floor(precision, 308, args.device) for precision in ("32", "bf16-mixed")}
         rows.append({"floor_s": floors})
