@@ -35,6 +35,7 @@ from torch import Tensor
 from torch.func import functional_call, vmap
 
 from mtmoe.dataset_info import TaskSpec
+from mtmoe.host_memory import keep_freed_memory
 from mtmoe.losses import multitask_loss
 from mtmoe.mmoe import MMoE
 from mtmoe.pack.adam import PackedAdam
@@ -130,6 +131,8 @@ class PackEngine:
                  cuda_graphs: bool = True) -> None:
         self.tasks, self.capacity, self.steps_per_epoch = tasks, capacity, None
         self.device = torch.device(device)
+        if self.device.type == "cpu":  # a step's large activations reuse freed memory instead of faulting in pages
+            keep_freed_memory()
         self.stack = TrialStack(example, capacity, self.device)
         self.adam = PackedAdam(self.stack)
         self.template = copy.deepcopy(example).to("meta")
