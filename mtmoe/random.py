@@ -44,6 +44,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from mtmoe.host_threads import run_split
+
 try:
     import triton
     import triton.language as tl
@@ -228,46 +230,60 @@ def _scale_chunk(values: np.ndarray, out: np.ndarray, words: np.ndarray, thresho
         out[m - 1] = values[m - 1] * (scale * np.float32((words[m // 2] & np.uint32(0xFFFF)) >= threshold))
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, inline="always")
+def _chunk_of(unit: int, n: int) -> tuple[int, int, int]:
+    """Work unit ``unit`` of a ``[T, n]`` tensor: its trial, its first element and its length (chunks of
+    ``2 * _CHUNK`` elements, the words of one pass)."""
+    chunks = (n + 2 * _CHUNK - 1) // (2 * _CHUNK)
+    trial = unit // chunks
+    start = (unit - trial * chunks) * 2 * _CHUNK
+    return trial, start, min(2 * _CHUNK, n - start)
+
+
+@numba.njit(cache=True, nogil=True)
 def _dropout_cpu(h: np.ndarray, out: np.ndarray, seeds: np.ndarray, steps: np.ndarray, iv0: int, iv1: int,
-                 threshold: np.uint32, scale: np.float32) -> None:
-    """:func:`_scale_chunk` of each trial ``t`` of ``h`` ``[T, n]`` (float32 or float64) with the words of its
-    stream, chunk by chunk: one pass over ``h``."""
-    trials, n = h.shape
+                 threshold: np.uint32, scale: np.float32, lo: int, hi: int) -> None:
+    """:func:`_scale_chunk` of the work units ``[lo, hi)`` (:func:`_chunk_of`) of ``h`` ``[T, n]`` (float32 or
+    float64), each trial ``t`` with the words of its stream: one pass over ``h``."""
+    n = h.shape[1]
     lanes = np.empty(2, np.uint32)
     words = np.empty(_CHUNK, np.uint32)
-    for t in range(trials):
-        _derive_keys(lanes, seeds[t], steps[t], iv0, iv1)
-        for start in range(0, n, 2 * _CHUNK):
-            m = min(2 * _CHUNK, n - start)
-            _stream(words, (m + 1) // 2, start // 2, lanes[0], lanes[1])
-            _scale_chunk(h[t, start:start + m], out[t, start:start + m], words, threshold, scale)
+    keyed = -1
+    for unit in range(lo, hi):
+        t, start, m = _chunk_of(unit, n)
+        if t != keyed:
+            _derive_keys(lanes, seeds[t], steps[t], iv0, iv1)
+            keyed = t
+        _stream(words, (m + 1) // 2, start // 2, lanes[0], lanes[1])
+        _scale_chunk(h[t, start:start + m], out[t, start:start + m], words, threshold, scale)
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _dropout_cpu_bfloat16(h: np.ndarray, out: np.ndarray, seeds: np.ndarray, steps: np.ndarray, iv0: int, iv1: int,
-                          threshold: np.uint32, scale: np.float32) -> None:
+                          threshold: np.uint32, scale: np.float32, lo: int, hi: int) -> None:
     """:func:`_dropout_cpu` of bfloat16 values given as their uint16 bits: each chunk widened to float32 (exact),
     scaled, and rounded back to nearest even (NaN stays NaN), as torch computes bfloat16 products."""
-    trials, n = h.shape
+    n = h.shape[1]
     lanes = np.empty(2, np.uint32)
     words = np.empty(_CHUNK, np.uint32)
     values = np.empty(2 * _CHUNK, np.float32)
     value_bits = values.view(np.uint32)
-    for t in range(trials):
-        _derive_keys(lanes, seeds[t], steps[t], iv0, iv1)
-        for start in range(0, n, 2 * _CHUNK):
-            m = min(2 * _CHUNK, n - start)
-            _stream(words, (m + 1) // 2, start // 2, lanes[0], lanes[1])
-            h_chunk, out_chunk = h[t, start:start + m], out[t, start:start + m]
-            for j in range(m):
-                value_bits[j] = np.uint32(h_chunk[j]) << np.uint32(16)
-            _scale_chunk(values[:m], values[:m], words, threshold, scale)
-            for j in range(m):
-                b = value_bits[j]
-                rounded = (b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
-                nan = (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
-                out_chunk[j] = np.uint16(np.uint32(0x7FC0) if nan else rounded)
+    keyed = -1
+    for unit in range(lo, hi):
+        t, start, m = _chunk_of(unit, n)
+        if t != keyed:
+            _derive_keys(lanes, seeds[t], steps[t], iv0, iv1)
+            keyed = t
+        _stream(words, (m + 1) // 2, start // 2, lanes[0], lanes[1])
+        h_chunk, out_chunk = h[t, start:start + m], out[t, start:start + m]
+        for j in range(m):
+            value_bits[j] = np.uint32(h_chunk[j]) << np.uint32(16)
+        _scale_chunk(values[:m], values[:m], words, threshold, scale)
+        for j in range(m):
+            b = value_bits[j]
+            rounded = (b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+            nan = (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+            out_chunk[j] = np.uint16(np.uint32(0x7FC0) if nan else rounded)
 
 
 # ---- Triton (CUDA tensors) -----------------------------------------------------------------------------------------
@@ -352,15 +368,17 @@ def _dropout_kernel(h: Tensor, seed: Tensor, step: Tensor, site: int, p: float) 
                                                        BFLOAT16=h.dtype == torch.bfloat16)
         return out
     arguments = (seeds.numpy(), steps.numpy(), iv0, iv1, np.uint32(threshold), np.float32(scale))
+    units = count * ((n + 2 * _CHUNK - 1) // (2 * _CHUNK))  # the kernels' work units, split over torch's threads
     if h.dtype == torch.bfloat16:  # numba has no bfloat16: the kernel reads and writes its bits
         out = torch.empty_like(h)
         bits = [x.view(torch.uint16).view(count, n).numpy() for x in (h, out)]
-        _dropout_cpu_bfloat16(*bits, *arguments)
+        run_split(_dropout_cpu_bfloat16, units, *bits, *arguments, min_part=16)
         return out
     # float16 (numba has none either) is computed in float32 and rounded once, as torch does
     compute = h if h.dtype in (torch.float32, torch.float64) else h.float()
     out = torch.empty_like(compute)
-    _dropout_cpu(compute.view(count, n).numpy(), out.view(count, n).numpy(), *arguments)
+    run_split(_dropout_cpu, units, compute.view(count, n).numpy(), out.view(count, n).numpy(), *arguments,
+              min_part=16)
     return out.to(h.dtype)
 
 

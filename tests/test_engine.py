@@ -16,6 +16,7 @@ from functools import partial
 import pytest
 import torch
 
+from mtmoe.host_threads import MIN_PART
 from mtmoe.dataset_info import DatasetInfo, TaskSpec
 from mtmoe.gates import gate_class, list_gates
 from mtmoe.gates.competesmoe import uniform_hash
@@ -267,6 +268,53 @@ def test_packed_adam_equals_torch_adam_per_trial() -> None:
             assert torch.allclose(value, expected, rtol=0, atol=1e-7), key
     assert torch.equal(adam._blocks("2.bias")[2][1],
                        optimizers[1].state[reference[1][2].bias]["exp_avg"])
+
+
+def test_packed_adam_cpu_kernel_is_the_same_on_any_number_of_threads() -> None:
+    """The CPU update (one numba kernel over the flat tensors, split over torch's threads, parts crossing blocks
+    and trials) gives the same bits on 1, 2 or 3 threads, and per trial follows ``torch.optim.Adam(fused=True)``
+    to float32 rounding."""
+    settings = [(1e-3, 1e-7), (3e-2, 1e-8), (5e-4, 1e-3)]
+
+    def model(seed: int) -> torch.nn.Module:
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(torch.nn.Linear(150, 300), torch.nn.Tanh(), torch.nn.Linear(300, 3))
+
+    generator = torch.Generator().manual_seed(0)
+    grads = [{name: torch.randn(3, *p.shape, generator=generator) for name, p in model(0).named_parameters()}
+             for _ in range(5)]
+    reference = [model(p) for p in range(3)]
+    for module, (lr, eps) in zip(reference, settings):
+        optimizer = torch.optim.Adam(module.parameters(), lr=lr, eps=eps, fused=True)
+        for step_grads in grads:
+            for name, param in module.named_parameters():
+                param.grad = step_grads[name][reference.index(module)].clone()
+            optimizer.step()
+    threads, results = torch.get_num_threads(), []
+    try:
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            nets = [model(p) for p in range(3)]
+            stack = TrialStack(nets[0], 3, "cpu")
+            adam = PackedAdam(stack)
+            for slot, (net, (lr, eps)) in enumerate(zip(nets, settings)):
+                stack.load(slot, net)
+                adam.reset(slot, lr, eps)
+            for step_grads in grads:
+                for name, leaf in stack.params.items():
+                    leaf.grad.copy_(step_grads[name])
+                adam.step({"2.weight": torch.tensor([False, False, True])})
+            results.append(torch.cat([stack.flat, adam.exp_avg, adam.exp_avg_sq]))
+            for p in range(3):
+                for (name, value), expected in zip(nets[p].named_parameters(), reference[p].parameters()):
+                    if not (p == 2 and name == "2.weight"):
+                        assert torch.allclose(value, expected, rtol=0, atol=1e-7), (count, p, name)
+                    else:
+                        assert torch.equal(value, model(2)[2].weight)
+    finally:
+        torch.set_num_threads(threads)
+    assert stack.flat.numel() >= 3 * MIN_PART  # large enough to be split into 3 parts
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
 
 
 def test_competesmoe_coin_at_its_threshold_is_the_same_packed_and_alone() -> None:

@@ -103,6 +103,23 @@ def test_numba_kernel_equals_the_reference(dtype: torch.dtype, p: float, monkeyp
         assert torch.equal(bits_of(out), bits_of(dropout_reference(h, seed, SITE, step, p)))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_numba_kernel_split_over_threads_equals_the_reference(dtype: torch.dtype, monkeypatch) -> None:
+    """The CPU kernel runs its chunks on torch's threads (``mtmoe.host_threads.run_split``): with 2 threads the
+    split falls inside a trial, with 3 on trial boundaries; every split gives the reference's bits."""
+    monkeypatch.setattr(module, "INTERPRET", False)
+    h = torch.randn(3, 50_001).to(dtype)
+    seed, step = torch.tensor([1, 2**40, 7]), torch.tensor([0, 5, 2**33])
+    expected = bits_of(dropout_reference(h, seed, SITE, step, 0.5))
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            assert torch.equal(bits_of(module._dropout_kernel(h, seed, step, SITE, 0.5)), expected), count
+    finally:
+        torch.set_num_threads(threads)
+
+
 TRITON_CHECK = """
 import torch
 from torch.func import vmap
