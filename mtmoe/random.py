@@ -231,30 +231,33 @@ def _scale_chunk(values: np.ndarray, out: np.ndarray, words: np.ndarray, thresho
 
 
 @numba.njit(cache=True, inline="always")
-def _chunk_of(unit: int, n: int) -> tuple[int, int, int]:
-    """Work unit ``unit`` of a ``[T, n]`` tensor: its trial, its first element and its length (chunks of
-    ``2 * _CHUNK`` elements, the words of one pass)."""
+def _unit_words(unit: int, n: int, keyed: int, lanes: np.ndarray, words: np.ndarray, seeds: np.ndarray,
+                steps: np.ndarray, iv0: int, iv1: int) -> tuple[int, int, int]:
+    """Work unit ``unit`` of a ``[T, n]`` tensor (chunks of ``2 * _CHUNK`` elements, the words of one pass): its
+    trial ``t``, first element and length, with its stream's words in ``words``; ``lanes`` holds trial ``keyed``'s
+    key and is derived again when ``t`` is another trial."""
     chunks = (n + 2 * _CHUNK - 1) // (2 * _CHUNK)
-    trial = unit // chunks
-    start = (unit - trial * chunks) * 2 * _CHUNK
-    return trial, start, min(2 * _CHUNK, n - start)
+    t = unit // chunks
+    start = (unit - t * chunks) * 2 * _CHUNK
+    m = min(2 * _CHUNK, n - start)
+    if t != keyed:
+        _derive_keys(lanes, seeds[t], steps[t], iv0, iv1)
+    _stream(words, (m + 1) // 2, start // 2, lanes[0], lanes[1])
+    return t, start, m
 
 
 @numba.njit(cache=True, nogil=True)
 def _dropout_cpu(h: np.ndarray, out: np.ndarray, seeds: np.ndarray, steps: np.ndarray, iv0: int, iv1: int,
                  threshold: np.uint32, scale: np.float32, lo: int, hi: int) -> None:
-    """:func:`_scale_chunk` of the work units ``[lo, hi)`` (:func:`_chunk_of`) of ``h`` ``[T, n]`` (float32 or
+    """:func:`_scale_chunk` of the work units ``[lo, hi)`` (:func:`_unit_words`) of ``h`` ``[T, n]`` (float32 or
     float64), each trial ``t`` with the words of its stream: one pass over ``h``."""
     n = h.shape[1]
     lanes = np.empty(2, np.uint32)
     words = np.empty(_CHUNK, np.uint32)
     keyed = -1
     for unit in range(lo, hi):
-        t, start, m = _chunk_of(unit, n)
-        if t != keyed:
-            _derive_keys(lanes, seeds[t], steps[t], iv0, iv1)
-            keyed = t
-        _stream(words, (m + 1) // 2, start // 2, lanes[0], lanes[1])
+        t, start, m = _unit_words(unit, n, keyed, lanes, words, seeds, steps, iv0, iv1)
+        keyed = t
         _scale_chunk(h[t, start:start + m], out[t, start:start + m], words, threshold, scale)
 
 
@@ -270,11 +273,8 @@ def _dropout_cpu_bfloat16(h: np.ndarray, out: np.ndarray, seeds: np.ndarray, ste
     value_bits = values.view(np.uint32)
     keyed = -1
     for unit in range(lo, hi):
-        t, start, m = _chunk_of(unit, n)
-        if t != keyed:
-            _derive_keys(lanes, seeds[t], steps[t], iv0, iv1)
-            keyed = t
-        _stream(words, (m + 1) // 2, start // 2, lanes[0], lanes[1])
+        t, start, m = _unit_words(unit, n, keyed, lanes, words, seeds, steps, iv0, iv1)
+        keyed = t
         h_chunk, out_chunk = h[t, start:start + m], out[t, start:start + m]
         for j in range(m):
             value_bits[j] = np.uint32(h_chunk[j]) << np.uint32(16)
