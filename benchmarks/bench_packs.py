@@ -3,7 +3,7 @@ one trial, operation counts, per-trial set-up, a whole study.
 
     MTMOE_DATA=../shared/data python benchmarks/bench_packs.py --gates comet,topk,comet+ --packs 1,4,8
     MTMOE_DATA=../shared/data python benchmarks/bench_packs.py --device cuda --gates comet --packs 1,64,256,512 \\
-        --graphs on,off
+        --graphs on,off --adam fused,elementwise
     MTMOE_DATA=../shared/data python benchmarks/bench_packs.py --ops --gates comet,comet+ --packs 1,16
     MTMOE_DATA=../shared/data python benchmarks/bench_packs.py --setup 16 --study 64x3 --study-pack 8
 
@@ -12,8 +12,9 @@ one trial, operation counts, per-trial set-up, a whole study.
    (:class:`mtmoe.lit.module.PackModule`); the rate is P x 3600 / (the second pack epoch's time, training and
    validation of all P). P = 1 is ``fit``'s engine (``tune --pack 1``). "+" gates are timed inside their
    permutation window (E_perm >= the epochs timed), the costlier phase. ``--graphs on,off`` on a GPU: with the
-   training step captured in CUDA graphs and without. Device memory per trial (GPU) from
-   :func:`mtmoe.pack.memory.memory_per_trial`.
+   training step captured in CUDA graphs and without; ``--adam fused,elementwise``: Adam in one kernel for all
+   trials and in element-wise torch operations (:class:`mtmoe.pack.adam.PackedAdam`). Device memory per trial
+   (GPU) from :func:`mtmoe.pack.memory.memory_per_trial`.
 2. **Operations** (``--ops``): for each gate and P, one line per phase, ``ops gate=G P=P phase=X ops=N
    host_reads=R``: the ATen operations one training step (``train``; ``window`` and ``after`` for "+": inside the
    permutation window and after it) or one evaluation batch (``eval``) dispatches after warm-up, and how many of them
@@ -33,6 +34,7 @@ Prints the tables and writes them with a JSON copy to ``benchmarks/out/packs.{md
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -78,7 +80,8 @@ def factory(gate: str, params: dict, device: str, precision: str):
     return TrialFactory(build_run(args))
 
 
-def pack_epoch_seconds(gate: str, pack: int, device: str, precision: str, graphs: bool) -> float:
+def pack_epoch_seconds(gate: str, pack: int, device: str, precision: str, graphs: bool, fused_adam: bool = True
+                       ) -> float:
     """The second pack epoch (training and validation of every slot) of P planned configurations."""
     import lightning.pytorch as pl
 
@@ -100,7 +103,7 @@ def pack_epoch_seconds(gate: str, pack: int, device: str, precision: str, graphs
             module.trainer.should_stop = True
 
     module = PackModule(data.info, data.splits, data.batch_size, data.eval_batch_size, pack,
-                        lambda: queue.pop(0) if queue else None, lambda result: None, on_epoch, graphs)
+                        lambda: queue.pop(0) if queue else None, lambda result: None, on_epoch, graphs, fused_adam)
     trainer = pl.Trainer(accelerator="gpu" if device == "cuda" else "cpu", devices=1, precision=precision,
                          max_epochs=-1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0)
@@ -231,6 +234,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--precision", default="32", choices=["32", "bf16-mixed"])
     parser.add_argument("--graphs", default="on", help="on, off or on,off (CUDA graphs of the training step)")
+    parser.add_argument("--adam", default="fused",
+                        help="fused, elementwise or fused,elementwise (PackedAdam's kernels)")
     parser.add_argument("--ops", action="store_true", help="operation counts per phase, instead of timings")
     parser.add_argument("--setup", type=int, default=0, help="per-trial set-up time over N trials")
     parser.add_argument("--study", default=None, help="NxE: a whole N-trial study of E epochs, packed and not")
@@ -245,14 +250,16 @@ def main() -> None:
     rows, tables = [], [header, ""]
     gates = args.gates.split(",")
     if args.packs and not args.ops:
-        lines = ["| gate | P | graphs | epoch (s) | trial-epochs / hour | per trial vs P = 1 | memory / trial (MiB) |",
-                 "|---|---|---|---|---|---|---|"]
+        lines = [("| gate | P | graphs | Adam | epoch (s) | trial-epochs / hour | per trial vs P = 1 "
+                  "| memory / trial (MiB) |"),
+                 "|---|---|---|---|---|---|---|---|"]
         print(*lines, sep="\n", flush=True)
         for gate in gates:
             base = None
-            for graphs in args.graphs.split(","):
+            for graphs, adam in itertools.product(args.graphs.split(","), args.adam.split(",")):
                 for pack in (int(p) for p in args.packs.split(",")):
-                    seconds = pack_epoch_seconds(gate, pack, args.device, args.precision, graphs == "on")
+                    seconds = pack_epoch_seconds(gate, pack, args.device, args.precision, graphs == "on",
+                                                 adam == "fused")
                     rate = pack * 3600 / seconds
                     base = base or rate / pack if pack == 1 else base
                     memory = ""
@@ -262,9 +269,12 @@ def main() -> None:
                         trials = factory(gate, plan(gate, 1, 3)[0], "cuda", args.precision)
                         data = trials.run.datamodule
                         data.setup("fit")
-                        memory = f"{memory_per_trial(trials.run.model.net, data, torch.device('cuda'), args.precision) / 2**20:.0f}"
-                    rows.append({"gate": gate, "P": pack, "graphs": graphs, "epoch_s": seconds, "per_hour": rate})
-                    lines.append(f"| {gate} | {pack} | {graphs} | {seconds:.2f} | {rate:,.0f} | "
+                        per_trial = memory_per_trial(trials.run.model.net, data, torch.device("cuda"),
+                                                     args.precision, adam == "fused")
+                        memory = f"{per_trial / 2**20:.0f}"
+                    rows.append({"gate": gate, "P": pack, "graphs": graphs, "adam": adam, "epoch_s": seconds,
+                                 "per_hour": rate})
+                    lines.append(f"| {gate} | {pack} | {graphs} | {adam} | {seconds:.2f} | {rate:,.0f} | "
                                  f"{'' if base is None else f'{rate / base:.2f}'} | {memory} |")
                     print(lines[-1], flush=True)
         tables += lines

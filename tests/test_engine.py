@@ -10,8 +10,13 @@ PackedAdam against ``torch.optim.Adam``, CompeteSMoE's coin at its threshold, bf
 """
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
+import subprocess
+import sys
 from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
@@ -315,6 +320,62 @@ def test_packed_adam_cpu_kernel_is_the_same_on_any_number_of_threads() -> None:
         torch.set_num_threads(threads)
     assert stack.flat.numel() >= 3 * MIN_PART  # large enough to be split into 3 parts
     assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+
+
+def adam_states(device: str, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The parameters and both moments (one flat tensor) of three trials of a 150-30-3 MLP after 4
+    :class:`PackedAdam` steps on fixed gradients, trial 1 leaving its last weight alone, and that weight's initial
+    values: blocks of 4,500, 30, 90 and 3 elements per trial (the Triton kernel's units end inside and at blocks)."""
+    settings = [(1e-3, 1e-7), (3e-2, 1e-8), (5e-4, 1e-3)]
+
+    def model(seed: int) -> torch.nn.Module:
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(torch.nn.Linear(150, 30), torch.nn.Tanh(), torch.nn.Linear(30, 3)).to(device)
+
+    generator = torch.Generator().manual_seed(0)
+    grads = [{name: torch.randn(3, *p.shape, generator=generator).to(device) for name, p in model(0).named_parameters()}
+             for _ in range(4)]
+    nets = [model(p) for p in range(3)]
+    stack = TrialStack(nets[0], 3, device)
+    adam = PackedAdam(stack, fused=fused)
+    for slot, (net, (lr, eps)) in enumerate(zip(nets, settings)):
+        stack.load(slot, net)
+        adam.reset(slot, lr, eps)
+    for step_grads in grads:
+        for name, leaf in stack.params.items():
+            leaf.grad.copy_(step_grads[name])
+        adam.step({"2.weight": torch.tensor([False, True, False], device=device)})
+    return torch.cat([stack.flat, adam.exp_avg, adam.exp_avg_sq]).cpu(), model(1)[2].weight.detach().cpu()
+
+
+def check_interpreted_adam_kernel() -> None:
+    """Run with ``TRITON_INTERPRET=1``: the Triton kernel on CPU tensors gives the numba kernel's and the
+    element-wise path's states to float32 rounding (the interpreter rounds the lerp's product, which the GPU fuses),
+    with the skipped weight as it was."""
+    import mtmoe.pack.adam as adam_module
+
+    assert adam_module.INTERPRET
+    triton_state, initial = adam_states("cpu", fused=True)
+    adam_module.INTERPRET = False
+    numba_state, _ = adam_states("cpu", fused=True)
+    elementwise_state, _ = adam_states("cpu", fused=False)
+    for other in (numba_state, elementwise_state):
+        assert torch.allclose(triton_state, other, rtol=0, atol=1e-7), (triton_state - other).abs().max()
+    skipped = triton_state[3 * 4530 + 90:3 * 4530 + 180]  # trial 1's row of the last weight
+    assert torch.equal(skipped, initial.flatten())
+    print("ok")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+def test_packed_adam_triton_kernel_in_the_interpreter() -> None:
+    """:func:`check_interpreted_adam_kernel` in a process with ``TRITON_INTERPRET=1`` (read at import)."""
+    code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_engine as t; " \
+           "t.check_interpreted_adam_kernel()"
+    result = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TRITON_INTERPRET": "1",
+                                                               "OMP_NUM_THREADS": "1"},
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().endswith("ok")
 
 
 def test_competesmoe_coin_at_its_threshold_is_the_same_packed_and_alone() -> None:

@@ -75,3 +75,17 @@ def test_the_cuda_graph_of_a_step_computes_the_eager_step(name: str) -> None:
     (graph_losses, graph_params), (eager_losses, eager_params) = results
     assert torch.allclose(graph_losses, eager_losses, rtol=0, atol=1e-6)
     assert torch.allclose(graph_params, eager_params, rtol=0, atol=1e-6)
+
+
+def test_the_triton_adam_kernel_computes_the_elementwise_update_bit_for_bit() -> None:
+    """On the GPU the one-launch Adam (Triton) rounds each operation as the element-wise torch kernels do (its lerp
+    is CUDA's fused multiply-add, its square root and divisions IEEE), and agrees with the CPU kernel to float32
+    rounding; the skipped weight stays as it was."""
+    from test_engine import adam_states
+
+    triton_state, initial = adam_states("cuda", fused=True)
+    elementwise_state, _ = adam_states("cuda", fused=False)
+    cpu_state, _ = adam_states("cpu", fused=True)
+    assert torch.equal(triton_state, elementwise_state), (triton_state - elementwise_state).abs().max()
+    assert torch.allclose(triton_state, cpu_state, rtol=0, atol=1e-7)
+    assert torch.equal(triton_state[3 * 4530 + 90:3 * 4530 + 180], initial.flatten())

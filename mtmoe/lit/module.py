@@ -147,6 +147,8 @@ class MultiTaskMoE(EngineModule):
         perm_eval_rounded: evaluate with the rounded permutation inside the window (official); False: soft.
         cuda_graphs: on a GPU, capture the training step in a CUDA graph and replay it (the same results);
             False runs it eagerly.
+        fused_adam: Adam's update in one kernel (numba on a CPU, Triton on a GPU); False: element-wise torch
+            operations, about ten kernels per parameter (the same update to float32 rounding).
     """
 
     def __init__(
@@ -167,6 +169,7 @@ class MultiTaskMoE(EngineModule):
         perm_per_task: bool = False,
         perm_eval_rounded: bool = True,
         cuda_graphs: bool = True,
+        fused_adam: bool = True,
     ) -> None:
         super().__init__()
         if info is None:
@@ -174,7 +177,7 @@ class MultiTaskMoE(EngineModule):
         # ``info`` is derived from the data (linked by the CLI), so checkpoints stay loadable with weights_only=True;
         # ``MultiTaskMoE.load_from_checkpoint(path, info=datamodule.info)`` rebuilds the model.
         self.save_hyperparameters(ignore=["info"], logger=False)
-        self.info, self.cuda_graphs = info, cuda_graphs
+        self.info, self.cuda_graphs, self.fused_adam = info, cuda_graphs, fused_adam
         self.trial = build_trial(info, None, gate=gate, lr=lr, alpha=alpha, n_experts=n_experts,
                                  embedding_dim=embedding_dim, expert_units=expert_units, tower_units=tower_units,
                                  expert_dropout=expert_dropout, keras_init=keras_init, adam_eps=adam_eps,
@@ -204,7 +207,7 @@ class MultiTaskMoE(EngineModule):
         max_epochs = self.trainer.max_epochs
         self.trial.max_epochs = max_epochs if max_epochs is not None and max_epochs > 0 else None
         self.trial.patience, self.trial.min_delta = self.stopping.patience, self.stopping.min_delta
-        self.engine = PackEngine(self.net, self.info.tasks, 1, self.device, self.cuda_graphs)
+        self.engine = PackEngine(self.net, self.info.tasks, 1, self.device, self.cuda_graphs, self.fused_adam)
         self.engine.load(0, self.trial)
         if self._engine_state is not None:
             self.engine.load_state_dict(self._engine_state)
@@ -353,18 +356,18 @@ class PackModule(EngineModule):
         batch_size, eval_batch_size: as the DataModule's (shared by the pack).
         capacity: P.
         next_trial: the next trial to train (built on the CPU), or ``None`` when there is none.
-        cuda_graphs: as :class:`MultiTaskMoE`'s.
+        cuda_graphs, fused_adam: as :class:`MultiTaskMoE`'s.
     """
 
     def __init__(self, info: DatasetInfo, splits: dict[str, dict[str, Tensor]], batch_size: int,
                  eval_batch_size: int, capacity: int, next_trial: Callable[[], Trial | None],
                  finished: Callable[[TrialResult], None], on_epoch: Callable[[PackModule], None] | None = None,
-                 cuda_graphs: bool = True) -> None:
+                 cuda_graphs: bool = True, fused_adam: bool = True) -> None:
         super().__init__()
         self.info, self.splits, self.capacity = info, splits, capacity
         self.batch_size, self.eval_batch_size = batch_size, eval_batch_size
         self.next_trial, self.finished, self.on_epoch = next_trial, finished, on_epoch
-        self.cuda_graphs = cuda_graphs
+        self.cuda_graphs, self.fused_adam = cuda_graphs, fused_adam
         self.n_train = len(next(iter(splits["train"].values())))
 
     def train_dataloader(self) -> PackBatches:
@@ -386,7 +389,8 @@ class PackModule(EngineModule):
         if first is None:
             self.trainer.should_stop = True
             return
-        self.engine = PackEngine(first.net, self.info.tasks, self.capacity, self.device, self.cuda_graphs)
+        self.engine = PackEngine(first.net, self.info.tasks, self.capacity, self.device, self.cuda_graphs,
+                                 self.fused_adam)
         self.engine.load(0, first)
         self._refill()
 

@@ -5,21 +5,27 @@ The update of ``torch.optim.Adam`` (Kingma and Ba, Algorithm 1, with PyTorch's b
 count as ``[P, 1]`` tensors: the number of kernels depends on the model's parameters, not on P, and nothing is read
 on the host. The arithmetic is that of ``torch.optim.Adam(fused=True)``, operation for operation (the coefficients
 in float64, cast once; the moments and the update in float32); where the fused kernels contract products into fused
-multiply-adds differently, the two agree to float32 rounding (tested). Two implementations:
+multiply-adds differently, the two agree to float32 rounding (tested). Three implementations of one formula:
 
-* on a GPU (and for float64), element-wise torch operations on each parameter's ``[P, size]`` block, which a CUDA
-  graph captures;
+* element-wise torch operations on each parameter's ``[P, size]`` block (``fused=False``, and for float64): about
+  ten kernels per parameter;
 * on a CPU, one numba kernel (:func:`_adam_cpu`, split over torch's threads by
-  :func:`mtmoe.host_threads.run_split`): one pass over the parameters, gradients and moments instead of about ten.
-  Its square root is correctly rounded, as the fused kernel's (``torch.sqrt`` on x86 CPUs is MKL's, within one
-  ulp), and its lerp is the fused multiply-add of torch's vectorised ``lerp`` at every position, so a trial's values
-  do not depend on where its block lies or how the range is split.
+  :func:`mtmoe.host_threads.run_split`): one pass over the parameters, gradients and moments. Its square root is
+  correctly rounded, as the fused kernel's (``torch.sqrt`` on x86 CPUs is MKL's, within one ulp), and its lerp is
+  the fused multiply-add of torch's vectorised ``lerp`` at every position, so a trial's values do not depend on
+  where its block lies or how the range is split;
+* on a GPU, one Triton kernel (:func:`_adam_cuda`) over work units of at most ``_UNIT`` elements of one trial's
+  block, which a CUDA graph captures as one launch. Its operations are the element-wise path's, each rounded as
+  there (the lerp's fused multiply-add as CUDA's ``lerp``, the square root and divisions IEEE, no other contraction:
+  ``enable_fp_fusion=False``).
 
 As ``torch.optim.Adam`` leaves a parameter whose gradient is ``None`` as it is, :meth:`PackedAdam.step` leaves the
 parameters a trial did not use in the step (``skip``: local search's matrix once the permutation is frozen) with
 their moments untouched.
 """
 from __future__ import annotations
+
+import os
 
 import numba
 import numpy as np
@@ -30,6 +36,12 @@ from torch import Tensor
 
 from mtmoe.host_threads import run_split
 from mtmoe.pack.stack import TrialStack
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - Triton ships with CUDA builds of torch
+    triton = None
 
 BETAS = (0.9, 0.999)  # torch.optim.Adam's defaults, which the unpacked runs use
 
@@ -87,18 +99,63 @@ def _adam_cpu(param: np.ndarray, grad: np.ndarray, exp_avg: np.ndarray, exp_avg_
         i = end
 
 
-class PackedAdam:
-    """Adam on every trial of ``stack`` with per-trial ``lr``, ``eps`` and step count."""
+if triton is not None:
 
-    def __init__(self, stack: TrialStack) -> None:
-        self.stack = stack
+    @triton.jit
+    def _adam_cuda(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, unit_start_ptr, unit_length_ptr, unit_trial_ptr,
+                   unit_skip_row_ptr, skip_ptr, step_size_ptr, bias_correction2_sqrt_ptr, eps_ptr, capacity,
+                   lerp_weight, beta2, one_minus_beta2, UNIT: tl.constexpr):
+        """Program ``u``: :func:`_adam_run` on work unit ``u``, the ``unit_length[u]`` elements from
+        ``unit_start[u]`` of trial ``unit_trial[u]``, unless ``skip[unit_skip_row[u], trial]``."""
+        unit = tl.program_id(0)
+        trial = tl.load(unit_trial_ptr + unit)
+        if tl.load(skip_ptr + tl.load(unit_skip_row_ptr + unit) * capacity + trial) == 0:
+            s = tl.load(step_size_ptr + trial)
+            c = tl.load(bias_correction2_sqrt_ptr + trial)
+            e = tl.load(eps_ptr + trial)
+            lanes = tl.arange(0, UNIT)
+            inside = lanes < tl.load(unit_length_ptr + unit)
+            offsets = tl.load(unit_start_ptr + unit) + lanes
+            g = tl.load(grad_ptr + offsets, mask=inside)
+            m = tl.load(exp_avg_ptr + offsets, mask=inside)
+            m = tl.fma(lerp_weight, g - m, m)
+            v = tl.load(exp_avg_sq_ptr + offsets, mask=inside) * beta2 + g * one_minus_beta2 * g
+            p = tl.load(param_ptr + offsets, mask=inside)
+            p = p - tl.div_rn(s * m, tl.div_rn(tl.sqrt_rn(v), c) + e)
+            tl.store(exp_avg_ptr + offsets, m, mask=inside)
+            tl.store(exp_avg_sq_ptr + offsets, v, mask=inside)
+            tl.store(param_ptr + offsets, p, mask=inside)
+
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's interpreter runs the kernel on CPU tensors
+_UNIT = 1024  # elements per program of the Triton kernel
+
+
+class PackedAdam:
+    """Adam on every trial of ``stack`` with per-trial ``lr``, ``eps`` and step count.
+
+    ``fused`` (default): one kernel for all parameters of all trials, numba on a CPU and Triton on a GPU, for float32
+    stacks; ``fused=False`` runs the element-wise torch operations, block by block (float64 always does).
+    """
+
+    def __init__(self, stack: TrialStack, fused: bool = True) -> None:
+        self.stack, self.fused = stack, fused
         self.exp_avg = torch.zeros_like(stack.flat)
         self.exp_avg_sq = torch.zeros_like(stack.flat)
         capacity, device = stack.capacity, stack.device
         self.steps = torch.zeros(capacity, 1, dtype=torch.float64, device=device)
         self.lr = torch.zeros(capacity, 1, dtype=torch.float64, device=device)
         self.eps = torch.zeros(capacity, 1, dtype=torch.float64, device=device)
-        self._layout: tuple[np.ndarray, np.ndarray, list[str]] | None = None  # the CPU kernel's view of the blocks
+        names = sorted(stack.blocks, key=lambda name: stack.blocks[name].start)
+        blocks = [stack.blocks[name] for name in names]
+        if blocks and ([b.start for b in blocks] != [0] + [b.stop for b in blocks[:-1]]
+                       or blocks[-1].stop != stack.flat.numel()):
+            raise ValueError("the stack's blocks do not tile its flat tensors")
+        self.names = names  # the blocks in the flat tensors' order; each ends at ends[b] with P rows of widths[b]
+        self.ends = np.array([b.stop for b in blocks], dtype=np.int64)
+        self.widths = np.array([(b.stop - b.start) // capacity for b in blocks], dtype=np.int64)
+        self._units: tuple[Tensor, ...] | None = None  # the Triton kernel's work units, built on first use
+        self._skipped: Tensor | None = None
 
     def _blocks(self, name: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Parameter ``name``'s values, gradients and moments as ``[P, size]``."""
@@ -144,10 +201,15 @@ class PackedAdam:
         step_size = (self.lr / (1 - torch.pow(beta1, self.steps))).to(dtype)  # [P, 1]: per-trial coefficients
         bias_correction2_sqrt = (1 - torch.pow(beta2, self.steps)).sqrt().to(dtype)
         eps = self.eps.to(dtype)
-        if self.stack.device.type == "cpu" and dtype == torch.float32:
-            self._step_cpu(skip or {}, step_size, bias_correction2_sqrt, eps)
+        skip = skip or {}
+        if not self.fused or dtype != torch.float32:
+            self._step_elementwise(skip, step_size, bias_correction2_sqrt, eps)
+        elif triton is not None and (self.stack.device.type == "cuda" or INTERPRET):
+            self._step_triton(skip, step_size, bias_correction2_sqrt, eps)
+        elif self.stack.device.type == "cpu":
+            self._step_cpu(skip, step_size, bias_correction2_sqrt, eps)
         else:
-            self._step_elementwise(skip or {}, step_size, bias_correction2_sqrt, eps)
+            self._step_elementwise(skip, step_size, bias_correction2_sqrt, eps)
 
     def _step_elementwise(self, skip: dict[str, Tensor], step_size: Tensor, bias_correction2_sqrt: Tensor,
                           eps: Tensor) -> None:
@@ -167,22 +229,44 @@ class PackedAdam:
                 for tensor, old in zip((param, exp_avg, exp_avg_sq), saved):
                     tensor.copy_(torch.where(mask, old, tensor))
 
+    def _flats(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        stack = self.stack
+        return stack.flat.detach(), stack.flat_grad, self.exp_avg, self.exp_avg_sq
+
     def _step_cpu(self, skip: dict[str, Tensor], step_size: Tensor, bias_correction2_sqrt: Tensor,
                   eps: Tensor) -> None:
         """The same update by :func:`_adam_cpu`, over all blocks at once, on torch's threads."""
-        stack = self.stack
-        if self._layout is None:
-            names = sorted(stack.blocks, key=lambda name: stack.blocks[name].start)
-            blocks = [stack.blocks[name] for name in names]
-            if [b.start for b in blocks] != [0] + [b.stop for b in blocks[:-1]] or blocks[-1].stop != stack.flat.numel():
-                raise ValueError("the stack's blocks do not tile its flat tensors")
-            self._layout = (np.array([b.stop for b in blocks], dtype=np.int64),
-                            np.array([(b.stop - b.start) // stack.capacity for b in blocks], dtype=np.int64), names)
-        ends, widths, names = self._layout
-        skipped = np.zeros((len(names), stack.capacity), dtype=np.bool_)
-        for row, name in enumerate(names):
+        skipped = np.zeros((len(self.names), self.stack.capacity), dtype=np.bool_)
+        for row, name in enumerate(self.names):
             if name in skip:
                 skipped[row] = skip[name].numpy()
-        flats = (stack.flat.detach(), stack.flat_grad, self.exp_avg, self.exp_avg_sq)
-        run_split(_adam_cpu, stack.flat.numel(), *(t.numpy() for t in flats), ends, widths, skipped,
-                  *(t.view(-1).numpy() for t in (step_size, bias_correction2_sqrt, eps)))
+        run_split(_adam_cpu, self.stack.flat.numel(), *(t.numpy() for t in self._flats()), self.ends, self.widths,
+                  skipped, *(t.view(-1).numpy() for t in (step_size, bias_correction2_sqrt, eps)))
+
+    def _step_triton(self, skip: dict[str, Tensor], step_size: Tensor, bias_correction2_sqrt: Tensor,
+                     eps: Tensor) -> None:
+        """The same update by :func:`_adam_cuda`, one program per work unit; ``skip`` is read on the device."""
+        capacity, device = self.stack.capacity, self.stack.device
+        if self._units is None:
+            starts, lengths, trials, rows = [], [], [], []
+            for row, (end, width) in enumerate(zip(self.ends, self.widths)):
+                chunks = -(-width // _UNIT)
+                trial, chunk = np.divmod(np.arange(capacity * chunks), chunks)
+                starts.append(end - width * capacity + trial * width + chunk * _UNIT)
+                lengths.append(np.minimum(_UNIT, width - chunk * _UNIT))
+                trials.append(trial)
+                rows.append(np.full(capacity * chunks, row))
+            self._units = tuple(torch.from_numpy(np.concatenate(values).astype(dtype)).to(device)
+                                for values, dtype in ((starts, np.int64), (lengths, np.int32),
+                                                      (trials, np.int32), (rows, np.int32)))
+            self._skipped = torch.zeros(len(self.names), capacity, dtype=torch.uint8, device=device)
+        if not len(self._units[0]):
+            return
+        self._skipped.zero_()
+        for row, name in enumerate(self.names):
+            if name in skip:
+                self._skipped[row].copy_(skip[name])
+        lerp_weight, beta2, one_minus_beta2 = (float(x) for x in (_LERP_WEIGHT, _BETA2, _ONE_MINUS_BETA2))
+        _adam_cuda[(len(self._units[0]),)](*self._flats(), *self._units, self._skipped, step_size,
+                                          bias_correction2_sqrt, eps, capacity, lerp_weight, beta2, one_minus_beta2,
+                                          UNIT=_UNIT, enable_fp_fusion=False)

@@ -119,6 +119,8 @@ class PackEngine:
         capacity: P, the number of slots.
         device: where the stacked tensors live.
         cuda_graphs: on a GPU, capture the training step in CUDA graphs (default) or run it eagerly.
+        fused_adam: Adam in one kernel for all trials (default), or in element-wise torch operations
+            (:class:`~mtmoe.pack.adam.PackedAdam`).
 
     The training batches per epoch (local search's windows and the gates' warm-ups count in them) are set with
     :meth:`set_steps_per_epoch` before the first training step.
@@ -128,13 +130,13 @@ class PackEngine:
                       "rounded_at")
 
     def __init__(self, example: MMoE, tasks: tuple[TaskSpec, ...], capacity: int, device: torch.device | str,
-                 cuda_graphs: bool = True) -> None:
+                 cuda_graphs: bool = True, fused_adam: bool = True) -> None:
         self.tasks, self.capacity, self.steps_per_epoch = tasks, capacity, None
         self.device = torch.device(device)
         if self.device.type == "cpu":  # a step's large activations reuse freed memory instead of faulting in pages
             keep_freed_memory()
         self.stack = TrialStack(example, capacity, self.device)
-        self.adam = PackedAdam(self.stack)
+        self.adam = PackedAdam(self.stack, fused_adam)
         self.template = copy.deepcopy(example).to("meta")
         self.search = self.template.local_search
         self.task_weights = torch.zeros(capacity, len(tasks), device=self.device)
@@ -191,7 +193,8 @@ class PackEngine:
         continue with once no trial is left to refill the free slots: no work goes to empty slots."""
         keep = [slot for slot, _ in self.running]
         trials = [self.slots[slot] for slot in keep]
-        smaller = PackEngine(trials[0].net, self.tasks, len(keep), self.device, self.captured is not None)
+        smaller = PackEngine(trials[0].net, self.tasks, len(keep), self.device, self.captured is not None,
+                             self.adam.fused)
         smaller.steps_per_epoch = self.steps_per_epoch
         smaller.stack.take(self.stack, keep)
         smaller.adam.take(self.adam, keep)

@@ -9,7 +9,8 @@ from mtmoe.mmoe import MMoE
 from mtmoe.pack.engine import PackEngine, Trial
 
 
-def memory_per_trial(net: MMoE, datamodule, device: torch.device, precision: str = "32") -> int:
+def memory_per_trial(net: MMoE, datamodule, device: torch.device, precision: str = "32",
+                     fused_adam: bool = True) -> int:
     """Bytes per trial on a GPU: the difference of the peaks of a training step and an evaluation batch in packs
     of three and of one throwaway copy of ``net`` (each measured after a first pack of one has made the one-time
     allocations: cuBLAS's workspace, compiled kernels), halved, plus its best-weights snapshot."""
@@ -20,7 +21,7 @@ def memory_per_trial(net: MMoE, datamodule, device: torch.device, precision: str
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
-        engine = PackEngine(net, datamodule.info.tasks, capacity, device, cuda_graphs=False)
+        engine = PackEngine(net, datamodule.info.tasks, capacity, device, cuda_graphs=False, fused_adam=fused_adam)
         for slot in range(capacity):
             engine.load(slot, Trial(None, copy.deepcopy(net), (1.0,) * len(datamodule.info.tasks), 1e-4, 1e-7, 0,
                                     1, 1))

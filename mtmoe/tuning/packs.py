@@ -97,7 +97,8 @@ class TrialFactory:
                 max_epochs = value
             elif group == "early_stopping":
                 stopping[setting] = value
-        model.pop("cuda_graphs", None)
+        for engine_setting in ("cuda_graphs", "fused_adam"):  # the pack's, not the trial's
+            model.pop(engine_setting, None)
         torch.manual_seed(seed)
         return build_trial(self.run.datamodule.info, key, gate=partial(self.gate_class, **gate_args), **model,
                            data_seed=seed if self.data_seed is None else self.data_seed,
@@ -165,7 +166,8 @@ class PackWorker:
                       if self.keys.get(t.user_attrs.get("config_id")) == key)
         capacity = resolve_capacity(self.capacity, run, waiting + 1)
         module = PackModule(datamodule.info, datamodule.splits, datamodule.batch_size, datamodule.eval_batch_size,
-                            capacity, next_trial, self._finished, self._epoch, run.config.model.cuda_graphs)
+                            capacity, next_trial, self._finished, self._epoch, run.config.model.cuda_graphs,
+                            run.config.model.fused_adam)
         # the structure's configuration (config.yaml) goes with the trials' logs, not into the working directory
         trainer = run.cli.instantiate_trainer(**PACK_TRAINER, default_root_dir=str(self.log_dir))
         trainer.fit(module)
@@ -323,7 +325,7 @@ def fastest_capacity(run: Run, limit: int) -> int:
     candidates = sorted({min(2**i, limit) for i in range(limit.bit_length() + 1)})
     best, best_rate = 1, 0.0
     for capacity in candidates:
-        engine = PackEngine(net, tasks, capacity, device, run.config.model.cuda_graphs)
+        engine = PackEngine(net, tasks, capacity, device, run.config.model.cuda_graphs, run.config.model.fused_adam)
         engine.set_steps_per_epoch(10**6)
         for slot in range(capacity):
             engine.load(slot, Trial(None, copy.deepcopy(net), (1.0,) * len(tasks), 1e-4, 1e-7, 0, None, 1))
@@ -359,7 +361,8 @@ def resolve_capacity(requested: int | str, run: Run, trials: int, measure: bool 
     device, datamodule = run.trainer.strategy.root_device, run.datamodule
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        per_trial = memory_per_trial(run.model.net, datamodule, device, str(run.trainer.precision))
+        per_trial = memory_per_trial(run.model.net, datamodule, device, str(run.trainer.precision),
+                                     run.config.model.fused_adam)
         fits = int(0.8 * free / per_trial)
     else:
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
