@@ -27,7 +27,8 @@ one trial, operation counts, per-trial set-up, a whole study.
    each trial draws from its own random stream whatever its pack).
 5. **The matmul floor** (``--floor``): the expert layer's three matmuls of one step alone, per trial-epoch.
 6. **Where a step's time goes** (``--profile P``, CPU): a pack of P's training step on 512-row batches under
-   ``torch.profiler``: milliseconds per step and per trial-step, and the operations with the most self time.
+   ``torch.profiler``: milliseconds per step and per trial-step, the operations with the most self time, and the
+   pack's Adam update alone by each of its kernels (``fused``: the numba kernel; ``elementwise``: torch operations).
 
 Prints the tables and writes them with a JSON copy to ``benchmarks/out/packs.{md,json}``.
 """
@@ -138,9 +139,10 @@ def operations(gate: str, pack: int) -> dict:
     return phases(engine, batch, eval_batch)
 
 
-def profile_step(gate: str, pack: int, batch_size: int = 512, steps: int = 3) -> tuple[float, str]:
+def profile_step(gate: str, pack: int, batch_size: int = 512, steps: int = 3) -> tuple[float, str, dict[str, float]]:
     """Milliseconds per training step of a CPU pack (mean of ``steps`` after 3 warm-up steps, under
-    ``torch.profiler``) and the profiler's table of the operations with the most self time."""
+    ``torch.profiler``), the profiler's table of the operations with the most self time, and the milliseconds of
+    the pack's Adam update alone by each of its kernels (median of 20, after the steps)."""
     from torch.profiler import ProfilerActivity, profile
 
     engine, splits = loaded_engine(gate, pack, 10**6)
@@ -154,7 +156,16 @@ def profile_step(gate: str, pack: int, batch_size: int = 512, steps: int = 3) ->
         for _ in range(steps):
             engine.train_step(batch)
         milliseconds = (time.perf_counter() - start) / steps * 1000
-    return milliseconds, profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
+    adam = {}
+    for kernel in ("fused", "elementwise"):
+        engine.adam.fused = kernel == "fused"
+        times = []
+        for _ in range(20):
+            start = time.perf_counter()
+            engine.adam.step()
+            times.append((time.perf_counter() - start) * 1000)
+        adam[kernel] = sorted(times)[len(times) // 2]
+    return milliseconds, profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=15), adam
 
 
 def setup_milliseconds(gate: str, n: int) -> float:
@@ -308,9 +319,11 @@ def main() -> None:
                    f"{len(ids)} configurations: largest relative difference {worst:.1e}"]
         print(tables[-1], flush=True)
     if args.profile:
-        milliseconds, table = profile_step(gates[0], args.profile)
+        milliseconds, table, adam = profile_step(gates[0], args.profile)
+        rows.append({"profile_P": args.profile, "step_ms": milliseconds, "adam_ms": adam})
         tables += ["", f"{gates[0]}, P = {args.profile}, CPU: {milliseconds:.1f} ms per training step, "
-                   f"{milliseconds / args.profile:.1f} ms per trial-step (torch.profiler, 3 steps)", "", table]
+                   f"{milliseconds / args.profile:.1f} ms per trial-step (torch.profiler, 3 steps); the Adam update "
+                   f"alone: {adam['fused']:.2f} ms fused, {adam['elementwise']:.2f} ms element-wise", "", table]
         print(*tables[-3:], sep="\n", flush=True)
     if args.floor:
         floors = {precision: expert_matmul_floor(precision, 308, args.device) for precision in ("32", "bf16-mixed")}
