@@ -36,7 +36,6 @@ interpreter (``TRITON_INTERPRET=1``).
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import numba
@@ -45,12 +44,8 @@ import torch
 from torch import Tensor
 
 from mtmoe.host_threads import run_split
+from mtmoe.triton_support import tl, triton, use_triton
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - Triton ships with CUDA builds of torch
-    triton = None
 
 _LOW32 = 0xFFFFFFFF
 _M1, _M2 = 0x7FEB352D, 0x846CA68B  # lowbias32's multipliers
@@ -337,13 +332,7 @@ if triton is not None:
         tl.store(out_ptr + trial * n + offsets, out.to(out_ptr.dtype.element_ty), mask=inside)
 
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's interpreter runs the kernels on CPU tensors
 _BLOCK = 1024
-
-
-def _use_triton(h: Tensor) -> bool:
-    """Triton kernels for CUDA tensors, and for every tensor under the interpreter (how CI tests them on CPU)."""
-    return triton is not None and (h.is_cuda or INTERPRET)
 
 
 def _dropout_kernel(h: Tensor, seed: Tensor, step: Tensor, site: int, p: float) -> Tensor:
@@ -354,14 +343,14 @@ def _dropout_kernel(h: Tensor, seed: Tensor, step: Tensor, site: int, p: float) 
     count, n = math.prod(trials), math.prod(h.shape[len(trials):])
     if (n + 1) // 2 > MAX_POSITIONS:
         raise ValueError(f"a trial's stream has 2^32 words (two dropout decisions each), {n} elements need more")
-    if not (_use_triton(h) or h.device.type == "cpu") or h.numel() == 0:
+    if not (use_triton(h.device) or h.device.type == "cpu") or h.numel() == 0:
         return dropout_reference(h, seed, site, step, p)
     seeds = seed.expand(trials).reshape(count).contiguous()
     steps = step.expand(trials).reshape(count).contiguous()
     iv0, iv1 = _initial_lanes(site)
     threshold, scale = dropout_threshold(p), dropout_scale(p)
     h = h.detach().contiguous()
-    if _use_triton(h):
+    if use_triton(h.device):
         out = torch.empty_like(h)
         _dropout_cuda[(triton.cdiv(n, _BLOCK), count)](h, out, seeds, steps, n, iv0, iv1, threshold, scale,
                                                        BLOCK=_BLOCK, FLOAT64=h.dtype == torch.float64,

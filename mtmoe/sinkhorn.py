@@ -29,18 +29,13 @@ batch were subnormal float32 numbers, which x86 CPUs process on a slow path.
 from __future__ import annotations
 
 import math
-import os
 
 import numba
 import numpy as np
 import torch
 from torch import Tensor
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - Triton ships with CUDA builds of torch
-    triton = None
+from mtmoe.triton_support import tl, triton, use_triton
 
 ENTROPY_EPS = 1e-6  # inside the entropy penalty's logs, log(x + 1e-6) (the official code's)
 MAX_ITERATIONS = 150  # the schedule's last R (§4.3): the saved softmaxes have room for this many rounds
@@ -232,14 +227,6 @@ def _floor(dtype: torch.dtype) -> float:
     return info.tiny / info.eps
 
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's interpreter runs the kernels on CPU tensors
-
-
-def _use_triton(u: Tensor) -> bool:
-    """Triton kernels for CUDA tensors, and for every tensor under the interpreter (how CI tests them on CPU)."""
-    return triton is not None and (u.is_cuda or INTERPRET)
-
-
 def _block(n: int) -> int:
     """The kernels' tile: n x n padded to a power of two, at least 16."""
     return max(16, triton.next_power_of_2(n))
@@ -263,7 +250,7 @@ class LogSinkhorn(torch.autograd.Function):
                 max_iterations: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         m, n, _ = u.shape
         u, tau, iterations, entropy_scale = (x.detach().contiguous() for x in (u, tau, iterations, entropy_scale))
-        if _use_triton(u):
+        if use_triton(u.device):
             if not u.is_cuda:  # the interpreter; a host read of a CUDA tensor would synchronise: its kernels clamp R
                 _check_iterations(iterations, max_iterations)
             rows = torch.empty(m, max_iterations, n, n, dtype=torch.float64, device=u.device)
@@ -300,7 +287,7 @@ class LogSinkhorn(torch.autograd.Function):
             grad = torch.zeros(m, n, n, dtype=ctx.dtype, device=ctx.device)
         if grad_penalty is None:  # only P is used
             grad_penalty = torch.zeros(m, dtype=ctx.dtype, device=ctx.device)
-        if _use_triton(grad):
+        if use_triton(grad.device):
             out = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
             _backward_cuda[(m,)](grad.contiguous(), grad_penalty.contiguous(), d_penalty, rows, cols, tau, iterations,
                                  out, n, max_iterations, BLOCK=_block(n))

@@ -24,6 +24,7 @@ from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mtmoe.random as module
+from mtmoe import triton_support
 from mtmoe.random import (
     bernoulli, dropout, dropout_reference, dropout_scale, dropout_threshold, gumbel, random_bits, uniform,
 )
@@ -95,9 +96,9 @@ def bits_of(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("p", [0.5, 0.1, 1 / 3])
 def test_numba_kernel_equals_the_reference(dtype: torch.dtype, p: float, monkeypatch) -> None:
-    monkeypatch.setattr(module, "INTERPRET", False)
+    monkeypatch.setattr(triton_support, "INTERPRET", False)
     for h, seed, step in packs(dtype):
-        assert not module._use_triton(h)
+        assert not triton_support.use_triton(h.device)
         out = module._dropout_kernel(h, seed, step, SITE, p)
         assert out.dtype == dtype
         assert torch.equal(bits_of(out), bits_of(dropout_reference(h, seed, SITE, step, p)))
@@ -107,7 +108,7 @@ def test_numba_kernel_equals_the_reference(dtype: torch.dtype, p: float, monkeyp
 def test_numba_kernel_split_over_threads_equals_the_reference(dtype: torch.dtype, monkeypatch) -> None:
     """The CPU kernel runs its chunks on torch's threads (``mtmoe.host_threads.run_split``): with 2 threads the
     split falls inside a trial, with 3 on trial boundaries; every split gives the reference's bits."""
-    monkeypatch.setattr(module, "INTERPRET", False)
+    monkeypatch.setattr(triton_support, "INTERPRET", False)
     h = torch.randn(3, 50_001).to(dtype)
     seed, step = torch.tensor([1, 2**40, 7]), torch.tensor([0, 5, 2**33])
     expected = bits_of(dropout_reference(h, seed, SITE, step, 0.5))
@@ -125,6 +126,7 @@ import torch
 from torch.func import vmap
 import mtmoe.random as module
 from mtmoe.random import dropout, dropout_reference
+from mtmoe.triton_support import use_triton
 t = lambda v: torch.tensor(v, dtype=torch.int64)
 bits = lambda x: x.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[x.dtype.itemsize])
 for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
@@ -134,7 +136,7 @@ for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
         every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
         cases.append((every[torch.isfinite(every)][::5], t(5), t(6), 1 / 3))
     for h, seed, step, p in cases:
-        assert module._use_triton(h)
+        assert use_triton(h.device)
         out = module._dropout_kernel(h, seed, step, 5, p)
         assert out.dtype == dtype and torch.equal(bits(out), bits(dropout_reference(h, seed, 5, step, p))), dtype
 h = torch.randn(3, 40, 9, requires_grad=True)

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import mtmoe.sinkhorn as module
+from mtmoe import triton_support
 from mtmoe.sinkhorn import log_sinkhorn, sinkhorn, sinkhorn_and_penalty
 
 #: (tau, R, entropy scale) of one batch's matrices: the schedule's ends and middle, a tau that is no float32 value
@@ -330,19 +331,19 @@ def check_interpreted_triton_kernels() -> None:
     """Run with ``TRITON_INTERPRET=1``: the Triton kernels on CPU tensors (mixed tau, R 1..150, scales, n below, at
     and above the 16-wide block, float32 and float64, a vmapped pack) equal the numba loops and the unrolled
     recursion, and clamp an R outside ``[1, max_iterations]`` (a CUDA tensor is not checked on the host)."""
-    assert module.INTERPRET
+    assert triton_support.INTERPRET
     for (n, dtype), config in zip([(2, torch.float32), (5, torch.float64), (16, torch.float32), (17, torch.float64)],
                                   INTERPRETED):
         results = {}
         for interpret in (True, False):
-            module.INTERPRET = interpret
-            assert module._use_triton(torch.zeros(1)) == interpret
+            triton_support.INTERPRET = interpret
+            assert triton_support.use_triton(torch.device("cpu")) == interpret
             results[interpret] = triton_results(triton_inputs("cpu", n, dtype, config, INTERPRETED_TRIALS))
         for triton, numba in zip(results[True], results[False]):
             assert_close_to_the_numba_loops(triton, numba, dtype)
         if dtype == torch.float64:
             assert_matches_the_unrolled_recursion(config, near_uniform_u(config, n, n), results[True][0])
-    module.INTERPRET = True
+    triton_support.INTERPRET = True
     u, tau, scale = near_uniform_u(MIXED[:2], 4, 0), *schedules(MIXED[:2])[::2]
     outputs = [torch.empty(2, 4, 4, dtype=torch.float64), torch.empty(2, dtype=torch.float64),
                torch.empty(2, 10, 4, 4, dtype=torch.float64), torch.empty(2, 10, 4, 4, dtype=torch.float64),

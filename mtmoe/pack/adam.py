@@ -25,7 +25,6 @@ their moments untouched.
 """
 from __future__ import annotations
 
-import os
 
 import numba
 import numpy as np
@@ -36,12 +35,8 @@ from torch import Tensor
 
 from mtmoe.host_threads import run_split
 from mtmoe.pack.stack import TrialStack
+from mtmoe.triton_support import tl, triton, use_triton
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - Triton ships with CUDA builds of torch
-    triton = None
 
 BETAS = (0.9, 0.999)  # torch.optim.Adam's defaults, which the unpacked runs use
 
@@ -127,7 +122,6 @@ if triton is not None:
             tl.store(param_ptr + offsets, p, mask=inside)
 
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's interpreter runs the kernel on CPU tensors
 _UNIT = 1024  # elements per program of the Triton kernel
 
 
@@ -204,7 +198,7 @@ class PackedAdam:
         skip = skip or {}
         if not self.fused or dtype != torch.float32:
             self._step_elementwise(skip, step_size, bias_correction2_sqrt, eps)
-        elif triton is not None and (self.stack.device.type == "cuda" or INTERPRET):
+        elif use_triton(self.stack.device):
             self._step_triton(skip, step_size, bias_correction2_sqrt, eps)
         elif self.stack.device.type == "cpu":
             self._step_cpu(skip, step_size, bias_correction2_sqrt, eps)
