@@ -46,7 +46,6 @@ from torch import Tensor
 from mtmoe.host_threads import run_split
 from mtmoe.triton_support import tl, triton, use_triton
 
-
 _LOW32 = 0xFFFFFFFF
 _M1, _M2 = 0x7FEB352D, 0x846CA68B  # lowbias32's multipliers
 _M2_SIGNED = _M2 - 2**32  # the same product modulo 2^32, and |x * _M2_SIGNED| < 2^63 for 32-bit x

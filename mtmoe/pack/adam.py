@@ -25,7 +25,6 @@ their moments untouched.
 """
 from __future__ import annotations
 
-
 import numba
 import numpy as np
 import torch
@@ -36,7 +35,6 @@ from torch import Tensor
 from mtmoe.host_threads import run_split
 from mtmoe.pack.stack import TrialStack
 from mtmoe.triton_support import tl, triton, use_triton
-
 
 BETAS = (0.9, 0.999)  # torch.optim.Adam's defaults, which the unpacked runs use
 
