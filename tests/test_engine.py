@@ -240,21 +240,24 @@ def test_a_diverging_trial_leaves_its_neighbours_bit_identical() -> None:
         assert_same_state(sick[slot], healthy[slot], atol=0)
 
 
+ADAM_SETTINGS = [(1e-3, 1e-7), (3e-2, 1e-8), (5e-4, 1e-3)]  # the three trials' (lr, eps) in the Adam tests
+
+
 def test_packed_adam_equals_torch_adam_per_trial() -> None:
     """Given the same gradients, each trial's row follows ``torch.optim.Adam(fused=True)`` (what ``fit`` used before
     the engine) with its own lr and eps, to float32 rounding (the fused kernel contracts one product into a fused
     multiply-add); a skipped parameter stays as Adam leaves a parameter without gradient, moments included."""
-    settings = [(1e-3, 1e-7), (3e-2, 1e-8), (5e-4, 1e-3)]
 
     def model(seed: int) -> torch.nn.Module:
         torch.manual_seed(seed)
         return torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
 
     reference, packed = [model(p) for p in range(3)], [model(p) for p in range(3)]
-    optimizers = [torch.optim.Adam(m.parameters(), lr=lr, eps=eps, fused=True) for m, (lr, eps) in zip(reference, settings)]
+    optimizers = [torch.optim.Adam(m.parameters(), lr=lr, eps=eps, fused=True)
+                  for m, (lr, eps) in zip(reference, ADAM_SETTINGS)]
     stack = TrialStack(packed[0], 3, "cpu")
     adam = PackedAdam(stack)
-    for slot, (module, (lr, eps)) in enumerate(zip(packed, settings)):
+    for slot, (module, (lr, eps)) in enumerate(zip(packed, ADAM_SETTINGS)):
         stack.load(slot, module)
         adam.reset(slot, lr, eps)
     generator = torch.Generator().manual_seed(0)
@@ -279,7 +282,6 @@ def test_packed_adam_cpu_kernel_is_the_same_on_any_number_of_threads() -> None:
     """The CPU update (one numba kernel over the flat tensors, split over torch's threads, parts crossing blocks
     and trials) gives the same bits on 1, 2 or 3 threads, and per trial follows ``torch.optim.Adam(fused=True)``
     to float32 rounding."""
-    settings = [(1e-3, 1e-7), (3e-2, 1e-8), (5e-4, 1e-3)]
 
     def model(seed: int) -> torch.nn.Module:
         torch.manual_seed(seed)
@@ -289,7 +291,7 @@ def test_packed_adam_cpu_kernel_is_the_same_on_any_number_of_threads() -> None:
     grads = [{name: torch.randn(3, *p.shape, generator=generator) for name, p in model(0).named_parameters()}
              for _ in range(5)]
     reference = [model(p) for p in range(3)]
-    for module, (lr, eps) in zip(reference, settings):
+    for module, (lr, eps) in zip(reference, ADAM_SETTINGS):
         optimizer = torch.optim.Adam(module.parameters(), lr=lr, eps=eps, fused=True)
         for step_grads in grads:
             for name, param in module.named_parameters():
@@ -299,17 +301,8 @@ def test_packed_adam_cpu_kernel_is_the_same_on_any_number_of_threads() -> None:
     try:
         for count in (1, 2, 3):
             torch.set_num_threads(count)
-            nets = [model(p) for p in range(3)]
-            stack = TrialStack(nets[0], 3, "cpu")
-            adam = PackedAdam(stack)
-            for slot, (net, (lr, eps)) in enumerate(zip(nets, settings)):
-                stack.load(slot, net)
-                adam.reset(slot, lr, eps)
-            for step_grads in grads:
-                for name, leaf in stack.params.items():
-                    leaf.grad.copy_(step_grads[name])
-                adam.step({"2.weight": torch.tensor([False, False, True])})
-            results.append(torch.cat([stack.flat, adam.exp_avg, adam.exp_avg_sq]))
+            nets, state = packed_adam_run(model, grads, [False, False, True])
+            results.append(state)
             for p in range(3):
                 for (name, value), expected in zip(nets[p].named_parameters(), reference[p].parameters()):
                     if not (p == 2 and name == "2.weight"):
@@ -318,15 +311,32 @@ def test_packed_adam_cpu_kernel_is_the_same_on_any_number_of_threads() -> None:
                         assert torch.equal(value, model(2)[2].weight)
     finally:
         torch.set_num_threads(threads)
-    assert stack.flat.numel() >= 3 * MIN_PART  # large enough to be split into 3 parts
+    assert state.numel() // 3 >= 3 * MIN_PART  # the flat parameters are large enough to be split into 3 parts
     assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
 
 
+def packed_adam_run(model, grads: list[dict[str, torch.Tensor]], skipped: list[bool], device: str = "cpu",
+                    fused: bool = True) -> tuple[list[torch.nn.Module], torch.Tensor]:
+    """Three trials, ``model(0..2)``, stacked with :data:`ADAM_SETTINGS` after one :class:`PackedAdam` step per
+    entry of ``grads`` (``[3, ...]`` per parameter), the trials marked in ``skipped`` leaving ``2.weight`` alone: the
+    nets (holding views of their slots) and the parameters and both moments as one flat tensor."""
+    nets = [model(p) for p in range(3)]
+    stack = TrialStack(nets[0], 3, device)
+    adam = PackedAdam(stack, fused=fused)
+    for slot, (net, (lr, eps)) in enumerate(zip(nets, ADAM_SETTINGS)):
+        stack.load(slot, net)
+        adam.reset(slot, lr, eps)
+    for step_grads in grads:
+        for name, leaf in stack.params.items():
+            leaf.grad.copy_(step_grads[name])
+        adam.step({"2.weight": torch.tensor(skipped, device=device)})
+    return nets, torch.cat([stack.flat, adam.exp_avg, adam.exp_avg_sq])
+
+
 def adam_states(device: str, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The parameters and both moments (one flat tensor) of three trials of a 150-30-3 MLP after 4
-    :class:`PackedAdam` steps on fixed gradients, trial 1 leaving its last weight alone, and that weight's initial
-    values: blocks of 4,500, 30, 90 and 3 elements per trial (the Triton kernel's units end inside and at blocks)."""
-    settings = [(1e-3, 1e-7), (3e-2, 1e-8), (5e-4, 1e-3)]
+    """:func:`packed_adam_run` of a 150-30-3 MLP on ``device``, 4 steps, trial 1 leaving its last weight alone: the
+    flat state (on the CPU) and that weight's initial values. Blocks of 4,500, 30, 90 and 3 elements per trial: the
+    Triton kernel's units end inside and at blocks."""
 
     def model(seed: int) -> torch.nn.Module:
         torch.manual_seed(seed)
@@ -335,17 +345,8 @@ def adam_states(device: str, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
     grads = [{name: torch.randn(3, *p.shape, generator=generator).to(device) for name, p in model(0).named_parameters()}
              for _ in range(4)]
-    nets = [model(p) for p in range(3)]
-    stack = TrialStack(nets[0], 3, device)
-    adam = PackedAdam(stack, fused=fused)
-    for slot, (net, (lr, eps)) in enumerate(zip(nets, settings)):
-        stack.load(slot, net)
-        adam.reset(slot, lr, eps)
-    for step_grads in grads:
-        for name, leaf in stack.params.items():
-            leaf.grad.copy_(step_grads[name])
-        adam.step({"2.weight": torch.tensor([False, True, False], device=device)})
-    return torch.cat([stack.flat, adam.exp_avg, adam.exp_avg_sq]).cpu(), model(1)[2].weight.detach().cpu()
+    _, state = packed_adam_run(model, grads, [False, True, False], device, fused)
+    return state.cpu(), model(1)[2].weight.detach().cpu()
 
 
 def check_interpreted_adam_kernel() -> None:
