@@ -225,12 +225,18 @@ def _scale_chunk(values: np.ndarray, out: np.ndarray, words: np.ndarray, thresho
 
 
 @numba.njit(cache=True, inline="always")
+def _chunks(n: int) -> int:
+    """Work units of one trial's ``n`` elements: chunks of ``2 * _CHUNK`` elements, the words of one pass."""
+    return (n + 2 * _CHUNK - 1) // (2 * _CHUNK)
+
+
+@numba.njit(cache=True, inline="always")
 def _unit_words(unit: int, n: int, keyed: int, lanes: np.ndarray, words: np.ndarray, seeds: np.ndarray,
                 steps: np.ndarray, iv0: int, iv1: int) -> tuple[int, int, int]:
     """Work unit ``unit`` of a ``[T, n]`` tensor (chunks of ``2 * _CHUNK`` elements, the words of one pass): its
     trial ``t``, first element and length, with its stream's words in ``words``; ``lanes`` holds trial ``keyed``'s
     key and is derived again when ``t`` is another trial."""
-    chunks = (n + 2 * _CHUNK - 1) // (2 * _CHUNK)
+    chunks = _chunks(n)
     t = unit // chunks
     start = (unit - t * chunks) * 2 * _CHUNK
     m = min(2 * _CHUNK, n - start)
@@ -356,7 +362,7 @@ def _dropout_kernel(h: Tensor, seed: Tensor, step: Tensor, site: int, p: float) 
                                                        BFLOAT16=h.dtype == torch.bfloat16)
         return out
     arguments = (seeds.numpy(), steps.numpy(), iv0, iv1, np.uint32(threshold), np.float32(scale))
-    units = count * ((n + 2 * _CHUNK - 1) // (2 * _CHUNK))  # the kernels' work units, split over torch's threads
+    units = count * _chunks(n)  # the kernels' work units, split over torch's threads
     if h.dtype == torch.bfloat16:  # numba has no bfloat16: the kernel reads and writes its bits
         out = torch.empty_like(h)
         bits = [x.view(torch.uint16).view(count, n).numpy() for x in (h, out)]
