@@ -8,9 +8,16 @@ import numpy as np
 import pytest
 
 REAL_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-# The tiny fixtures stand where the official files go (ml-100k/u.data, ...) with other contents: every DataModule,
-# tune worker and script the tests start uses them as they are. Tests of the check pass verify=True.
-os.environ["MTMOE_VERIFY"] = "false"
+
+
+@pytest.fixture(autouse=True, scope="session")
+def unverified_files():
+    """``MTMOE_VERIFY=false`` for the session, restored after it: the tiny fixtures stand where the official files go
+    (ml-100k/u.data, ...) with other contents, and every DataModule, tune worker and script the tests start uses them
+    as they are. Tests of the check pass ``verify=True`` or set the variable themselves."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MTMOE_VERIFY", "false")
+        yield
 
 
 def run_cli(argv: list[str]) -> int:

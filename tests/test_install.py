@@ -79,6 +79,7 @@ def venv(tmp_path: Path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # pip installs torch and its CUDA libraries into the fresh environment
 def test_wheel_in_a_fresh_environment_runs_from_anywhere(tmp_path: Path, venv: Path) -> None:
     if not (REAL_DATA / "ml-100k" / "u.data").is_file():
         pytest.skip("../shared/data/ml-100k is not beside the project")
