@@ -113,7 +113,7 @@ def pack_epoch_seconds(gate: str, pack: int, device: str, precision: str, graphs
 
 
 def loaded_engine(gate: str, pack: int, steps_per_epoch: int):
-    """A CPU engine with P planned configurations loaded, and the dataset's splits."""
+    """A CPU engine with P planned configurations loaded, and the dataset's DataModule (set up)."""
     from mtmoe.pack.engine import PackEngine
 
     configurations = plan(gate, pack, 1)
@@ -126,13 +126,14 @@ def loaded_engine(gate: str, pack: int, steps_per_epoch: int):
     engine.set_steps_per_epoch(steps_per_epoch)
     for slot, trial in enumerate(pack_trials):
         engine.load(slot, trial)
-    return engine, data.splits
+    return engine, data
 
 
 def operations(gate: str, pack: int) -> dict:
     from mtmoe.pack.operations import phases
 
-    engine, splits = loaded_engine(gate, pack, 4)  # a window of 4 steps: a step inside it, then after it
+    engine, data = loaded_engine(gate, pack, 4)  # a window of 4 steps: a step inside it, then after it
+    splits = data.splits
     index = torch.arange(8).expand(pack, -1)  # the count does not depend on the batch's rows: 8 keep it quick
     batch = {key: tensor[index] for key, tensor in splits["train"].items()}
     eval_batch = {key: tensor[:8] for key, tensor in splits["val"].items()}
@@ -145,7 +146,8 @@ def profile_step(gate: str, pack: int, batch_size: int = 512, steps: int = 3) ->
     the pack's Adam update alone by each of its kernels (median of 20, after the steps)."""
     from torch.profiler import ProfilerActivity, profile
 
-    engine, splits = loaded_engine(gate, pack, 10**6)
+    engine, data = loaded_engine(gate, pack, 10**6)
+    splits = data.splits
     rows = len(next(iter(splits["train"].values())))
     index = torch.randint(rows, (pack, batch_size), generator=torch.Generator().manual_seed(0))
     batch = {key: tensor[index] for key, tensor in splits["train"].items()}
@@ -166,6 +168,43 @@ def profile_step(gate: str, pack: int, batch_size: int = 512, steps: int = 3) ->
             times.append((time.perf_counter() - start) * 1000)
         adam[kernel] = sorted(times)[len(times) // 2]
     return milliseconds, profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=15), adam
+
+
+def roofline(gate: str, pack: int, bf16: bool) -> dict[str, tuple]:
+    """Per phase (``train``, ``eval``): the :class:`mtmoe.pack.roofline.Cost` of a pack of P's training step on
+    512-row batches (inside the permutation window for "+") or evaluation batch, and its floor's bytes, on this CPU
+    under bf16 autocast or none. Every tensor of a step is a trial's own (linear in P) or shared (constant), so the
+    cost at P is measured at P = 1 and 2 and extrapolated (``Cost.extrapolated``; tests/test_roofline.py checks it
+    against a direct count)."""
+    from mtmoe.experts import DenseExperts
+    from mtmoe.pack.roofline import floor_bytes, measure, tensor_bytes
+
+    costs = {}
+    for size in (1, 2):
+        engine, data = loaded_engine(gate, size, 10**6)
+        experts = engine.template.experts
+        if not isinstance(experts, DenseExperts):
+            sys.exit(f"error: --roofline's floor counts dense experts, {gate} on {DATA} has {type(experts).__name__}")
+        split = data.splits["train"]
+        rows = len(next(iter(split.values())))
+        index = torch.randint(rows, (size, data.batch_size), generator=torch.Generator().manual_seed(0))
+        batch = {key: tensor[index] for key, tensor in split.items()}
+        eval_batch = {key: tensor[:data.eval_batch_size] for key, tensor in data.splits["val"].items()}
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            engine.train_step(batch)  # warm-up: vmapped functions built, kernels compiled
+            train = measure(lambda: engine.train_step(batch))
+            engine.prepare_evaluation()
+            engine.eval_step(eval_batch)
+            evaluation = measure(lambda: engine.eval_step(eval_batch))
+        costs[size] = {"train": train, "eval": evaluation}
+    parameters = engine.stack.flat.numel() // 2  # per trial, from the pack of 2
+    activations = data.batch_size * (experts.in_features + experts.n_experts * experts.units) * (2 if bf16 else 4)
+    batch_bytes = sum(tensor_bytes(t[0]) for t in batch.values())
+    eval_bytes = sum(map(tensor_bytes, eval_batch.values()))
+    return {"train": (costs[1]["train"].extrapolated(costs[2]["train"], pack - 1),
+                      floor_bytes(pack * parameters, pack * batch_bytes, pack * activations, True)),
+            "eval": (costs[1]["eval"].extrapolated(costs[2]["eval"], pack - 1),
+                     floor_bytes(pack * parameters, eval_bytes, 0, False))}
 
 
 def setup_milliseconds(gate: str, n: int) -> float:
@@ -252,6 +291,8 @@ def main() -> None:
     parser.add_argument("--study", default=None, help="NxE: a whole N-trial study of E epochs, packed and not")
     parser.add_argument("--study-pack", default="auto", help="--pack of the packed study")
     parser.add_argument("--floor", action="store_true", help="the expert matmuls' time per trial-epoch")
+    parser.add_argument("--roofline", action="store_true",
+                        help="per phase and precision: FLOPs, bytes, launches and the H100 time they project")
     parser.add_argument("--profile", type=int, default=0, help="P: where a CPU pack's training step spends its time")
     args = parser.parse_args()
     where = (torch.cuda.get_device_name() if args.device == "cuda"
@@ -260,7 +301,7 @@ def main() -> None:
     print(header, flush=True)
     rows, tables = [], [header, ""]
     gates = args.gates.split(",")
-    if args.packs and not args.ops:
+    if args.packs and not (args.ops or args.roofline):
         lines = [("| gate | P | graphs | Adam | epoch (s) | trial-epochs / hour | per trial vs P = 1 "
                   "| memory / trial (MiB) |"),
                  "|---|---|---|---|---|---|---|---|"]
@@ -298,6 +339,33 @@ def main() -> None:
                                  "host_reads": counted.host_reads})
                     tables.append(line)
                     print(line, flush=True)
+    if args.roofline:
+        from mtmoe.pack.roofline import projected_ms
+
+        breakdown = []
+        for gate in gates:
+            for pack in (int(p) for p in (args.packs or "1,256").split(",")):
+                for bf16 in (False, True):
+                    for phase, (cost, floor) in roofline(gate, pack, bf16).items():
+                        for precision in (("bf16",) if bf16 else ("fp32", "tf32")):
+                            projected = projected_ms(cost.flops, cost.bytes, precision)
+                            bottom = projected_ms(cost.flops, floor, precision)
+                            line = (f"roofline gate={gate} P={pack} phase={phase} precision={precision} "
+                                    f"flops={cost.flops} bytes={cost.bytes} launches={cost.launches} "
+                                    f"projected_ms={projected:.3f} floor_ms={bottom:.3f}")
+                            rows.append({"gate": gate, "P": pack, "phase": phase, "precision": precision,
+                                         "flops": cost.flops, "bytes": cost.bytes, "floor_bytes": floor,
+                                         "launches": cost.launches, "projected_ms": projected, "floor_ms": bottom,
+                                         "by_kernel": cost.by_kernel})
+                            tables.append(line)
+                            print(line, flush=True)
+                        if phase == "train":
+                            top = sorted(cost.by_kernel.items(), key=lambda item: -item[1])[:10]
+                            breakdown.append(f"bytes by kernel, gate={gate} P={pack} phase=train "
+                                             f"{'bf16' if bf16 else 'fp32/tf32'}: floor {floor / 1e9:.3f} GB, "
+                                             + ", ".join(f"{name} {value / 1e9:.3f} GB" for name, value in top))
+        tables += ["", *breakdown]
+        print(*breakdown, sep="\n", flush=True)
     if args.setup:
         milliseconds = setup_milliseconds(gates[0], args.setup)
         rows.append({"setup_ms": milliseconds, "trials": args.setup})

@@ -44,6 +44,7 @@ import torch
 from torch import Tensor
 
 from mtmoe.host_threads import run_split
+from mtmoe.pack.operations import fused_kernel
 from mtmoe.triton_support import tl, triton, use_triton
 
 _LOW32 = 0xFFFFFFFF
@@ -356,6 +357,7 @@ def _dropout_kernel(h: Tensor, seed: Tensor, step: Tensor, site: int, p: float) 
     threshold, scale = dropout_threshold(p), dropout_scale(p)
     h = h.detach().contiguous()
     if use_triton(h.device):
+        fused_kernel("dropout (triton)", h.nbytes + 16 * count, h.nbytes)
         out = torch.empty_like(h)
         _dropout_cuda[(triton.cdiv(n, _BLOCK), count)](h, out, seeds, steps, n, iv0, iv1, threshold, scale,
                                                        BLOCK=_BLOCK, FLOAT64=h.dtype == torch.float64,
@@ -366,11 +368,13 @@ def _dropout_kernel(h: Tensor, seed: Tensor, step: Tensor, site: int, p: float) 
     if h.dtype == torch.bfloat16:  # numba has no bfloat16: the kernel reads and writes its bits
         out = torch.empty_like(h)
         bits = [x.view(torch.uint16).view(count, n).numpy() for x in (h, out)]
+        fused_kernel("dropout (numba)", h.nbytes + 16 * count, h.nbytes)
         run_split(_dropout_cpu_bfloat16, units, *bits, *arguments, min_part=16)
         return out
     # float16 (numba has none either) is computed in float32 and rounded once, as torch does
     compute = h if h.dtype in (torch.float32, torch.float64) else h.float()
     out = torch.empty_like(compute)
+    fused_kernel("dropout (numba)", compute.nbytes + 16 * count, compute.nbytes)
     run_split(_dropout_cpu, units, compute.view(count, n).numpy(), out.view(count, n).numpy(), *arguments,
               min_part=16)
     return out.to(h.dtype)

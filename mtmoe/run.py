@@ -53,6 +53,7 @@ from mtmoe.interrupts import Interrupted
 from mtmoe.lit.module import MultiTaskMoE
 from mtmoe.lit.outputs import AtomicCheckpointIO, RunCheckpoint, RunLogger, run_checkpoints
 from mtmoe.pack.engine import EarlyStopping
+from mtmoe.pack.precision import matmul_precision
 from mtmoe.run_settings import (
     check_run_settings, dataset_info, disagreements, given_model_settings, read_checkpoint, resolve_dataset_settings,
 )
@@ -205,7 +206,7 @@ class MTMoECLI(LightningCLI):
                 f"--trainer.max_epochs {search.epochs} or more"
             )
         model.stopping = self._get(self.config_init, "early_stopping")
-        with self.run_folder():
+        with self.run_folder(), matmul_precision(model.matmul_precision):
             self.trainer.fit(model, datamodule=datamodule, **kwargs)
             self.trainer.test(model, datamodule=datamodule, verbose=False)
             self.report(model, datamodule, self.fit_summary(model))
@@ -219,7 +220,7 @@ class MTMoECLI(LightningCLI):
     def evaluate(self, stage: Any, model: MultiTaskMoE, datamodule: InMemoryDataModule, **kwargs: Any) -> None:
         """``validate`` or ``test`` (``stage``) the checkpoint's weights and report them. The fit's checkpoint
         callbacks are not needed to evaluate its checkpoint: Lightning's warning that they are missing is dropped."""
-        with self.run_folder(), warnings.catch_warnings():
+        with self.run_folder(), warnings.catch_warnings(), matmul_precision(model.matmul_precision):
             warnings.filterwarnings("ignore", message="Be aware that when using `ckpt_path`, callbacks used")
             stage(model, datamodule=datamodule, **{**kwargs, "verbose": False})
             self.report(model, datamodule, self.checkpoint_summary())

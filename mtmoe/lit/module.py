@@ -36,6 +36,7 @@ from mtmoe.gates.base import Gate, GateDims
 from mtmoe.losses import task_weights
 from mtmoe.mmoe import MMoE, build_mmoe
 from mtmoe.pack.engine import EarlyStopping, PackEngine, Trial, TrialResult
+from mtmoe.pack.precision import MatmulPrecision
 
 
 
@@ -149,6 +150,9 @@ class MultiTaskMoE(EngineModule):
             False runs it eagerly.
         fused_adam: Adam's update in one kernel (numba on a CPU, Triton on a GPU); False: element-wise torch
             operations, about ten kernels per parameter (the same update to float32 rounding).
+        matmul_precision: float32 matmuls in float32 (``highest``) or, on Ampere and later GPUs, in TensorFloat-32
+            (``high``: TensorFlow's default there, so the official code's behaviour); applied to the whole run
+            (:mod:`mtmoe.pack.precision`), and part of a study's identity.
     """
 
     def __init__(
@@ -170,6 +174,7 @@ class MultiTaskMoE(EngineModule):
         perm_eval_rounded: bool = True,
         cuda_graphs: bool = True,
         fused_adam: bool = True,
+        matmul_precision: MatmulPrecision = "highest",
     ) -> None:
         super().__init__()
         if info is None:
@@ -178,6 +183,7 @@ class MultiTaskMoE(EngineModule):
         # ``MultiTaskMoE.load_from_checkpoint(path, info=datamodule.info)`` rebuilds the model.
         self.save_hyperparameters(ignore=["info"], logger=False)
         self.info, self.cuda_graphs, self.fused_adam = info, cuda_graphs, fused_adam
+        self.matmul_precision = matmul_precision
         self.trial = build_trial(info, None, gate=gate, lr=lr, alpha=alpha, n_experts=n_experts,
                                  embedding_dim=embedding_dim, expert_units=expert_units, tower_units=tower_units,
                                  expert_dropout=expert_dropout, keras_init=keras_init, adam_eps=adam_eps,

@@ -33,6 +33,7 @@ from numba.extending import intrinsic
 from torch import Tensor
 
 from mtmoe.host_threads import run_split
+from mtmoe.pack.operations import fused_kernel
 from mtmoe.pack.stack import TrialStack
 from mtmoe.triton_support import tl, triton, use_triton
 
@@ -225,6 +226,12 @@ class PackedAdam:
         stack = self.stack
         return stack.flat.detach(), stack.flat_grad, self.exp_avg, self.exp_avg_sq
 
+    def _report(self, name: str) -> None:
+        """The fused update's traffic, to the operation counters (:func:`mtmoe.pack.operations.fused_kernel`):
+        parameters, gradients and both moments read, parameters and moments written."""
+        size = self.stack.flat.nbytes
+        fused_kernel(name, 4 * size, 3 * size)
+
     def _step_cpu(self, skip: dict[str, Tensor], step_size: Tensor, bias_correction2_sqrt: Tensor,
                   eps: Tensor) -> None:
         """The same update by :func:`_adam_cpu`, over all blocks at once, on torch's threads."""
@@ -232,6 +239,7 @@ class PackedAdam:
         for row, name in enumerate(self.names):
             if name in skip:
                 skipped[row] = skip[name].numpy()
+        self._report("adam (numba)")
         run_split(_adam_cpu, self.stack.flat.numel(), *(t.numpy() for t in self._flats()), self.ends, self.widths,
                   skipped, *(t.view(-1).numpy() for t in (step_size, bias_correction2_sqrt, eps)))
 
@@ -259,6 +267,7 @@ class PackedAdam:
             if name in skip:
                 self._skipped[row].copy_(skip[name])
         lerp_weight, beta2, one_minus_beta2 = (float(x) for x in (_LERP_WEIGHT, _BETA2, _ONE_MINUS_BETA2))
+        self._report("adam (triton)")
         _adam_cuda[(len(self._units[0]),)](*self._flats(), *self._units, self._skipped, step_size,
                                           bias_correction2_sqrt, eps, capacity, lerp_weight, beta2, one_minus_beta2,
                                           UNIT=_UNIT, enable_fp_fusion=False)

@@ -47,6 +47,7 @@ from mtmoe.gates import gate_class
 from mtmoe.lit.module import PackModule, build_trial
 from mtmoe.pack.engine import EarlyStopping, Trial, TrialResult
 from mtmoe.pack.memory import memory_per_trial
+from mtmoe.pack.precision import matmul_precision
 from mtmoe.run import Run, build_run
 from mtmoe.run_settings import import_class
 from mtmoe.tuning.objective import TrialInterrupted, cli_args, duplicate_of, record_result, study_counts, suggest
@@ -97,7 +98,7 @@ class TrialFactory:
                 max_epochs = value
             elif group == "early_stopping":
                 stopping[setting] = value
-        for engine_setting in ("cuda_graphs", "fused_adam"):  # the pack's, not the trial's
+        for engine_setting in ("cuda_graphs", "fused_adam", "matmul_precision"):  # the pack's, not the trial's
             model.pop(engine_setting, None)
         torch.manual_seed(seed)
         return build_trial(self.run.datamodule.info, key, gate=partial(self.gate_class, **gate_args), **model,
@@ -164,13 +165,14 @@ class PackWorker:
         datamodule.setup("fit")
         waiting = sum(1 for t in self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
                       if self.keys.get(t.user_attrs.get("config_id")) == key)
-        capacity = resolve_capacity(self.capacity, run, waiting + 1)
-        module = PackModule(datamodule.info, datamodule.splits, datamodule.batch_size, datamodule.eval_batch_size,
-                            capacity, next_trial, self._finished, self._epoch, run.config.model.cuda_graphs,
-                            run.config.model.fused_adam)
-        # the structure's configuration (config.yaml) goes with the trials' logs, not into the working directory
-        trainer = run.cli.instantiate_trainer(**PACK_TRAINER, default_root_dir=str(self.log_dir))
-        trainer.fit(module)
+        with matmul_precision(run.config.model.matmul_precision):  # the pack size is measured as it will train
+            capacity = resolve_capacity(self.capacity, run, waiting + 1)
+            module = PackModule(datamodule.info, datamodule.splits, datamodule.batch_size,
+                                datamodule.eval_batch_size, capacity, next_trial, self._finished, self._epoch,
+                                run.config.model.cuda_graphs, run.config.model.fused_adam)
+            # the structure's configuration (config.yaml) goes with the trials' logs, not into the working directory
+            trainer = run.cli.instantiate_trainer(**PACK_TRAINER, default_root_dir=str(self.log_dir))
+            trainer.fit(module)
 
     def _release(self) -> None:
         """Fail the running trials as interrupted (no reason, no lost attempt): ``tune`` runs them again. The

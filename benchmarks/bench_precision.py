@@ -1,0 +1,115 @@
+"""Does the matmul precision change what a study concludes? The same N planned configurations of a gate on
+MovieLens-100K trained as one pack in float32 and in a lower precision, and in float32 again under other seeds.
+
+    MTMOE_DATA=../shared/data python benchmarks/bench_precision.py --gate comet --trials 32 --epochs 3 \\
+        --train-batches 10 --val-batches 4 --lower bf16-mixed
+
+Each configuration's objective is the study's (the validation loss at its early-stopping best epoch). Printed and
+written to ``benchmarks/out/precision.{md,json}``: the largest and median difference between the two precisions
+(same seeds), the seed-noise spread (the same differences between two seeds in float32), the spread between
+configurations (standard deviation and range of the float32 objectives), and Spearman's rank correlation of the
+objectives between the precisions and between the seeds. ``--lower`` is ``bf16-mixed`` (autocast; any device) or
+``high`` (``--model.matmul_precision high``: TF32 matmuls, on an Ampere or later GPU; float32 elsewhere).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+
+import torch
+from scipy.stats import spearmanr
+
+from bench_packs import OUT, factory, plan
+from mtmoe.files import write_atomic
+from mtmoe.pack.precision import matmul_precision
+
+
+def objectives(gate: str, trials: int, epochs: int, train_batches: int, val_batches: int, device: str,
+               precision: str, matmuls: str, seed: int) -> tuple[list[float], float]:
+    """The best validation loss of each planned configuration (``nan`` where a trial diverged), all trained as one
+    pack; and the seconds it took."""
+    import lightning.pytorch as pl
+
+    from mtmoe.lit.module import PackModule
+
+    configurations = plan(gate, trials, epochs)
+    trials_factory = factory(gate, configurations[0], device, precision)
+    queue = [trials_factory.build(i, params, seed + i) for i, params in enumerate(configurations)]
+    data = trials_factory.run.datamodule
+    data.prepare_data()
+    data.setup("fit")
+    found = [float("nan")] * trials
+
+    def finished(result) -> None:
+        if result.diverged is None:
+            found[result.key] = result.results["best_val_loss"]
+
+    module = PackModule(data.info, data.splits, data.batch_size, data.eval_batch_size, trials,
+                        lambda: queue.pop(0) if queue else None, finished)
+    trainer = pl.Trainer(accelerator="gpu" if device == "cuda" else "cpu", devices=1, precision=precision,
+                         max_epochs=-1, limit_train_batches=train_batches, limit_val_batches=val_batches,
+                         limit_test_batches=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0)
+    start = time.perf_counter()
+    with matmul_precision(matmuls):
+        trainer.fit(module)
+    return found, time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--gate", default="comet")
+    parser.add_argument("--trials", type=int, default=32)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--train-batches", type=int, default=10)
+    parser.add_argument("--val-batches", type=int, default=4)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--lower", default="bf16-mixed", choices=["bf16-mixed", "high"])
+    args = parser.parse_args()
+    where = (torch.cuda.get_device_name() if args.device == "cuda"
+             else f"CPU {platform.machine()}, {torch.get_num_threads()} threads")
+    common = (args.gate, args.trials, args.epochs, args.train_batches, args.val_batches, args.device)
+    lower = ("bf16-mixed", "highest") if args.lower == "bf16-mixed" else ("32", "high")
+    runs = {"fp32": objectives(*common, "32", "highest", 0),
+            args.lower: objectives(*common, *lower, 0),
+            "fp32, other seeds": objectives(*common, "32", "highest", 10_000)}
+    fp32, low, reseeded = (runs[name][0] for name in runs)
+    kept = [i for i in range(args.trials) if all(v[i] == v[i] for v in (fp32, low, reseeded))]  # none diverged
+    precision = [abs(fp32[i] - low[i]) for i in kept]
+    seeds = [abs(fp32[i] - reseeded[i]) for i in kept]
+    values = [fp32[i] for i in kept]
+    summary = {
+        "where": where, "torch": torch.__version__, "settings": vars(args), "configurations": len(kept),
+        "seconds": {name: run[1] for name, run in runs.items()},
+        "precision_max": max(precision), "precision_median": statistics.median(precision),
+        "seed_max": max(seeds), "seed_median": statistics.median(seeds),
+        "configs_std": statistics.stdev(values), "configs_range": max(values) - min(values),
+        "spearman_precision": spearmanr([fp32[i] for i in kept], [low[i] for i in kept]).statistic,
+        "spearman_seeds": spearmanr([fp32[i] for i in kept], [reseeded[i] for i in kept]).statistic,
+        "objectives": {name: run[0] for name, run in runs.items()},
+    }
+    table = [f"{args.gate}, {len(kept)} of {args.trials} configurations (none diverged in any run), {args.epochs} "
+             f"epochs of {args.train_batches} batches, {args.val_batches} validation batches; {where}, torch "
+             f"{torch.__version__}", "",
+             "| comparison | largest difference | median difference | Spearman |",
+             "|---|---|---|---|",
+             f"| fp32 vs {args.lower} (same seeds) | {summary['precision_max']:.2e} | "
+             f"{summary['precision_median']:.2e} | {summary['spearman_precision']:.4f} |",
+             f"| fp32 seed vs fp32 other seed | {summary['seed_max']:.2e} | {summary['seed_median']:.2e} | "
+             f"{summary['spearman_seeds']:.4f} |", "",
+             f"Spread between configurations (fp32): standard deviation {summary['configs_std']:.3e}, range "
+             f"{summary['configs_range']:.3e}. Seconds per run: "
+             + ", ".join(f"{name} {seconds:.0f}" for name, seconds in summary["seconds"].items())]
+    print(*table, sep="\n", flush=True)
+    OUT.mkdir(exist_ok=True)
+    write_atomic("\n".join(table) + "\n", OUT / "precision.md")
+    write_atomic(json.dumps(summary, indent=2) + "\n", OUT / "precision.json")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()
