@@ -6,6 +6,7 @@ one trial, operation counts, per-trial set-up, a whole study.
         --graphs on,off --adam fused,elementwise
     MTMOE_DATA=../shared/data python benchmarks/bench_packs.py --ops --gates comet,comet+ --packs 1,16
     MTMOE_DATA=../shared/data python benchmarks/bench_packs.py --setup 16 --study 64x3 --study-pack 8
+    MTMOE_DATA=../shared/data python benchmarks/bench_packs.py --roofline --gates comet,comet+,topk --packs 1,256
 
 1. **Trial-epochs per hour** (``--packs``): P configurations of the gate's search space (the study's plan, seed 0)
    trained as a pack through the engine inside Lightning, exactly as ``tune --pack P`` trains them
@@ -29,6 +30,12 @@ one trial, operation counts, per-trial set-up, a whole study.
 6. **Where a step's time goes** (``--profile P``, CPU): a pack of P's training step on 512-row batches under
    ``torch.profiler``: milliseconds per step and per trial-step, the operations with the most self time, and the
    pack's Adam update alone by each of its kernels (``fused``: the numba kernel; ``elementwise``: torch operations).
+7. **Device cost without the device** (``--roofline``): for each gate and P, per phase (``train``: a training step on
+   512-row batches, inside the permutation window for "+"; ``eval``: an evaluation batch) and precision (``fp32``,
+   ``tf32``: the same operations, another matrix rate; ``bf16``: under bf16 autocast), one line ``roofline gate=G
+   P=P phase=X precision=Y flops=F bytes=N launches=L projected_ms=T floor_ms=T0``, counted on this CPU by
+   :mod:`mtmoe.pack.roofline` and projected on an H100; then the bytes of each training step by kernel. The
+   definitions (what is counted, the rates, the floor) are in ``benchmarks/README.md``.
 
 Prints the tables and writes them with a JSON copy to ``benchmarks/out/packs.{md,json}``.
 """
