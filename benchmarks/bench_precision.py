@@ -9,7 +9,8 @@ written to ``benchmarks/out/precision.{md,json}``: the largest and median differ
 (same seeds), the seed-noise spread (the same differences between two seeds in float32), the spread between
 configurations (standard deviation and range of the float32 objectives), and Spearman's rank correlation of the
 objectives between the precisions and between the seeds. ``--lower`` is ``bf16-mixed`` (autocast; any device) or
-``high`` (``--model.matmul_precision high``: TF32 matmuls, on an Ampere or later GPU; float32 elsewhere).
+``high`` (``--model.matmul_precision high``: TF32 matmuls on an Ampere or later GPU; see
+:mod:`mtmoe.pack.precision` for CPUs).
 """
 from __future__ import annotations
 
