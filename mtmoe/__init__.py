@@ -1,9 +1,9 @@
 """mtmoe: a reference benchmark suite for sparse mixture-of-experts gates in multi-task models.
 
-The top level is the Python API (README "Python API"): the gate registry (:func:`list_gates`, :func:`create_gate`,
-:func:`gate_class`, :func:`parse_gate_name`), a gate's model for a dataset (:func:`build_model`), a dataset's splits
-(:func:`load_data`) and the tuning studies' trials (:func:`trials`). Each name is imported when first used (PEP 562):
-``import mtmoe`` imports neither torch nor Lightning.
+The top level is the Python API (docs/training.md, "Python API"): the gate registry (:func:`list_gates`,
+:func:`create_gate`, :func:`gate_class`, :func:`parse_gate_name`), a gate's model for a dataset (:func:`build_model`),
+a dataset's splits (:func:`load_data`) and the tuning studies' trials (:func:`trials`). Each name is imported when
+first used (PEP 562): ``import mtmoe`` imports neither torch nor Lightning.
 """
 import importlib
 

@@ -1,5 +1,5 @@
-"""The Python API that ``import mtmoe`` exports (README "Python API"): a gate's model for a dataset, a dataset's
-splits as tensors, the tuning studies' trials as a table.
+"""The Python API that ``import mtmoe`` exports (docs/training.md, "Python API"): a gate's model for a dataset, a
+dataset's splits as tensors, the tuning studies' trials as a table.
 
 Each is built by the code the commands run: :func:`build_model` builds the net with
 :func:`mtmoe.lit.module.build_trial` from the ``--model.*`` settings, as ``fit`` does (the same seed gives the same

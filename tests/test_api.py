@@ -1,8 +1,7 @@
 """The Python API (issue 22, item 6): ``import mtmoe`` stays light, ``build_model`` is the net ``fit`` builds, and
-README's "Python API" examples run as written."""
+the "Python API" examples of docs/training.md run as written."""
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,15 +12,17 @@ import torch
 import mtmoe
 from conftest import run_cli
 from mtmoe.errors import UsageError
+from test_docs import code_blocks, section
 from test_tuning import TINY
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+GUIDE = ROOT / "docs" / "training.md"
 
 
 @pytest.mark.integration
 def test_import_mtmoe_imports_neither_torch_nor_lightning() -> None:
     code = "import sys, mtmoe; print([m for m in ('torch', 'lightning', 'optuna', 'pandas') if m in sys.modules])"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=README.parent)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert done.stdout == "[]\n"
     assert mtmoe.list_gates()[0] == "comet"  # each name imports its module when first used
     assert set(mtmoe.__all__) <= set(dir(mtmoe))
@@ -56,21 +57,15 @@ def test_build_model_refuses_bad_settings_in_one_line(gate: str, settings: dict,
     assert message in str(error.value) and "\n" not in str(error.value)
 
 
-def python_blocks(markdown: str, section: str) -> list[str]:
-    """The ```python code blocks of a README section (from its ``## `` heading to the next)."""
-    body = markdown.split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
-    return re.findall(r"^```python\n(.*?)^```$", body, flags=re.S | re.M)
-
-
-def test_readme_python_api_examples_run(tiny_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_python_api_examples_run(tiny_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The section's examples, in one namespace as in a notebook, on a tiny MovieLens-100K and a one-trial study."""
     monkeypatch.setenv("MTMOE_DATA", str(tiny_root))
     assert run_cli(["tune", "--gate", "topk", "--data", "movielens-100k", "--trials", "1", "--pack", "1", *TINY]) == 0
-    blocks = python_blocks(README.read_text(), "Python API")
+    blocks = code_blocks(section(GUIDE.read_text(), "Python API"), "python")
     assert len(blocks) == 3
     namespace: dict = {}
     for block in blocks:
-        exec(compile(block, str(README), "exec"), namespace)  # noqa: S102
+        exec(compile(block, str(GUIDE), "exec"), namespace)  # noqa: S102
     assert namespace["plus"] is True and namespace["cls"].registry_name == "comet"
     assert namespace["weights"].shape == (len(namespace["batch"]["user"]), 8)
     table = namespace["table"]

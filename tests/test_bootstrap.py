@@ -460,7 +460,7 @@ PAPER_SCALE_GATES = {"comet+": 0.0, "hash": 0.012, "topk+": 0.004, "comet": 0.00
 
 
 def write_paper_scale(url: str, trials: int = 250) -> None:
-    """Figures 2-3's scale in the format tune writes: the 6 gates of README's bootstrap example at two alphas, 250
+    """Figures 2-3's scale in the format tune writes: the 6 gates of docs/studies.md's bootstrap example at two alphas, 250
     trials each; alpha 0.9 as the default (tune without --model.alpha: no alpha in the name or attributes)."""
     from mtmoe.tuning.storage import storage_for
 

@@ -162,7 +162,7 @@ def test_bad_settings_are_one_error_line_and_leave_nothing(tiny_root: Path, extr
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 def test_readmes_gpu_command_on_a_machine_without_one(tiny_root: Path, capsys) -> None:
-    """README's ``fit --gate comet+ --data multimnist --trainer.accelerator gpu`` (here on the tiny MovieLens)."""
+    """docs/training.md's ``fit --gate comet+ --data multimnist --trainer.accelerator gpu`` (here on the tiny MovieLens)."""
     assert run_cli(fit(tiny_root, "--trainer.accelerator=gpu", gate="comet+")) == 2
     assert "the trainer settings cannot run here: No supported gpu backend found" in one_error_line(capsys)
     assert not Path("runs").exists()

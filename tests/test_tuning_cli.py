@@ -27,7 +27,7 @@ from test_tuning import TINY, one_torch_thread, subprocess_env, trials_of, tune_
 
 def test_a_study_refuses_other_settings_and_shows_its_own(postgres_url: str, tiny_root: Path, tmp_path: Path,
                                                          capsys) -> None:
-    """README's smoke study and a real one on one storage: before, ``--trainer.limit_train_batches 3`` added its
+    """docs/studies.md's smoke study and a real one on one storage: before, ``--trainer.limit_train_batches 3`` added its
     trials to the study run with 20. Now the second ``tune`` is refused in one line naming the setting and the way
     out; settings that do not change what a trial computes (folders, spelling, progress display) still resume it;
     the settings are study attributes and ``report`` and ``bootstrap`` show them."""
