@@ -314,7 +314,8 @@ def test_cli_end_to_end(storage, tmp_path: Path, capsys) -> None:
     factors = pd.read_csv(out / "bootstrap_factors.csv", dtype={"alpha": str})
     assert len(factors[(factors.alpha == "0.1") & (factors.gate_a == "hash+")]) == len(budget_grid(30))
 
-    objective = pd.read_csv(out / "bootstrap_objective.csv", dtype={"alpha": str})
+    objective = pd.read_csv(out / "bootstrap_objective.csv", dtype={"alpha": str},
+                            float_precision="round_trip")  # exact on pandas 2 too (pandas 3 parses so by default)
     for (alpha, gate), (objectives, _) in trials.items():
         rows = objective[(objective.alpha == alpha) & (objective.gate == gate)]
         failed = {"hash": 2, "topk+": 1}.get(gate, 0)
