@@ -33,7 +33,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
 import yaml
@@ -59,6 +59,9 @@ from mtmoe.run_settings import (
 )
 
 LIGHTNING_COMMANDS = ("fit", "validate", "test")
+#: The splits of ``--trainer.limit_{split}_batches``, typed integer first (the signature's ``Optional[Union[int,
+#: float]]`` reaches jsonargparse float first, where ``1`` would parse as ``1.0``, all batches).
+BATCH_LIMITS = ("train", "val", "test", "predict")
 SHORTCUTS = """Shortcuts: --gate NAME selects a registered gate (python -m mtmoe gates; NAME+ adds permutation local
 search, --model.perm_epochs 5 unless given) and --data NAME a dataset (python -m mtmoe datasets). Lightning's
 account of the seed and the hardware (Seed set to 0, GPU available: ...) is shown with MTMOE_VERBOSE=1 in the
@@ -112,6 +115,8 @@ class MTMoECLI(LightningCLI):
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("data.info", "model.info", apply_on="instantiate")
+        for split in BATCH_LIMITS:  # Lightning's rule: an integer is a count of batches, a float a fraction
+            parser._option_string_actions[f"--trainer.limit_{split}_batches"]._typehint = Optional[Union[int, float]]
         parser.add_class_arguments(EarlyStopping, "early_stopping", help="Early stopping on the validation loss, "
                                    "Keras' EarlyStopping(patience, min_delta, restore_best_weights=True)")
         gates = ", ".join(f"{name}{'[+]' if gate_class(name).permutable else ''}" for name in list_gates())

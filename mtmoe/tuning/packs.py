@@ -38,6 +38,7 @@ from typing import Any
 
 import optuna
 import torch
+from jsonargparse import Namespace
 from optuna.trial import TrialState
 
 from mtmoe.errors import UsageError
@@ -60,6 +61,10 @@ PER_TRIAL_KEYS = frozenset({"model.lr", "model.adam_eps", "model.alpha", "model.
 #: Trainer settings of a pack: the pack runs until its trials end (each by its own max_epochs and early stopping),
 #: and each trial's log is written by the worker.
 PACK_TRAINER = {"max_epochs": -1, "logger": False, "enable_progress_bar": False, "enable_model_summary": False}
+#: The display and log settings ``tune`` gives its trials (:func:`mtmoe.tuning.objective.cli_args`); a trial's
+#: ``config.yaml`` has ``fit``'s defaults for them.
+TUNE_DISPLAY = ("trainer.enable_progress_bar", "trainer.enable_model_summary", "trainer.enable_checkpointing",
+                "trainer.logger")
 
 
 def pack_key(space: SearchSpace, params: dict[str, Any]) -> str:
@@ -71,40 +76,53 @@ def pack_key(space: SearchSpace, params: dict[str, Any]) -> str:
 
 class TrialFactory:
     """Trials of one structure from planned values: the structure's settings as one run built from the command line
-    parsed them (``run``), each trial's values applied to those settings and its net built under its own seed, as
-    ``fit --seed_everything=seed`` builds it (the run builder seeds the global generators, then builds the net)."""
+    parsed them (``run``); each trial's configuration is those settings with its planned values and its seed
+    (:meth:`config`, what its ``config.yaml`` holds), and its net is built from it under that seed, as ``fit
+    --config config.yaml`` builds it (the run builder seeds the global generators, then builds the net)."""
 
     def __init__(self, run: Run) -> None:
         self.run = run
-        config = run.config
-        self.model = {key: value for key, value in config.model.as_dict().items() if key not in ("gate", "info")}
-        self.gate_class = import_class(config.model.gate.class_path)
-        self.gate_args = config.model.gate.get("init_args", {})
-        self.gate_args = dict(self.gate_args.as_dict() if hasattr(self.gate_args, "as_dict") else self.gate_args)
-        self.max_epochs = config.trainer.max_epochs
-        self.stopping = {"patience": config.early_stopping.patience, "min_delta": config.early_stopping.min_delta}
-        self.data_seed = config.data.get("init_args", {}).get("seed")
+        self.defaults = run.cli.parser.get_defaults()
+
+    def config(self, params: dict[str, Any], seed: int) -> Namespace:
+        """The configuration a trial trains with: the structure's, with its planned values and ``seed_everything``;
+        the display and log settings ``tune`` gives its trials are ``fit``'s defaults again."""
+        config = self.run.config.clone()
+        config.seed_everything = seed
+        for name, value in params.items():
+            config[config_key(name)] = value
+        for name in TUNE_DISPLAY:
+            config[name] = self.defaults[name]
+        return config
+
+    def yaml(self, config: Namespace) -> str:
+        """``config`` as the YAML ``fit --config`` reads."""
+        return self.run.cli.parser.dump(config, skip_none=False)
+
+    def trial(self, key: Any, config: Namespace) -> Trial:
+        """The trial of a configuration of :meth:`config`."""
+        model = {name: value for name, value in config.model.as_dict().items()
+                 if name not in ("gate", "info", "cuda_graphs", "fused_adam", "matmul_precision")}  # the pack's
+        gate_args = config.model.gate.get("init_args", Namespace()).as_dict()
+        max_epochs, data_seed = config.trainer.max_epochs, config.data.get("init_args", Namespace()).get("seed")
+        torch.manual_seed(config.seed_everything)
+        return build_trial(self.run.datamodule.info, key,
+                           gate=partial(import_class(config.model.gate.class_path), **gate_args), **model,
+                           data_seed=config.seed_everything if data_seed is None else data_seed,
+                           max_epochs=max_epochs if max_epochs is not None and max_epochs > 0 else None,
+                           stopping=EarlyStopping(config.early_stopping.patience, config.early_stopping.min_delta))
 
     def build(self, key: Any, params: dict[str, Any], seed: int) -> Trial:
-        model, gate_args = dict(self.model), dict(self.gate_args)
-        max_epochs, stopping = self.max_epochs, dict(self.stopping)
-        for name, value in params.items():
-            group, _, setting = name.partition(".")
-            if name.startswith("model.gate."):
-                gate_args[name.removeprefix("model.gate.")] = value
-            elif group == "model":
-                model[setting] = value
-            elif name == "trainer.max_epochs":
-                max_epochs = value
-            elif group == "early_stopping":
-                stopping[setting] = value
-        for engine_setting in ("cuda_graphs", "fused_adam", "matmul_precision"):  # the pack's, not the trial's
-            model.pop(engine_setting, None)
-        torch.manual_seed(seed)
-        return build_trial(self.run.datamodule.info, key, gate=partial(self.gate_class, **gate_args), **model,
-                           data_seed=seed if self.data_seed is None else self.data_seed,
-                           max_epochs=max_epochs if max_epochs is not None and max_epochs > 0 else None,
-                           stopping=EarlyStopping(**stopping))
+        return self.trial(key, self.config(params, seed))
+
+
+def config_key(name: str) -> str:
+    """A search-space key (``model.gate.k``, ``data.batch_size``) as the parsed configuration's
+    (``model.gate.init_args.k``, ``data.init_args.batch_size``)."""
+    for group in ("model.gate.", "data."):
+        if name.startswith(group):
+            return f"{group}init_args.{name.removeprefix(group)}"
+    return name
 
 
 class PackWorker:
@@ -133,7 +151,7 @@ class PackWorker:
                 seed = self.seed + config_id
                 run = build_run(cli_args(self.space, params, self.overrides, seed, self.log_dir / "pack"))
                 factory = TrialFactory(run)
-                first = factory.build((trial, seed, config_id), params, seed)
+                first = self._start(factory, trial, params, config_id)
 
                 def next_trial(key: str = key, factory: TrialFactory = factory) -> Trial | None:
                     nonlocal first
@@ -143,9 +161,7 @@ class PackWorker:
                     claimed = self._claim(key)
                     if claimed is None:
                         return None
-                    optuna_trial, params, config_id = claimed
-                    return factory.build((optuna_trial, self.seed + config_id, config_id), params,
-                                         self.seed + config_id)
+                    return self._start(factory, *claimed)
 
                 self._train(run, key, next_trial)
         except (KeyboardInterrupt, SystemExit) as interrupt:  # Lightning answers Ctrl-C with sys.exit(1), SIGTERM
@@ -158,6 +174,16 @@ class PackWorker:
                              "trials run again when tune runs again") from None
         finally:
             self.heartbeats.stop()
+
+    def _start(self, factory: TrialFactory, trial: optuna.Trial, params: dict[str, Any], config_id: int) -> Trial:
+        """The trial of a claimed configuration, its configuration written as ``config-NNNN/config.yaml`` first
+        (``fit --config`` on it retrains the trial)."""
+        seed = self.seed + config_id
+        config = factory.config(params, seed)
+        folder = self.log_dir / f"config-{config_id:04d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        write_atomic(factory.yaml(config), folder / "config.yaml")
+        return factory.trial((trial, seed, config_id), config)
 
     def _train(self, run: Run, key: str, next_trial) -> None:
         datamodule = run.datamodule

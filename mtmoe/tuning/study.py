@@ -36,6 +36,7 @@ import sys
 import tempfile
 import time
 import warnings
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -291,8 +292,8 @@ def check_identity(study_name: str, study: optuna.Study, identity: dict[str, Any
                    for key, name in (("space_fingerprint", "search space"), ("seed", "seed"))
                    if attrs.get(key) != identity[key]]
     stored, current = attrs["settings"], identity["settings"]
-    for key in sorted(set(stored) | set(current)):
-        if stored.get(key) != current.get(key):
+    for key in sorted(set(stored) | set(current)):  # as JSON: the count 1 is not the fraction 1.0
+        if key not in stored or key not in current or json.dumps(stored[key]) != json.dumps(current[key]):
             there = json.dumps(stored[key]) if key in stored else "(not set)"
             now = json.dumps(current[key]) if key in current else "(not set)"
             differences.append(f"{key} {there} there, {now} now")
@@ -384,6 +385,26 @@ def _neutral(key: str) -> bool:
     return any(key == name or key.startswith(name + ".") for name in NEUTRAL_SETTINGS)
 
 
+def pin_overrides(space: SearchSpace, overrides: list[str]) -> tuple[SearchSpace, dict[str, Any]]:
+    """The search space without the settings the overrides give a value (parsed as ``fit`` parses them, a
+    ``--config`` file's included), which become fixed values: the override wins, every trial trains with it and it
+    is not sampled. Returns that space and the pinned ``{key: value}``."""
+    from mtmoe.run import build_run
+    from mtmoe.run_settings import import_class
+
+    if not overrides:
+        return space, {}
+    with tempfile.TemporaryDirectory() as scratch:
+        run = build_run(cli_args(space, {}, overrides, 0, Path(scratch)))
+    gate = import_class(run.config.model.gate.class_path)
+    given = run.cli.parser.parse_args([f"--data={run.config.data.class_path}",
+                                       f"--model.gate={gate.__module__}.{gate.__qualname__}", *overrides],
+                                      defaults=False)
+    pinned = {key: value for key, value in _flat_config(given).items() if key in space.distributions}
+    distributions = {key: value for key, value in space.distributions.items() if key not in pinned}
+    return replace(space, fixed={**space.fixed, **_as_json(pinned)}, distributions=distributions), _as_json(pinned)
+
+
 def check_overrides(space: SearchSpace, configurations: list[dict], overrides: list[str],
                     seed: int, pack: int | str = 1) -> tuple[dict[str, Any], str | None]:
     """Instantiate the CLI for one configuration (the one with the longest permutation window): bad overrides, a
@@ -449,9 +470,11 @@ def _tune(argv: list[str]) -> None:
         raise UsageError("SQLite serialises writers: use --storage postgresql://... or journal:PATH for --workers > 1")
     given_alpha = _option_value(overrides, "model.alpha")
     study_name = args.study_name or f"{args.data}/{args.gate}" + (f"/alpha={given_alpha}" if given_alpha else "")
+    space, pinned = pin_overrides(space, overrides)
     configurations = plan_configurations(space, trials, args.seed)
     pack = pack_size(args.pack)
     settings, alpha = check_overrides(space, configurations, overrides, args.seed, pack)
+    settings = {**settings, **pinned}  # a tuned setting given a value: part of the study's identity
     with setup_lock(url):
         prepare_study(url, study_name, space, args.seed, configurations, settings, alpha)
     print(f"study {study_name!r}: {trials} configurations, settings: {describe_settings(settings)}; storage "
