@@ -379,9 +379,6 @@ def test_cli_seed_and_options(storage, tmp_path: Path, capsys) -> None:
         (["--confidence", "0"], "--confidence must be in (0, 1), got 0"),
         (["--confidence", "nan"], "--confidence must be in (0, 1), got nan"),
         (["--confidence", "high"], "argument --confidence: invalid float value: 'high'"),
-        (["--data", "tiny"], "study 'tiny/topk' has 5 evaluated trials: the exact 95% bands need at least 8; run "),
-        (["--data", "one"], "study 'one/topk' has 1 evaluated trial: the exact 95% bands need at least 8"),
-        (["--data", "books", "--confidence", "0.99"], "has 10 evaluated trials: the exact 99% bands need at least 11"),
         (["--draws", "many"], "argument --draws: invalid int value: 'many'"),
         (["--resample", "bogus"], "invalid choice: 'bogus'"),
         (["--bogus"], "unrecognised arguments: --bogus"),
@@ -399,6 +396,61 @@ def test_cli_bad_input_one_line_exit_2(storage, tmp_path: Path, capsys, argv: li
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
     assert not (tmp_path / "rep").exists() and not (tmp_path / "missing.db").exists()
+
+
+@pytest.mark.parametrize("argv, note", [
+    (["--data", "tiny"], "note: 'tiny/topk' has 5 evaluated trials: the exact 95% bands and the factors' intervals "
+                         "need at least 8, left out"),
+    (["--data", "one"], "note: 'one/topk' has 1 evaluated trial: the exact 95% bands"),
+    (["--data", "books", "--confidence", "0.99"], "note: 'books/topk' has 10 evaluated trials: the exact 99% bands and the "
+                                                  "factors' intervals need at least 11"),
+])
+def test_cli_too_few_trials_for_the_bands_draws_the_rest_with_a_note(storage, tmp_path: Path, capsys,
+                                                                     argv: list[str], note: str) -> None:
+    """Issue 32: a study too small for the exact bands gets the paper's bootstrap, its closed forms and the median
+    and expected curves; the bands and factor intervals are left out, with one note line; exit 0."""
+    assert run_cli(["bootstrap", "--storage", storage[0], *argv, "--out", str(tmp_path / "rep")]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(note), err
+    objective = pd.read_csv(tmp_path / "rep" / "bootstrap_objective.csv")
+    assert objective["median"].notna().all() and objective.expected.notna().all()
+    assert objective.low.isna().all() and objective.high.isna().all()
+    curves = pd.read_csv(tmp_path / "rep" / "bootstrap_curves.csv")
+    assert curves.exact_mean.notna().all() and curves.mc_mean.notna().all()
+    assert (tmp_path / "rep" / "bootstrap.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_a_four_trial_study_gives_a_figure_a_note_and_exit_0(tmp_path: Path, capsys) -> None:
+    """Issue 32: README's 4-trial smoke studies, one gate with a failed trial: every panel on the same budget axis,
+    the figure states N and the training budget, the pair's point factors without their interval."""
+    from mtmoe.tuning.bootstrap_report import budgets, plot
+    from mtmoe.tuning.trials import collect
+
+    url = f"sqlite:///{tmp_path / 'small.db'}"
+    add_study(url, "smoke", "topk", *correlated_trials(4, 1))
+    add_study(url, "smoke", "comet", *correlated_trials(3, 2), diverged=1)
+    assert run_cli(["bootstrap", "--data", "smoke", "--storage", url, "--out", str(tmp_path / "rep")]) == 0
+    captured = capsys.readouterr()
+    assert captured.err.strip().splitlines() == [
+        "note: 'smoke/topk' has 4, 'smoke/comet' has 4 evaluated trials: the exact 95% bands and the factors' "
+        "intervals need at least 8, left out (run more trials or lower --confidence); the bootstrap and the closed "
+        "forms are drawn"]
+    assert "whose bands (and factor intervals) are left out: `smoke/topk`, `smoke/comet`" in captured.out
+    assert (tmp_path / "rep" / "bootstrap.png").read_bytes().startswith(b"\x89PNG")
+    detail = pd.read_csv(tmp_path / "rep" / "bootstrap_objective_factors.csv")
+    assert detail.factor.notna().all() and detail.factor_low.isna().all() and detail.factor_high.isna().all()
+
+    trials = collect(url, "smoke")[1]
+    assert budgets(trials) == "smoke/topk: N = 4 trials, 3 epochs each; smoke/comet: N = 4 trials, 3 epochs each"
+    settings = Settings(draws=50)
+    figure = plot(tuning_curves(trials, settings), objective_curves(trials, settings), ["topk", "comet"],
+                  [("comet", "topk")], 0.95, budgets(trials))
+    assert figure.get_suptitle() == budgets(trials)
+    assert {ax.get_xlim() for ax in figure.axes} == {(1, 4)}
+    assert {tuple(ax.get_xticks()) for ax in figure.axes} == {(1, 2, 4)}
+    assert not any(ax.collections for ax in figure.axes[3:])  # no exact band drawn
+    legend = [text.get_text() for text in figure.legends[0].get_texts()]
+    assert legend == ["topk", "comet", "test loss: spread of the draws"]
 
 
 def test_cli_missing_data_is_one_line(capsys) -> None:

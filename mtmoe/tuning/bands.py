@@ -40,7 +40,6 @@ import warnings
 import numpy as np
 import pandas as pd
 
-from mtmoe.errors import UsageError
 from mtmoe.tuning.bootstrap import (
     PAPER_MAX_BUDGET,
     Settings,
@@ -105,28 +104,31 @@ def _objectives(trials: pd.DataFrame) -> np.ndarray:
     return trials.objective.to_numpy(dtype=np.float64)
 
 
-def _check_enough(study: str, n: int, confidence: float) -> None:
-    if not bounded(n, confidence):
-        raise UsageError(f"study {study!r} has {n} evaluated trial{'s' * (n != 1)}: the exact {percent(confidence)} "
-                         f"bands need at least {trials_needed(confidence)}; run more trials or lower "
-                         "--confidence")
+def unbounded_studies(trials: pd.DataFrame, confidence: float) -> dict[str, int]:
+    """The studies (and their evaluated trials) too small for the exact bands at ``confidence``: their bands and
+    factor intervals are left out (:func:`trials_needed` says how many they need)."""
+    sizes = trials.groupby("study", sort=False).size()  # in the table's order
+    return {study: int(n) for study, n in sizes.items() if not bounded(int(n), confidence)}
 
 
 def objective_curves(trials: pd.DataFrame, settings: Settings = Settings()) -> pd.DataFrame:
     """One row per study and budget s = 1..min(N, largest budget): the median tuning curve of the objective with its
     exact band at ``settings.confidence`` (``median, low, high``) and the unbiased expected best (``expected``).
-    A study too small to bound the median of one configuration is a UsageError."""
+    A study too small to bound the median of one configuration (:func:`unbounded_studies`) has its curves and no
+    band (``low``, ``high`` NaN)."""
     frames = []
+    small = unbounded_studies(trials, settings.confidence)
     for study, group in trials.groupby("study", sort=True):
         values = _objectives(group)
         n = len(values)
-        _check_enough(study, n, settings.confidence)
         budgets = np.arange(1, min(n, settings.max_budget or PAPER_MAX_BUDGET) + 1)
+        curves = median_band(values, budgets, settings.confidence)
+        if study in small:
+            curves.update(low=np.full(len(budgets), np.nan), high=np.full(len(budgets), np.nan))
         first = group.iloc[0]
         frames.append(pd.DataFrame({
             "data": first.data, "alpha": as_text(first.alpha), "gate": first.gate, "study": study, "evaluated": n,
-            "failed": int(np.isinf(values).sum()), "ties": len(np.unique(values)) < n, "s": budgets,
-            **median_band(values, budgets, settings.confidence),
+            "failed": int(np.isinf(values).sum()), "ties": len(np.unique(values)) < n, "s": budgets, **curves,
             "expected": expected_curve(np.sort(values))[budgets - 1]}))
     return pd.concat(frames, ignore_index=True)
 
@@ -160,6 +162,8 @@ def factor_interval(band_a: dict[str, np.ndarray], band_b: dict[str, np.ndarray]
             "high_bound": "never" if high == 0 else ">=" if beats else ""}
 
 
+#: The factor interval of a pair with a study too small for the exact bands: left out.
+NO_INTERVAL = {"factor_low": math.nan, "low_bound": "", "factor_high": math.nan, "high_bound": ""}
 OBJECTIVE_RANGE_COLUMNS = ["median_min", "median_max", "median_min_bound", "median_max_bound", "interval_low",
                            "interval_high", "interval_low_bound", "interval_high_bound", "unbiased_min",
                            "unbiased_max", "unbiased_min_bound", "unbiased_max_bound"]
@@ -173,13 +177,14 @@ def objective_factors(trials: pd.DataFrame, pairs: list[tuple[str, str]], settin
     the unbiased expected curves' factor (``unbiased_factor, unbiased_bound``). Ranges over s_B >= 2 as
     :func:`mtmoe.tuning.bootstrap.factor_range`; the interval's over the s_B >= 2, which hold together."""
     confidence = pair_confidence(settings.confidence)
+    small = unbounded_studies(trials, settings.confidence)
     details, ranges = [], []
     for (data, alpha), panel in trials.groupby([trials.data, trials.alpha.map(as_text)], sort=True):
         curves = {}
         for gate, group in panel.groupby("gate"):
             values = _objectives(group)
             budgets = np.arange(1, len(values) + 1)
-            curves[gate] = {**median_band(values, budgets, confidence),
+            curves[gate] = {**median_band(values, budgets, confidence), "banded": group.study.iloc[0] not in small,
                             "expected": expected_curve(np.sort(values))}
         for gate_a, gate_b in pairs:
             if gate_a not in curves or gate_b not in curves:
@@ -188,11 +193,12 @@ def objective_factors(trials: pd.DataFrame, pairs: list[tuple[str, str]], settin
             grid = budget_grid(min(len(b["median"]), settings.max_budget or PAPER_MAX_BUDGET))
             median = reduction_factors(a["median"], b["median"], grid)
             unbiased = reduction_factors(a["expected"], b["expected"], grid)
-            interval = pd.DataFrame([factor_interval(a, b, int(s_b)) for s_b in grid])
+            interval = pd.DataFrame([factor_interval(a, b, int(s_b)) if a["banded"] and b["banded"] else NO_INTERVAL
+                                     for s_b in grid])
             key = {"data": data, "alpha": alpha, "gate_a": gate_a, "gate_b": gate_b}
             details.append(pd.concat([median.assign(**key)[[*key, *median.columns]], interval,
                                       unbiased[["factor", "bound"]].add_prefix("unbiased_")], axis=1))
-            late = interval[grid >= 2]  # empty for --max-budget 1
+            late = interval[(grid >= 2) & interval.factor_low.notna()]  # empty for --max-budget 1, or no bands
             span = {"interval_low": math.nan, "interval_high": math.nan, "interval_low_bound": "",
                     "interval_high_bound": ""}
             if len(late):

@@ -24,6 +24,7 @@ import html
 import io
 import math
 import re
+import sys
 import textwrap
 import time
 from collections.abc import Callable
@@ -33,7 +34,14 @@ import pandas as pd
 
 from mtmoe.errors import UsageError
 from mtmoe.gate_names import plus_variant, split_gate_name
-from mtmoe.tuning.bands import objective_curves, objective_factors, pair_confidence, percent
+from mtmoe.tuning.bands import (
+    objective_curves,
+    objective_factors,
+    pair_confidence,
+    percent,
+    trials_needed,
+    unbounded_studies,
+)
 from mtmoe.tuning.bootstrap import (
     DRAWS,
     PAPER_MAX_BUDGET,
@@ -104,7 +112,7 @@ def _limits(*columns: pd.Series) -> tuple[float, float]:
 
 
 def plot(curves: pd.DataFrame, objective: pd.DataFrame, gates: list[str], pairs: list[tuple[str, str]],
-         confidence: float):
+         confidence: float, studies: str | None = None):
     """The tuning curves against the budget s (log scale), per (dataset, alpha), in two kinds of panels. **Test
     loss** (Appendix F, Figures 2-3): every gate's Monte-Carlo mean, then one panel per gate family with the mean
     and the 2.5th-97.5th percentile band of the draws (hatched) of the gate and its "+". **Objective**: every gate's
@@ -113,7 +121,9 @@ def plot(curves: pd.DataFrame, objective: pd.DataFrame, gates: list[str], pairs:
     curve is computed at every s up to N, its markers at the grid's budgets); a family's two gates share a hue, light
     and dashed without local search, dark and solid with it. The y axis of an overview fits its curves; the band
     panels of a kind and (dataset, alpha) share theirs, which fits every finite band edge; an infinite edge (the
-    trials do not bound the curve there) is drawn to the axis."""
+    trials do not bound the curve there) is drawn to the axis; a study too small for the exact bands has its median
+    curve and no band. Every panel has the same budget axis (1 to the largest N); ``studies`` (:func:`budgets`), N
+    and the training budget of each study, is the figure's title."""
     from matplotlib.figure import Figure
     from matplotlib.ticker import FixedLocator, NullLocator, ScalarFormatter
 
@@ -134,6 +144,9 @@ def plot(curves: pd.DataFrame, objective: pd.DataFrame, gates: list[str], pairs:
     columns = min(range(1, MAX_COLUMNS + 1), key=lambda c: (rows_of(c), c))  # fewest rows, then the narrowest
     rows = rows_of(columns)
     figure = Figure(figsize=(3.4 * columns, 2.9 * rows + 1.2), layout="constrained")
+    if studies:
+        figure.suptitle(textwrap.fill(studies, int(16 * 3.4 * columns)), fontsize=8.5)
+    largest = int(max(curves.s.max(), objective.s.max()))
     grid = figure.add_gridspec(rows, columns)
     row = 0
 
@@ -154,7 +167,6 @@ def plot(curves: pd.DataFrame, objective: pd.DataFrame, gates: list[str], pairs:
         return ax
 
     for data, alpha, panel, band, loss_panels, band_panels in groups:
-        largest = int(max(panel.s.max(), band.s.max()))
         scaled = panel.assign(**{c: 100 * panel[c] for c in ("mc_mean", "mc_low", "mc_high")})
         ylim = _limits(scaled.mc_mean, scaled.mc_low, scaled.mc_high)
         for index, members in enumerate(loss_panels):
@@ -179,7 +191,7 @@ def plot(curves: pd.DataFrame, objective: pd.DataFrame, gates: list[str], pairs:
             for gate in members:
                 rows_ = scaled[scaled.gate == gate]
                 style = gate_style(gate, gates)
-                if index:  # a pair's panel: the exact bands, filled and edged
+                if index and rows_.low.notna().any():  # a pair's panel: the exact bands (if any), filled and edged
                     low, high = (np.clip(rows_[c], *beyond) for c in ("low", "high"))
                     ax.fill_between(rows_.s, low, high, **_exact_style(style["color"]))
                     for edge in (low, high):
@@ -187,13 +199,30 @@ def plot(curves: pd.DataFrame, objective: pd.DataFrame, gates: list[str], pairs:
                 ax.plot(rows_.s, rows_["median"], label=gate, marker="o", markersize=3.5,
                         markevery=[i for i, s in enumerate(rows_.s) if s in shown], **style)
         row += math.ceil(len(band_panels) / columns)
-    _legend(figure, gates, confidence, columns)
+    _legend(figure, gates, confidence, columns, bool(objective.low.notna().any()))
     return figure
 
 
-def _legend(figure, gates: list[str], confidence: float, columns: int) -> None:
+def budgets(trials: pd.DataFrame) -> str:
+    """Each study's N (evaluated trials) and training budget (the epochs its trials ran, and its
+    ``trainer.max_epochs`` setting where it has one), as the figure's title states them."""
+    parts = []
+    for study, group in trials.groupby("study", sort=False):
+        epochs = group.epochs_run.dropna()
+        text = f"{study}: N = {len(group)} trial{'s' * (len(group) != 1)}"
+        if len(epochs):
+            low, high = int(epochs.min()), int(epochs.max())
+            text += f", {low}{f'-{high}' if high != low else ''} epoch{'s' * (high != 1)} each"
+        if group.max_epochs.notna().any():
+            text += f" (trainer.max_epochs={int(group.max_epochs.iloc[0])})"
+        parts.append(text)
+    return "; ".join(parts)
+
+
+def _legend(figure, gates: list[str], confidence: float, columns: int, banded: bool) -> None:
     """What is drawn: the gates (with "+" gates, a column per family, the gate above its "+"), the two kinds of
-    band, and the line styles where gates with and without local search are both drawn."""
+    band (the exact one where a study has it: ``banded``), and the line styles where gates with and without local
+    search are both drawn."""
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
@@ -207,15 +236,18 @@ def _legend(figure, gates: list[str], confidence: float, columns: int) -> None:
         families = dict.fromkeys(split_gate_name(g)[0] for g in gates)
         handles = [line(gate) if gate in gates else blank for family in families
                    for gate in (family, plus_variant(family))]
-    handles += [Patch(label="test loss: spread of the draws", **_spread_style("", "#555555")),
-                Patch(label=f"objective: exact {percent(confidence)} band", **_exact_style("#555555"))]
+    handles += [Patch(label="test loss: spread of the draws", **_spread_style("", "#555555"))]
+    if banded:
+        handles += [Patch(label=f"objective: exact {percent(confidence)} band", **_exact_style("#555555"))]
     if any(plus) and not all(plus):
         handles += [Line2D([], [], color="#555555", linestyle=(0, (4, 2)), label="dashed: without local search"),
                     Line2D([], [], color="#555555", label='solid: with local search ("+")')]
     title = ["Test loss (Appendix F): Monte-Carlo mean of the best-validation trial's test loss; hatched: 2.5th-97.5th "
              "percentile of the draws (a spread of outcomes, not a confidence band).",
-             "Objective: median of the best validation objective of s random trials; filled: its exact simultaneous "
-             f"{percent(confidence)} confidence band (Lourie et al. 2024), unbounded where it meets the axis."]
+             "Objective: median of the best validation objective of s random trials; "
+             + (f"filled: its exact simultaneous {percent(confidence)} confidence band (Lourie et al. 2024), unbounded "
+                "where it meets the axis." if banded else
+                f"too few trials for its exact {percent(confidence)} band (Lourie et al. 2024).")]
     figure.legend(handles=handles, loc="outside lower center", ncol=math.ceil(len(handles) / 2), fontsize=8.5,
                   frameon=False, title_fontsize=8.5,
                   title="\n".join(textwrap.fill(text, int(16 * 3.4 * columns)) for text in title))
@@ -259,6 +291,9 @@ def _objective_text(settings: Settings, objective: pd.DataFrame) -> str:
     conservative = objective[objective.ties | (objective.failed > 0)].study.unique()
     note = (f" Studies with tied or failed objectives, where the band is at least as wide as needed: "
             f"{', '.join(f'`{study}`' for study in conservative)}." if len(conservative) else "")
+    unbanded = objective[objective.low.isna()].study.unique()
+    note += (f" Studies with fewer than {trials_needed(settings.confidence)} trials, whose bands (and factor intervals)"
+             f" are left out: {', '.join(f'`{study}`' for study in unbanded)}." if len(unbanded) else "")
     return ("The validation objective of a study's N evaluated configurations (a failed one counts as +∞) is a sample "
             "of the objective of a random configuration. Its tuning curve, the best objective among s random "
             "configurations, has exact simultaneous distribution-free confidence bands (Lourie, Cho and He 2024, "
@@ -516,6 +551,12 @@ def bootstrap(argv: list[str]) -> None:
         if len(pair) != 2 or not set(pair) <= set(gates):
             raise UsageError(f"--pairs: {':'.join(pair)!r} is not A:B of two of the bootstrapped gates "
                              f"({', '.join(gates)})")
+    small = unbounded_studies(trials, settings.confidence)
+    if small:
+        print(f"note: {', '.join(f'{study!r} has {n}' for study, n in small.items())} evaluated trial"
+              f"{'s' * (max(small.values()) != 1)}: the exact {percent(settings.confidence)} bands and the factors' "
+              f"intervals need at least {trials_needed(settings.confidence)}, left out (run more trials or lower "
+              "--confidence); the bootstrap and the closed forms are drawn", file=sys.stderr, flush=True)
     start = time.perf_counter()
     objective = paper_order(objective_curves(trials, settings))
     pairs = pairs or default_pairs(gates)
@@ -531,7 +572,7 @@ def bootstrap(argv: list[str]) -> None:
                                          for frame in (factors, ranges, objective_detail))
     blocks = report_blocks(curves, ranges, objective, objective_detail, trials, gates, settings, url,
                            ", ".join(datasets))
-    figure = plot(curves, objective, gates, pairs, settings.confidence)
+    figure = plot(curves, objective, gates, pairs, settings.confidence, budgets(trials))
     images = {"bootstrap.png": figure_bytes(figure, "png")}
     figure.set_layout_engine("none")  # the PDF keeps the PNG's layout: one constrained-layout solve, not two
     text = markdown(blocks)

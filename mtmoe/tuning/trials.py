@@ -2,6 +2,7 @@
 ``bootstrap`` compute from it; it never trains), and the options those commands share to find it.
 
 Columns: ``study, gate, alpha, seed, settings, config_id, trial, failed, fail_reason, objective, test_loss, n_s``,
+``epochs_run`` (the trial's), ``max_epochs`` (the study's ``trainer.max_epochs`` setting, NaN where it set none),
 ``data`` and the per-task test metrics as ``<task>/<metric>``. A study is one row group per study name (user attributes
 ``data`` and ``gate``, written by ``tune``), so ``.../alpha=0.1`` and ``.../alpha=0.9`` are separate studies; a
 study without an alpha of its own shows the dataset's default. A failed trial (failed with a ``fail_reason``:
@@ -137,7 +138,8 @@ def trial_rows(study_name: str, attrs: dict[str, Any], trials: list, alpha: str 
             "study": study_name, "gate": attrs.get("gate"), "alpha": attrs.get("alpha", _alpha_of(study_name) or alpha),
             "seed": attrs.get("seed"), "settings": describe_settings(attrs.get("settings")),
             "config_id": config_id, "trial": trial.number, "failed": bool(reason), "fail_reason": reason,
-            "objective": objective, "test_loss": math.nan, "n_s": math.nan,
+            "objective": objective, "test_loss": math.nan, "n_s": math.nan, "epochs_run": _number(user.get("epochs_run")),
+            "max_epochs": _number((attrs.get("settings") or {}).get("trainer.max_epochs")),
         }
         if not reason:
             tasks = sorted({k.split("/")[1] for k in user if k.startswith("test/") and k.endswith("/experts_per_sample")})
