@@ -613,8 +613,8 @@ def test_optuna_dashboard_serves_the_trials(pg_study, tmp_path: Path) -> None:
         study = next(s for s in studies if s["study_name"] == name)
         attrs = {a["key"]: a["value"] for a in study["user_attrs"]}
         assert attrs["data"] == "movielens-100k" and attrs["gate"] == "comet"
-        assert json.loads(attrs["settings"]) == {"data.batch_size": 64, "trainer.limit_test_batches": 2.0,
-                                                 "trainer.limit_train_batches": 5.0, "trainer.limit_val_batches": 2.0,
+        assert json.loads(attrs["settings"]) == {"data.batch_size": 64, "trainer.limit_test_batches": 2,
+                                                 "trainer.limit_train_batches": 5, "trainer.limit_val_batches": 2,
                                                  "trainer.max_epochs": 1}
         detail = get(f"/api/studies/{study['study_id']}")
         assert detail["name"] == name and detail["objective_names"] == ["val_loss"]

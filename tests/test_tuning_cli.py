@@ -5,6 +5,7 @@ name (10) is checked in ``test_tuning.py`` against a real optuna-dashboard, the 
 """
 from __future__ import annotations
 
+import json
 import os
 import pty
 import re
@@ -37,9 +38,9 @@ def test_a_study_refuses_other_settings_and_shows_its_own(postgres_url: str, tin
     assert run_cli(first) == 0
     before = [(t.number, t.state, t.params) for t in trials_of(postgres_url, name)]
     attrs = optuna.load_study(study_name=name, storage=postgres_url).user_attrs
-    assert attrs["settings"] == {"data.batch_size": 64, "trainer.limit_test_batches": 2.0,
-                                 "trainer.limit_train_batches": 20.0, "trainer.limit_val_batches": 2.0,
-                                 "trainer.max_epochs": 1}
+    assert json.dumps(attrs["settings"], sort_keys=True) == json.dumps({  # integers: counts of batches
+        "data.batch_size": 64, "trainer.limit_test_batches": 2, "trainer.limit_train_batches": 20,
+        "trainer.limit_val_batches": 2, "trainer.max_epochs": 1}, sort_keys=True)
     capsys.readouterr()
 
     def other(trials: int = 2, study: str = name) -> list[str]:
@@ -48,8 +49,8 @@ def test_a_study_refuses_other_settings_and_shows_its_own(postgres_url: str, tin
 
     assert run_cli(other()) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"error: study '{name}' exists with other settings (trainer.limit_train_batches 20.0 there, 3.0 "
-                   "now): refusing to mix trials of different settings; pass --study-name NAME to start another "
+    assert err == [f"error: study '{name}' exists with other settings (trainer.limit_train_batches 20 there, 3 now)"
+                   ": refusing to mix trials of different settings; pass --study-name NAME to start another "
                    "study, or another --storage"]
     assert run_cli(other(trials=3)) == 2  # more trials: refused all the same
     assert [(t.number, t.state, t.params) for t in trials_of(postgres_url, name)] == before
@@ -66,13 +67,13 @@ def test_a_study_refuses_other_settings_and_shows_its_own(postgres_url: str, tin
     assert run_cli(["report", "--data", "movielens-100k", "--storage", postgres_url, "--out",
                     str(tmp_path / "rep")]) == 0
     printed = capsys.readouterr().out
-    shown = "data.batch_size=64, trainer.limit_test_batches=2.0, trainer.limit_train_batches={}, " \
-            "trainer.limit_val_batches=2.0, trainer.max_epochs=1"
-    for study, batches in ((name, "20.0"), ("identity-3", "3.0")):
+    shown = "data.batch_size=64, trainer.limit_test_batches=2, trainer.limit_train_batches={}, " \
+            "trainer.limit_val_batches=2, trainer.max_epochs=1"
+    for study, batches in ((name, "20"), ("identity-3", "3")):
         assert re.search(rf"^\| {study} \| topk \| 0\.9 \| 0 \| {re.escape(shown.format(batches))} \| - \|$", printed,
                          re.M), printed
     table = pd.read_csv(tmp_path / "rep" / "table_2_3.csv").set_index("study")
-    assert table.loc[name, "settings"] == shown.format("20.0")
+    assert table.loc[name, "settings"] == shown.format("20")
     assert run_cli(["bootstrap", "--data", "movielens-100k", "--storage", postgres_url, "--out",
                     str(tmp_path / "boot"), "--gates", "topk"]) == 2  # two studies of one gate: says so
     assert "has several studies (identity, identity-3)" in capsys.readouterr().err
