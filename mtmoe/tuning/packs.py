@@ -6,12 +6,12 @@ tells each trial its own result. ``--pack 1`` trains one at a time, with the sam
   if it is still WAITING, so workers never share one) and builds each from its planned values and its seed
   (``seed + config_id``) exactly as ``fit --seed_everything=seed`` with the same settings builds it; it records the
   same user attributes (:func:`mtmoe.tuning.objective.record_result`), each epoch's validation loss as the trial's
-  intermediate value (optuna-dashboard's learning curves), and each trial's per-epoch log and results as
-  ``<log-dir>/config-NNNN/metrics.csv`` and ``results.json``.
+  intermediate value (optuna-dashboard's learning curves), and each trial's configuration, per-epoch log and results
+  as ``<log-dir>/config-NNNN/config.yaml``, ``metrics.csv`` and ``results.json``.
 * **Values, not strings.** The settings trials share (dataset, structure, trainer options) are parsed once per
   structure, by the run builder from the first trial's ``fit`` arguments (:class:`TrialFactory`); every trial after
   it is its planned values applied to them, a net built and loaded into a slot: no command line, CLI or Trainer per
-  trial.
+  trial. That configuration is the trial's ``config-NNNN/config.yaml``: ``fit --config`` on it retrains the trial.
 * **Structure.** Trials share a pack only if they agree on everything but per-trial settings (learning rate, Adam's
   epsilon, alpha, E_perm, zeta, epochs, early stopping and a gate's ``scalar_names``): :func:`pack_key`. A worker
   packs the structure of the first waiting trial, then the next structure, and so on.

@@ -4,9 +4,12 @@
   study and enqueued with ``config_id`` and ``config_hash`` user attributes: two runs with the same seed evaluate
   the same configurations, in any number of workers, and workers pop distinct enqueued trials (ecosystem.md §3.2).
   Trial ``config_id`` is trained with ``--seed_everything = seed + config_id``.
+* **An override wins** (:func:`pin_overrides`). A setting the search space tunes that the overrides give a value
+  (``--model.lr 0.001``, parsed as ``fit`` parses it) is fixed at that value instead of sampled: every trial trains
+  with it, and it is one of the study's settings.
 * **One study, one setting.** A study's identity is its search space (fingerprint), its seed and its *settings*:
   every value in force that the ``--trainer.*``, ``--model.*``, ``--data.*`` and ``--early_stopping.*`` overrides
-  (or a ``--config`` file) change from what the search space alone gives, except those that change where or how
+  (or a ``--config`` file) change from what the search space alone gives, or fix in it, except those that change where or how
   visibly a trial runs, not what it computes (:data:`NEUTRAL_SETTINGS`: data and log folders, progress display,
   accelerator, ...). ``--workers``, ``--storage``, ``--log-dir`` and ``--trials`` are not settings (``--trials``
   extends or shortens the same plan). The identity is stored as study user attributes (``space_fingerprint``,
@@ -313,9 +316,11 @@ def parse_tune_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                     "--seed, each\ntrained as `fit` would (early stopping on the validation loss) in an Optuna study "
                     "that any number\nof workers and machines share and that a rerun of the same command resumes.",
         epilog="Every other option is passed to each trial's `fit`: --trainer.*, --model.*, --data.*, "
-               "--early_stopping.*\n(e.g. --trainer.max_epochs 1 --model.alpha 0.1 --data.root DIR), after the "
-               "configuration's own\nvalues. What they change is part of the study's identity, with the search "
-               "space and the seed:\nrerunning with other values is refused (pass --study-name for a new study). "
+               "--early_stopping.*\n(e.g. --trainer.max_epochs 1 --model.alpha 0.1 --data.root DIR); one the search "
+               "space tunes\n(e.g. --model.lr 0.001) is not sampled: every trial trains with it. Each trial's "
+               "configuration is\nwritten as <log-dir>/<study>/config-NNNN/config.yaml (fit --config retrains it). "
+               "What they change\nis part of the study's identity, with the search space and the seed:\nrerunning "
+               "with other values is refused (pass --study-name for a new study). "
                "Folders, progress\ndisplay and the accelerator do not count, nor do --workers, --storage and "
                "--log-dir.\nThe database password may come from PGPASSWORD or ~/.pgpass instead of the URL.",
     )
