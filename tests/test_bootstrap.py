@@ -402,8 +402,8 @@ def test_cli_bad_input_one_line_exit_2(storage, tmp_path: Path, capsys, argv: li
     (["--data", "tiny"], "note: 'tiny/topk' has 5 evaluated trials: the exact 95% bands and the factors' intervals "
                          "need at least 8, left out"),
     (["--data", "one"], "note: 'one/topk' has 1 evaluated trial: the exact 95% bands"),
-    (["--data", "books", "--confidence", "0.99"], "note: 'books/topk' has 10 evaluated trials: the exact 99% bands and the "
-                                                  "factors' intervals need at least 11"),
+    (["--data", "books", "--confidence", "0.99"],
+     "note: 'books/topk' has 10 evaluated trials: the exact 99% bands and the factors' intervals need at least 11"),
 ])
 def test_cli_too_few_trials_for_the_bands_draws_the_rest_with_a_note(storage, tmp_path: Path, capsys,
                                                                      argv: list[str], note: str) -> None:

@@ -138,7 +138,8 @@ def trial_rows(study_name: str, attrs: dict[str, Any], trials: list, alpha: str 
             "study": study_name, "gate": attrs.get("gate"), "alpha": attrs.get("alpha", _alpha_of(study_name) or alpha),
             "seed": attrs.get("seed"), "settings": describe_settings(attrs.get("settings")),
             "config_id": config_id, "trial": trial.number, "failed": bool(reason), "fail_reason": reason,
-            "objective": objective, "test_loss": math.nan, "n_s": math.nan, "epochs_run": _number(user.get("epochs_run")),
+            "objective": objective, "test_loss": math.nan, "n_s": math.nan,
+            "epochs_run": _number(user.get("epochs_run")),
             "max_epochs": _number((attrs.get("settings") or {}).get("trainer.max_epochs")),
         }
         if not reason:
