@@ -11,8 +11,8 @@
   every value in force that the ``--trainer.*``, ``--model.*``, ``--data.*`` and ``--early_stopping.*`` overrides
   (or a ``--config`` file) change from what the search space alone gives, or fix in it, except those that change
   where or how visibly a trial runs, not what it computes (:data:`NEUTRAL_SETTINGS`: data and log folders, progress
-  display, accelerator, ...). ``--workers``, ``--storage``, ``--log-dir`` and ``--trials`` are not settings (``--trials``
-  extends or shortens the same plan). The identity is stored as study user attributes (``space_fingerprint``,
+  display, accelerator, ...). ``--workers``, ``--storage``, ``--log-dir`` and ``--trials`` are not settings
+  (``--trials`` extends or shortens the same plan). The identity is stored as study user attributes (``space_fingerprint``,
   ``seed``, ``settings``); a ``tune`` whose identity differs is refused, naming the differences.
 * **Storage** (:mod:`mtmoe.tuning.storage`). Default: SQLite ``studies/optuna.db`` under the current directory
   (one worker). ``--storage postgresql://...`` or ``--storage journal:PATH`` (no server; the file shared by the
