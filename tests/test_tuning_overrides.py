@@ -142,3 +142,24 @@ def test_fit_config_of_a_trial_retrains_it(tmp_path: Path) -> None:
         assert results["seed"] == trial.user_attrs["seed"] and results["epochs_run"] == 2
         assert results["best_val_loss"] == pytest.approx(trial.value, rel=1e-6)
         assert results["test"]["loss"] == pytest.approx(trial.user_attrs["test_loss"], rel=1e-6)
+
+
+@pytest.mark.parametrize("recorded, resumed, refused", [(20.0, 20, False), (1.0, 1, True), (1.0, 1.0, False)])
+def test_a_batch_limit_compares_as_lightning_reads_it(tmp_path: Path, recorded: float, resumed: float,
+                                                      refused: bool) -> None:
+    """A study recorded ``20.0`` batches before counts were parsed as integers: ``20`` resumes it (the same 20
+    batches); a study of ``1.0`` (every batch) is not one of ``1`` (one batch)."""
+    from mtmoe.errors import UsageError
+    from mtmoe.tuning.objective import plan_configurations
+    from mtmoe.tuning.space import load_space
+    from mtmoe.tuning.study import prepare_study
+
+    url, space = f"sqlite:///{tmp_path / 'c.db'}", load_space("movielens-100k", "topk")
+    plan = plan_configurations(space, 2, 0)
+    prepare_study(url, "limit", space, 0, plan, {"trainer.limit_train_batches": recorded})
+    if refused:
+        with pytest.raises(UsageError, match=rf"trainer.limit_train_batches {recorded} there, {resumed} now"):
+            prepare_study(url, "limit", space, 0, plan, {"trainer.limit_train_batches": resumed})
+    else:
+        prepare_study(url, "limit", space, 0, plan, {"trainer.limit_train_batches": resumed})
+    assert len(trials_of(url, "limit")) == 2

@@ -295,8 +295,8 @@ def check_identity(study_name: str, study: optuna.Study, identity: dict[str, Any
                    for key, name in (("space_fingerprint", "search space"), ("seed", "seed"))
                    if attrs.get(key) != identity[key]]
     stored, current = attrs["settings"], identity["settings"]
-    for key in sorted(set(stored) | set(current)):  # as JSON: the count 1 is not the fraction 1.0
-        if key not in stored or key not in current or json.dumps(stored[key]) != json.dumps(current[key]):
+    for key in sorted(set(stored) | set(current)):
+        if key not in stored or key not in current or _compared(key, stored[key]) != _compared(key, current[key]):
             there = json.dumps(stored[key]) if key in stored else "(not set)"
             now = json.dumps(current[key]) if key in current else "(not set)"
             differences.append(f"{key} {there} there, {now} now")
@@ -305,6 +305,15 @@ def check_identity(study_name: str, study: optuna.Study, identity: dict[str, Any
             f"study {study_name!r} exists with other settings ({'; '.join(differences)}): refusing to mix trials of "
             "different settings; pass --study-name NAME to start another study, or another --storage"
         )
+
+
+def _compared(key: str, value: Any) -> str:
+    """A setting as two runs compare it: as JSON, so that a batch limit's count 1 is not the fraction 1.0 (all
+    batches), but a whole float above 1 is the count Lightning reads it as (what a study recorded before counts were
+    parsed as integers)."""
+    if key.startswith("trainer.limit_") and isinstance(value, float) and value > 1 and value.is_integer():
+        value = int(value)
+    return json.dumps(value)
 
 
 def parse_tune_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
