@@ -12,8 +12,9 @@
   (or a ``--config`` file) change from what the search space alone gives, or fix in it, except those that change
   where or how visibly a trial runs, not what it computes (:data:`NEUTRAL_SETTINGS`: data and log folders, progress
   display, accelerator, ...). ``--workers``, ``--storage``, ``--log-dir`` and ``--trials`` are not settings
-  (``--trials`` extends or shortens the same plan). The identity is stored as study user attributes (``space_fingerprint``,
-  ``seed``, ``settings``); a ``tune`` whose identity differs is refused, naming the differences.
+  (``--trials`` extends or shortens the same plan). The identity is stored as study user attributes
+  (``space_fingerprint``, ``seed``, ``settings``); a ``tune`` whose identity differs is refused, naming the
+  differences.
 * **Storage** (:mod:`mtmoe.tuning.storage`). Default: SQLite ``studies/optuna.db`` under the current directory
   (one worker). ``--storage postgresql://...`` or ``--storage journal:PATH`` (no server; the file shared by the
   machines) for many workers and machines; ``--workers N`` starts N local worker processes. Processes started
@@ -404,16 +405,13 @@ def pin_overrides(space: SearchSpace, overrides: list[str]) -> tuple[SearchSpace
     ``--config`` file's included), which become fixed values: the override wins, every trial trains with it and it
     is not sampled. Returns that space and the pinned ``{key: value}``."""
     from mtmoe.run import build_run
-    from mtmoe.run_settings import import_class
 
     if not overrides:
         return space, {}
-    with tempfile.TemporaryDirectory() as scratch:
+    with tempfile.TemporaryDirectory() as scratch:  # the parser of the run, which checks the overrides too
         run = build_run(cli_args(space, {}, overrides, 0, Path(scratch)))
-    gate = import_class(run.config.model.gate.class_path)
-    given = run.cli.parser.parse_args([f"--data={run.config.data.class_path}",
-                                       f"--model.gate={gate.__module__}.{gate.__qualname__}", *overrides],
-                                      defaults=False)
+    classes = [f"--data={run.config.data.class_path}", f"--model.gate={run.config.model.gate.class_path}"]
+    given = run.cli.parser.parse_args([*classes, *overrides], defaults=False)  # what the overrides set, no more
     pinned = {key: value for key, value in _flat_config(given).items() if key in space.distributions}
     distributions = {key: value for key, value in space.distributions.items() if key not in pinned}
     return replace(space, fixed={**space.fixed, **_as_json(pinned)}, distributions=distributions), _as_json(pinned)
