@@ -116,7 +116,7 @@ def test_gates_shows_what_each_search_space_tunes(capsys) -> None:
 def test_gates_says_whose_search_space_it_lists(capsys) -> None:
     assert run_cli(["gates", "--data", "movielens"]) == 0
     header, *rows = capsys.readouterr().out.splitlines()
-    assert "searched by tune on movielens (mtmoe/tuning/spaces/movielens.yaml; model.* settings)" in header
+    assert "searched by tune on movielens (mtmoe/tuning/spaces/movielens.yaml over the gate's defaults; model.* settings)" in header
     assert not any("(" in row.split("  ")[-1] for row in rows)  # one dataset: no per-dataset groups
     assert run_cli(["gates"]) == 0
     assert "searched by tune on every dataset unless named" in capsys.readouterr().out.splitlines()[0]

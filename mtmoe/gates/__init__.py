@@ -7,7 +7,7 @@ from mtmoe.discovery import import_object
 from mtmoe.gate_names import gate_paths
 from mtmoe.gates.base import Gate, GateDims, GateOutput, RoutingInput
 from mtmoe.gates.registry import (
-    PLUS_PERM_EPOCHS, create_gate, gate_class, list_gates, parse_gate_name, register_gate,
+    PLUS_PERM_EPOCHS, create_gate, gate_class, gate_variants, list_gates, parse_gate_name, register_gate,
 )
 
 
@@ -24,5 +24,5 @@ def __getattr__(name: str):
 
 __all__ = [
     "Gate", "GateDims", "GateOutput", "RoutingInput", *sorted(_package_classes()),
-    "PLUS_PERM_EPOCHS", "create_gate", "gate_class", "list_gates", "parse_gate_name", "register_gate",
+    "PLUS_PERM_EPOCHS", "create_gate", "gate_class", "gate_variants", "list_gates", "parse_gate_name", "register_gate",
 ]

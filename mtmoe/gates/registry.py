@@ -12,7 +12,7 @@ from typing import Any
 
 from mtmoe.discovery import import_object
 from mtmoe.errors import UsageError
-from mtmoe.gate_names import gate_paths, split_gate_name
+from mtmoe.gate_names import gate_paths, plus_variant, split_gate_name
 from mtmoe.gates.base import Gate, GateDims, no_plus_variant
 
 _GATES: dict[str, type[Gate]] = {}  # the gates registered in this process (their modules imported)
@@ -35,6 +35,13 @@ def list_gates() -> list[str]:
     """The registered gates: the package's and the entry points' (:func:`gate_paths`), and any other class
     registered in this process."""
     return sorted({*gate_paths(), *_GATES})
+
+
+def gate_variants() -> list[str]:
+    """Every registered gate, each followed by its "+" where local search may permute its weights (``permutable``):
+    what ``tune`` may study."""
+    return [variant for name in list_gates()
+            for variant in (name, plus_variant(name)) if variant == name or gate_class(name).permutable]
 
 
 def gate_class(name: str) -> type[Gate]:

@@ -173,10 +173,13 @@ def gate_space(document: dict[str, Any], where: str, gate: str, check_keys: bool
     then its section for the gate (a "+" variant without one: its gate's), then what neither sets of the gate's
     own :attr:`~mtmoe.gates.Gate.search_space`, :data:`COMMON_SPACE` and, for a "+" variant, :data:`PLUS_SPACE`.
     ``check_keys=False`` leaves out the check of the keys against the signatures (no Lightning import)."""
-    from mtmoe.gates import parse_gate_name
+    from mtmoe.gates import list_gates, parse_gate_name
 
     cls, plus = parse_gate_name(gate)
     sections = document.get("gates") or {}
+    for name in sections:
+        if split_gate_name(str(name))[0] not in list_gates() and ":" not in str(name):
+            raise UsageError(f"{where}: section {name!r} names no registered gate (gates: {', '.join(list_gates())})")
     section = gate if gate in sections else split_gate_name(gate)[0]
     defaults = {**COMMON_SPACE, **{f"model.gate.{key}": spec for key, spec in cls.search_space.items()},
                 **(PLUS_SPACE if plus else {})}
