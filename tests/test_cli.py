@@ -268,7 +268,7 @@ ANSWERED_WITHOUT_TORCH = {  # argv -> exit code, the error line's text (None: no
     ("bootstrap", "--data", "nope"): (2, "no study storage at "),
     ("report", "--data", "movielens", "--storag", "x"): (2, "did you mean --storage? (options are not abbreviated)"),
     ("bootstrap", "--data", "movielens", "--max", "3"): (2, "did you mean --max-budget?"),
-    ("tune", "--gate", "nope", "--data", "movielens"): (2, "no section for gate 'nope' (sections: softmax, hash,"),
+    ("tune", "--gate", "nope", "--data", "movielens"): (2, "unknown gate 'nope'; valid gates: comet, "),
     ("tune", "--gate", "topk", "--data", "nope"): (2, "unknown dataset 'nope'"),
     ("tune", "--gate", "topk", "--data", "movielens", "--tri", "3"): (2, "did you mean --trials?"),
 }
