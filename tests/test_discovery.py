@@ -84,17 +84,20 @@ def test_listing_the_names_imports_no_torch() -> None:
 
 
 def test_a_gate_without_a_section_is_searched_over_its_defaults(tmp_path: Path) -> None:
-    """Its own ``search_space``, the learning rate and, for "+", the local-search window; a "+" variant without a
-    section of its own takes its gate's; the file's fixed values hold for it."""
+    """The file's fixed values and its defaults, then the gate's own ``search_space``, the learning rate and, for
+    "+", the local-search window; a "+" variant without a section of its own takes its gate's."""
     path = tmp_path / "space.yaml"
-    path.write_text("data: movielens-100k\ntrials: 7\nfixed:\n  data.batch_size: 64\ngates:\n"
-                    "  comet:\n    model.gate.gamma: 5\n    model.lr: {log_uniform: [1.0e-4, 1.0e-3]}\n")
+    path.write_text("data: movielens-100k\ntrials: 7\nfixed:\n  data.batch_size: 64\n"
+                    "defaults:\n  model.lr: {log_uniform: [1.0e-4, 1.0e-3]}\ngates:\n"
+                    "  comet:\n    model.gate.gamma: 5\n    model.lr: {log_uniform: [5.0e-5, 5.0e-4]}\n")
     space = load_space("movielens-100k", "expertchoice+", path)
     assert space.trials == 7 and space.fixed == {"data.batch_size": 64, "model.zeta": 1e-4}
     assert list(space.distributions) == ["model.lr", "model.gate.k", "model.perm_epochs"]
-    assert space.distributions["model.gate.k"].choices == (1, 2)
+    assert space.distributions["model.gate.k"].choices == (1, 2) and space.distributions["model.lr"].low == 1e-4
+    softmax = load_space("movielens-100k", "softmax", path)
+    assert list(softmax.distributions) == ["model.lr"] and softmax.distributions["model.lr"].low == 1e-4
     comet_plus = load_space("movielens-100k", "comet+", path)
-    assert comet_plus.fixed["model.gate.gamma"] == 5 and comet_plus.distributions["model.lr"].low == 1e-4
+    assert comet_plus.fixed["model.gate.gamma"] == 5 and comet_plus.distributions["model.lr"].low == 5e-5
     assert list(comet_plus.distributions) == ["model.lr", "model.gate.entropy_reg", "model.perm_epochs"]
 
 

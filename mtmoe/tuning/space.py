@@ -11,6 +11,8 @@ Format (keys are the CLI's dotted config keys, so a configuration is a list of `
     trials: 500                      # configurations per gate (the paper's random search)
     fixed:                           # every gate: plain values
       data.batch_size: 512
+    defaults:                        # every gate, unless its section sets the key: values or distributions
+      model.lr: {log_uniform: [1.0e-4, 1.0e-3]}
     gates:
       comet:
         model.lr: {log_uniform: [5.0e-5, 5.0e-4]}
@@ -152,8 +154,8 @@ def read_space_file(data: str, path: str | Path | None = None) -> tuple[dict[str
     except yaml.YAMLError as error:
         raise UsageError(f"{path} is not valid YAML: {' '.join(str(error).split())}") from None
     where = str(path)
-    if not isinstance(document, dict) or set(document) - {"data", "trials", "fixed", "gates"}:
-        raise UsageError(f"{where}: top-level keys must be data, trials, fixed, gates")
+    if not isinstance(document, dict) or set(document) - {"data", "trials", "fixed", "defaults", "gates"}:
+        raise UsageError(f"{where}: top-level keys must be data, trials, fixed, defaults, gates")
     if document.get("data") != data:
         raise UsageError(f"{where}: is for data {document.get('data')!r}, not {data!r}")
     trials = document.get("trials")
@@ -170,8 +172,9 @@ def load_space(data: str, gate: str, path: str | Path | None = None) -> SearchSp
 
 def gate_space(document: dict[str, Any], where: str, gate: str, check_keys: bool = True) -> SearchSpace:
     """``gate``'s search space in a search-space ``document`` read from ``where``: the file's ``fixed`` values,
-    then its section for the gate (a "+" variant without one: its gate's), then what neither sets of the gate's
-    own :attr:`~mtmoe.gates.Gate.search_space`, :data:`COMMON_SPACE` and, for a "+" variant, :data:`PLUS_SPACE`.
+    then its section for the gate (a "+" variant without one: its gate's), then what neither sets of the file's
+    ``defaults``, then of the gate's own :attr:`~mtmoe.gates.Gate.search_space`, :data:`COMMON_SPACE` and, for a
+    "+" variant, :data:`PLUS_SPACE`.
     ``check_keys=False`` leaves out the check of the keys against the signatures (no Lightning import)."""
     from mtmoe.gates import list_gates, parse_gate_name
 
@@ -205,6 +208,7 @@ def gate_space(document: dict[str, Any], where: str, gate: str, check_keys: bool
 
     add("fixed", document.get("fixed") or {})
     add(f"gates.{section}", sections.get(section) or {})
-    add(f"{cls.__module__}.{cls.__qualname__}.search_space",
-        {key: spec for key, spec in defaults.items() if key not in fixed and key not in distributions})
+    for name, entries in (("defaults", document.get("defaults") or {}),
+                          (f"{cls.__module__}.{cls.__qualname__}.search_space", defaults)):
+        add(name, {key: spec for key, spec in entries.items() if key not in fixed and key not in distributions})
     return SearchSpace(document["data"], gate, document["trials"], fixed, distributions)
