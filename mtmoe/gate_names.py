@@ -5,9 +5,11 @@ torch, so reports, ``--help`` and a mistyped name answer without it. :func:`mtmo
 registry's checks."""
 from __future__ import annotations
 
+from collections.abc import Collection
 from functools import cache
 
 from mtmoe.discovery import registered
+from mtmoe.errors import UsageError
 
 PLUS = "+"
 
@@ -27,3 +29,13 @@ def gate_paths() -> dict[str, str]:
     """Every registered gate's name -> ``"module:Class"``: the files of ``mtmoe/gates/`` with an
     ``@register_gate("name")`` class, and the entry points of the group ``mtmoe.gates``; nothing is imported."""
     return registered("mtmoe.gates", "register_gate", "mtmoe.gates")
+
+
+def check_gate_name(name: str, gates: Collection[str] | None = None, plus: bool = True) -> None:
+    """A UsageError naming the gates unless ``name`` is one of ``gates`` (default: the registered ones,
+    :func:`gate_paths`) or ``module:Class``, with "+" where ``plus``; nothing is imported."""
+    gates = gate_paths() if gates is None else gates
+    base, has_plus = split_gate_name(name)
+    if (has_plus and not plus) or (base not in gates and ":" not in base):
+        raise UsageError(f"unknown gate {name!r}; valid gates: {', '.join(sorted(gates))} (append '+' for "
+                         "permutation local search, e.g. comet+; module:Class names a gate class of your own)")

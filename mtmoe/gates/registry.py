@@ -12,7 +12,7 @@ from typing import Any
 
 from mtmoe.discovery import import_object
 from mtmoe.errors import UsageError
-from mtmoe.gate_names import gate_paths, plus_variant, split_gate_name
+from mtmoe.gate_names import check_gate_name, gate_paths, plus_variant, split_gate_name
 from mtmoe.gates.base import Gate, GateDims, no_plus_variant
 
 _GATES: dict[str, type[Gate]] = {}  # the gates registered in this process (their modules imported)
@@ -48,20 +48,14 @@ def gate_class(name: str) -> type[Gate]:
     """The class of a registered gate, or of ``module:Class``; anything else is a UsageError naming the gates."""
     if name in _GATES:
         return _GATES[name]
-    path = gate_paths().get(name, name if ":" in name else None)
-    if path is None:
-        raise _unknown(name)
+    check_gate_name(name, list_gates(), plus=False)
+    path = gate_paths().get(name, name)
     cls = import_object(path, "gate")
     if not (isinstance(cls, type) and issubclass(cls, Gate)):
         raise UsageError(f"gate {name!r}: {path} is not a subclass of mtmoe.gates.Gate")
     if name in gate_paths() and name not in _GATES:  # an entry point's class without its own @register_gate
         register_gate(name)(cls)
     return cls
-
-
-def _unknown(name: str) -> UsageError:
-    return UsageError(f"unknown gate {name!r}; valid gates: {', '.join(list_gates())} (append '+' for permutation "
-                      "local search, e.g. comet+; module:Class names a gate class of your own)")
 
 
 def create_gate(name: str, dims: GateDims, **hparams: Any) -> Gate:
@@ -72,9 +66,8 @@ def parse_gate_name(name: str) -> tuple[type[Gate], bool]:
     """The class of gate ``name`` and whether the name asks for local search: ``"comet"`` -> ``(COMETGate, False)``,
     ``"comet+"`` -> ``(COMETGate, True)`` (the "+" variant, COMET paper Section 4), ``"my_module:MyGate+"`` ->
     ``(MyGate, True)``. An unknown name, or "+" on a gate that is not ``permutable``, is a UsageError."""
+    check_gate_name(name, list_gates())
     base, plus = split_gate_name(name)
-    if base not in _GATES and base not in gate_paths() and ":" not in base:
-        raise _unknown(name)
     cls = gate_class(base)
     if plus and not cls.permutable:
         raise no_plus_variant(base)

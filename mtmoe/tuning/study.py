@@ -44,6 +44,7 @@ from optuna.trial import TrialState
 
 from mtmoe.data import dataset_path
 from mtmoe.errors import OneLineParser, UsageError, did_you_mean
+from mtmoe.gate_names import check_gate_name
 from mtmoe.interrupts import Interrupted, handle_sigterm
 from mtmoe.tuning.space import SearchSpace, load_space
 from mtmoe.tuning.storage import (
@@ -433,7 +434,8 @@ def tune(argv: list[str]) -> None:
 
 def _tune(argv: list[str]) -> None:
     args, overrides = parse_tune_args(argv)
-    dataset_path(args.data)  # unknown names fail here, before Lightning is imported and the storage touched
+    dataset_path(args.data)  # unknown names fail here, before torch is imported and the storage touched
+    check_gate_name(args.gate)
     space = load_space(args.data, args.gate, args.space)
     quiet_libraries()
     trials = space.trials if args.trials is None else args.trials
