@@ -23,7 +23,7 @@ from conftest import run_cli
 
 from mtmoe import gate_names
 from mtmoe.data import DATASETS
-from mtmoe.gates import gate_class, gate_variants, list_gates, parse_gate_name, registry
+from mtmoe.gates import gate_class, list_gates, parse_gate_name, registry
 from mtmoe.tuning.objective import config_hash, plan_configurations
 from mtmoe.tuning.space import gate_space, load_space, read_space_file
 
