@@ -22,7 +22,7 @@ from argparse import ArgumentError
 from mtmoe import interrupts
 from mtmoe.data import DATASETS
 from mtmoe.errors import OneLineParser, TrainingDiverged, UsageError
-from mtmoe.gate_names import plus_variant
+from mtmoe.gate_names import split_gate_name
 
 # Each command imports what it needs when it runs: help and the listings import neither Lightning nor Optuna's
 # storages, and the listing of datasets not even torch.
@@ -64,19 +64,17 @@ def listing_parser(command: str) -> OneLineParser:
     return OneLineParser(prog=f"python -m mtmoe {command}", description=COMMANDS[command][0].upper() + COMMANDS[command][1:] + ".")
 
 
-def searched_settings(datasets: list[str]) -> dict[str, dict[str, list[str]]]:
-    """Per gate section of the packaged search spaces of ``datasets`` (``comet``, ``comet+``, ...): the settings it
-    searches, written ``lr, gate.gamma, ...``, -> the datasets whose space searches exactly those."""
-    import yaml
-
-    from mtmoe.tuning.space import _distribution, space_file
+def searched_settings(datasets: list[str], gates: list[str]) -> dict[str, dict[str, list[str]]]:
+    """Per gate of ``gates`` (``comet``, ``comet+``, ...): the settings ``tune`` searches for it on each of
+    ``datasets`` (its packaged search space), written ``lr, gate.gamma, ...``, -> the datasets whose space searches
+    exactly those."""
+    from mtmoe.tuning.space import gate_space, read_space_file
 
     searched: dict[str, dict[str, list[str]]] = {}
     for data in datasets:
-        path = space_file(data)
-        for gate, section in (yaml.safe_load(path.read_text()).get("gates") or {}).items():
-            keys = [key.removeprefix("model.") for key, spec in (section or {}).items()
-                    if _distribution(key, spec, str(path)) is not None]
+        document, where = read_space_file(data)
+        for gate in gates:
+            keys = [key.removeprefix("model.") for key in gate_space(document, where, gate, check_keys=False).distributions]
             searched.setdefault(gate, {}).setdefault(", ".join(keys) or "nothing", []).append(data)
     return searched
 
@@ -85,27 +83,23 @@ def print_gates(data: str | None) -> None:
     """The gates and what ``tune`` searches for each: in ``data``'s search space, else in every dataset's (the
     datasets named where their spaces differ)."""
     from mtmoe.data import DATASETS
-    from mtmoe.gates import gate_class, list_gates
+    from mtmoe.gates import gate_class, gate_variants
 
     datasets = [data] if data else list(DATASETS)
-    searched = searched_settings(datasets)
+    variants = gate_variants()
+    searched = searched_settings(datasets, variants)
     rows = []
-    for name in list_gates():
-        cls = gate_class(name)
-        kind = "sparse" if cls.sparse else "dense"
-        for variant in (name, plus_variant(name)):
-            if variant == name or variant in searched:
-                by_space = searched.get(variant, {})
-                missing = [d for d in datasets if not any(d in names for names in by_space.values())]
-                groups = [keys if len(by_space) == 1 and not missing else f"{keys} ({', '.join(datasets)})"
-                          for keys, datasets in by_space.items()]
-                groups += [f"no search space ({', '.join(missing)})"] if missing else []
-                rows.append((variant, kind, f"{cls.__module__}.{cls.__qualname__}", "; ".join(groups)))
+    for variant in variants:
+        cls = gate_class(split_gate_name(variant)[0])
+        groups = [keys if len(searched[variant]) == 1 else f"{keys} ({', '.join(names)})"
+                  for keys, names in searched[variant].items()]
+        rows.append((variant, "sparse" if cls.sparse else "dense", f"{cls.__module__}.{cls.__qualname__}",
+                     "; ".join(groups)))
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     where = (f"on {data} (mtmoe/tuning/spaces/{data}.yaml" if data else
-             "on every dataset unless named (mtmoe/tuning/spaces/<dataset>.yaml; --data NAME: one dataset")
+             "on every dataset unless named (mtmoe/tuning/spaces/<dataset>.yaml")
     print(f"{'gate':<{widths[0]}}  {'kind':<{widths[1]}}  {'class':<{widths[2]}}  "
-          f"searched by tune {where}; model.* settings)")
+          f"searched by tune {where} over the gate's defaults; model.* settings{'' if data else '; --data NAME: one dataset'})")
     for row in rows:
         print("  ".join(f"{cell:<{width}}" for cell, width in zip(row, widths)) + f"  {row[3]}")
 

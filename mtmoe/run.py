@@ -62,8 +62,9 @@ LIGHTNING_COMMANDS = ("fit", "validate", "test")
 #: The splits of ``--trainer.limit_{split}_batches``, typed integer first (the signature's ``Optional[Union[int,
 #: float]]`` reaches jsonargparse float first, where ``1`` would parse as ``1.0``, all batches).
 BATCH_LIMITS = ("train", "val", "test", "predict")
-SHORTCUTS = """Shortcuts: --gate NAME selects a registered gate (python -m mtmoe gates; NAME+ adds permutation local
-search, --model.perm_epochs 5 unless given) and --data NAME a dataset (python -m mtmoe datasets). Lightning's
+SHORTCUTS = """Shortcuts: --gate NAME selects a registered gate (python -m mtmoe gates) or module:Class a gate class
+of your own (NAME+ adds permutation local search, --model.perm_epochs 5 unless given) and --data NAME a dataset
+(python -m mtmoe datasets). Lightning's
 account of the seed and the hardware (Seed set to 0, GPU available: ...) is shown with MTMOE_VERBOSE=1 in the
 environment."""
 #: Lightning's info lines about the seed and the hardware: shown only with ``MTMOE_VERBOSE=1`` in the environment.
@@ -122,8 +123,8 @@ class MTMoECLI(LightningCLI):
         gates = ", ".join(f"{name}{'[+]' if gate_class(name).permutable else ''}" for name in list_gates())
         parser.add_argument_group("shortcuts").add_argument(
             "--gate", action=Shortcut, metavar="NAME",
-            help=f"a registered gate, one of {gates} (python -m mtmoe gates); NAME+ adds permutation local search "
-                 "(--model.perm_epochs 5 unless given). Sets --model.gate.")
+            help=f"a registered gate, one of {gates} (python -m mtmoe gates), or module:Class; NAME+ adds "
+                 "permutation local search (--model.perm_epochs 5 unless given). Sets --model.gate.")
         parser._option_string_actions["--data"].help = (
             f"NAME: a registered dataset, one of {', '.join(sorted(DATASETS))} (python -m mtmoe datasets); or a "
             "DataModule's class path, or a config. Its arguments: --data.ARG VALUE.")

@@ -116,7 +116,7 @@ def test_gates_shows_what_each_search_space_tunes(capsys) -> None:
 def test_gates_says_whose_search_space_it_lists(capsys) -> None:
     assert run_cli(["gates", "--data", "movielens"]) == 0
     header, *rows = capsys.readouterr().out.splitlines()
-    assert "searched by tune on movielens (mtmoe/tuning/spaces/movielens.yaml; model.* settings)" in header
+    assert "searched by tune on movielens (mtmoe/tuning/spaces/movielens.yaml over the gate's defaults; model.* settings)" in header
     assert not any("(" in row.split("  ")[-1] for row in rows)  # one dataset: no per-dataset groups
     assert run_cli(["gates"]) == 0
     assert "searched by tune on every dataset unless named" in capsys.readouterr().out.splitlines()[0]
@@ -268,7 +268,7 @@ ANSWERED_WITHOUT_TORCH = {  # argv -> exit code, the error line's text (None: no
     ("bootstrap", "--data", "nope"): (2, "no study storage at "),
     ("report", "--data", "movielens", "--storag", "x"): (2, "did you mean --storage? (options are not abbreviated)"),
     ("bootstrap", "--data", "movielens", "--max", "3"): (2, "did you mean --max-budget?"),
-    ("tune", "--gate", "nope", "--data", "movielens"): (2, "no section for gate 'nope' (sections: softmax, hash,"),
+    ("tune", "--gate", "nope", "--data", "movielens"): (2, "unknown gate 'nope'; valid gates: comet, "),
     ("tune", "--gate", "topk", "--data", "nope"): (2, "unknown dataset 'nope'"),
     ("tune", "--gate", "topk", "--data", "movielens", "--tri", "3"): (2, "did you mean --trials?"),
 }

@@ -1,10 +1,10 @@
 """Contract tests for every registered gate, parameterised over ``list_gates()`` (timm's ``test_models.py`` style).
 
 A gate registered later is covered automatically: nothing below names a gate. Expectations come from the gate's
-capability flags and hyperparameters (comet-protocol.md §9.4):
+capability flags and the hyperparameters it searches (``search_space``; comet-protocol.md §9.4):
 
 * ``sparse is False`` (dense gates): every expert is active, ``max_active()`` is ``None``;
-* ``"gamma" in hyperparameters`` (smooth-step, dense-to-sparse gates: COMET, DSelect-k): every expert is active at
+* ``"gamma" in search_space`` (smooth-step, dense-to-sparse gates: COMET, DSelect-k): every expert is active at
   initialisation and at most ``max_active()`` are active once the smooth-step inputs are saturated;
 * batch-level routers (``active_per_batch(B)`` not ``None``: Expert Choice, USMoE): exactly that many non-zero
   weights in a batch, however they fall on the samples (a sample may get none);
@@ -69,7 +69,7 @@ def takes(name: str, argument: str) -> bool:
 
 
 def is_smooth_step_gate(gate: Gate) -> bool:
-    return "gamma" in gate.hyperparameters
+    return "gamma" in gate.search_space
 
 
 def simplex_exempt(gate: Gate) -> bool:
@@ -161,8 +161,8 @@ def test_class_contract(name):
     assert issubclass(cls, Gate)
     assert cls.registry_name == name
     init_params = inspect.signature(cls.__init__).parameters
-    for hp in cls.hyperparameters:  # every tunable hyperparameter is an __init__ keyword argument
-        assert hp in init_params, f"{name}.hyperparameters names {hp!r}, not an __init__ argument"
+    for hp in cls.search_space:  # every tunable hyperparameter is an __init__ keyword argument
+        assert hp in init_params, f"{name}.search_space names {hp!r}, not an __init__ argument"
     for n in N_EXPERTS:
         gate = build(name, n)
         active = gate.max_active()

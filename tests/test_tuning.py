@@ -147,13 +147,17 @@ def one_torch_thread():
 
 
 @pytest.mark.parametrize("path", SPACE_FILES, ids=lambda p: p.name)
-def test_every_gate_section_loads(path: Path) -> None:
+def test_every_gate_has_a_search_space_on_every_dataset(path: Path) -> None:
+    """Every registered gate and "+" variant, with a section of the file or without (its own defaults): the file's
+    fixed settings, a learning rate, and the local-search window for a "+" variant."""
     import yaml
+
+    from mtmoe.gates import gate_variants
 
     document = yaml.safe_load(path.read_text())
     assert document["data"] == path.stem and len(document["gates"]) >= 8
     assert document["trials"] in (100, 500)  # S1.3: 500 configurations a gate, 100 for CelebA
-    for gate in document["gates"]:
+    for gate in gate_variants():
         space = load_space(document["data"], gate, path)
         assert space.gate == gate and space.trials == document["trials"]
         assert "model.lr" in space.distributions
@@ -163,20 +167,19 @@ def test_every_gate_section_loads(path: Path) -> None:
 
 
 @pytest.mark.parametrize("path", SPACE_FILES, ids=lambda p: p.name)
-def test_every_registered_gate_has_a_section_tuning_only_its_hyperparameters(path: Path) -> None:
-    """Every gate, and the "+" variant of every gate that local search may permute; ``model.gate.*`` distributions
-    only over the gate's declared ``hyperparameters``."""
+def test_every_section_names_a_gate_and_tunes_only_its_declared_hyperparameters(path: Path) -> None:
+    """A section per gate or "+" variant that has one; ``model.gate.*`` distributions only over the gate's declared
+    ``search_space``."""
     import yaml
 
-    from mtmoe.gates import gate_class, list_gates
+    from mtmoe.gates import gate_class, gate_variants
 
     sections = set(yaml.safe_load(path.read_text())["gates"])
-    permutable = {g for g in list_gates() if gate_class(g).permutable}
-    assert sections == set(list_gates()) | {g + "+" for g in permutable}
+    assert sections <= set(gate_variants())
     for gate in sections:
         space = load_space(path.stem, gate, path)
         tuned = {k.removeprefix("model.gate.") for k in space.distributions if k.startswith("model.gate.")}
-        assert tuned <= set(gate_class(gate.removesuffix("+")).hyperparameters), gate
+        assert tuned <= set(gate_class(gate.removesuffix("+")).search_space), gate
 
 
 def dataset_info(data: str):
@@ -223,20 +226,19 @@ def test_router_sections_take_movielens_hyperparameters_with_the_files_lr_and_k(
 
 
 @pytest.mark.parametrize("path", SPACE_FILES, ids=lambda p: p.name)
-def test_every_section_builds_the_datasets_model_and_every_gate_value_routes(path: Path) -> None:
-    """Tune's first configuration of every section builds the dataset's model (the CLI's ``model.*`` arguments,
+def test_every_space_builds_the_datasets_model_and_every_gate_value_routes(path: Path) -> None:
+    """Tune's first configuration of every gate's space builds the dataset's model (the CLI's ``model.*`` arguments,
     no data read), and every value of every ``model.gate.*`` hyperparameter builds that model's gate, which routes
     a random batch: weights ``[B, n]``, finite and non-negative, a finite auxiliary loss."""
     import torch
-    import yaml
 
-    from mtmoe.gates import RoutingInput, create_gate, gate_class
+    from mtmoe.gates import RoutingInput, create_gate, gate_class, gate_variants
     from mtmoe.lit.module import MultiTaskMoE
     from mtmoe.random import Stream
 
     info, batch = dataset_info(path.stem), 16
     torch.manual_seed(0)
-    for gate in yaml.safe_load(path.read_text())["gates"]:
+    for gate in gate_variants():
         space = load_space(path.stem, gate, path)
         assert space.fixed["model.n_experts"] == info.n_experts  # the paper's n (S1.2), as the DataModule's
         (first,) = plan_configurations(space, 1, 0)
@@ -284,7 +286,7 @@ gates:
         ("data.batch_size:", "data.batch_sise:", "unknown key 'data.batch_sise'"),
         ("{choice: [0.01, 0.1, 1, 5, 10]}", "{choice: []}", "choice needs a non-empty list"),
         ("[5.0e-5, 5.0e-4]", "[5.0e-4, 5.0e-5]", "empty or invalid range"),
-        ("  comet:\n", "  cometx:\n", "no section for gate 'comet'"),
+        ("  comet:\n", "  cometx:\n", "section 'cometx' names no registered gate (gates: comet, "),
         ("trials: 10", "trails: 10", "top-level keys must be"),
         ("{log_uniform:", "{loguniform:", "must be a value or one of"),
         ("{choice: [0.01, 0.1, 1, 5, 10]}", "{int: [1, 10.5]}", "int needs [low, high] (integers)"),
@@ -488,7 +490,7 @@ def file_digest(path: Path) -> str | None:
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"gate": "nope"}, "no section for gate 'nope'"),
+        ({"gate": "nope"}, "unknown gate 'nope'"),
         ({"data": "nope"}, "unknown dataset 'nope'"),
         ({"space": BASE_SPACE.replace("model.gate.gamma:", "model.gate.gama:")}, "unknown key 'model.gate.gama'"),
         ({"space": BASE_SPACE.replace("[0.01, 0.1, 1, 5, 10]", "[]")}, "choice needs a non-empty list"),

@@ -1,30 +1,31 @@
 """Datasets: in-memory DataModules (:mod:`mtmoe.data.base`) and raw-file fetching (:mod:`mtmoe.data.download`).
 
-The package's names are imported when first used: ``DATASETS`` (what ``python -m mtmoe datasets`` lists) costs no
-Lightning import.
+The package's names are imported when first used: ``DATASETS`` (:func:`dataset_paths`: what ``python -m mtmoe
+datasets`` lists) costs no Lightning import.
 """
 import importlib
+from functools import cache
 
-DATASETS: dict[str, str] = {  # CLI name -> import path of the DataModule class
-    "movielens": "mtmoe.data.movielens.MovieLens1MDataModule",
-    "movielens-100k": "mtmoe.data.movielens.MovieLens100KDataModule",
-    "books": "mtmoe.data.books.BooksDataModule",
-    "jester": "mtmoe.data.jester.JesterDataModule",
-    "multimnist": "mtmoe.data.multimnist.MultiMNISTDataModule",
-    "multifashionmnist": "mtmoe.data.multimnist.MultiFashionMNISTDataModule",
-    "celeba": "mtmoe.data.celeba.CelebADataModule",
-    "digits": "mtmoe.data.digits.DigitsDataModule",
-}
+from mtmoe.discovery import registered
 
+
+@cache
+def dataset_paths() -> dict[str, str]:
+    """Every registered dataset's CLI name -> the import path of its DataModule class (``pkg.module.Class``): the
+    files of ``mtmoe/data/`` with an ``@register_dataset("name")`` class, and the entry points of the group
+    ``mtmoe.datasets``; nothing is imported."""
+    found = registered("mtmoe.data", "register_dataset", "mtmoe.datasets")
+    return {name: path.replace(":", ".") for name, path in found.items()}
 
 
 def dataset_path(name: str) -> str:
     """The import path of dataset ``name``'s DataModule; an unknown name is a one-line UsageError."""
     from mtmoe.errors import UsageError
 
-    if name not in DATASETS:
-        raise UsageError(f"unknown dataset {name!r}; valid datasets: {', '.join(sorted(DATASETS))}")
-    return DATASETS[name]
+    paths = dataset_paths()
+    if name not in paths:
+        raise UsageError(f"unknown dataset {name!r}; valid datasets: {', '.join(sorted(paths))}")
+    return paths[name]
 
 
 _MODULES = {  # exported name -> its module
@@ -36,12 +37,14 @@ _MODULES = {  # exported name -> its module
 
 
 def __getattr__(name: str):
+    if name == "DATASETS":  # what ``python -m mtmoe datasets`` lists
+        return dataset_paths()
     if name in _MODULES:
         return getattr(importlib.import_module(_MODULES[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [
-    "DATASETS", "dataset_path", "BooksDataModule", "DatasetInfo", "InMemoryDataModule", "IndexBatches", "JesterDataModule",
-    "MovieLens100KDataModule", "MovieLens1MDataModule", "MovieLensDataModule", "TaskSpec",
+    "DATASETS", "dataset_path", "dataset_paths", "BooksDataModule", "DatasetInfo", "InMemoryDataModule", "IndexBatches",
+    "JesterDataModule", "MovieLens100KDataModule", "MovieLens1MDataModule", "MovieLensDataModule", "TaskSpec",
 ]

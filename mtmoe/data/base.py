@@ -67,6 +67,17 @@ class IndexBatches:
                 yield {key: t[start : start + self.batch_size] for key, t in self.tensors.items()}
 
 
+def register_dataset(name: str):
+    """``@register_dataset("name")`` on a DataModule: the dataset the CLI's ``--data name`` selects. The line is read
+    from the file without importing it (:mod:`mtmoe.discovery`); a DataModule of another package registers with an
+    entry point of the group ``mtmoe.datasets`` instead."""
+    def decorator(cls: type) -> type:
+        cls.registry_name = name
+        return cls
+
+    return decorator
+
+
 class InMemoryDataModule(pl.LightningDataModule):
     """Base DataModule: subclasses implement ``info`` and ``load_splits`` (train/val/test dicts of tensors).
 

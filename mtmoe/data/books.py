@@ -16,7 +16,7 @@ from typing import NamedTuple
 import numpy as np
 import pandas as pd
 
-from mtmoe.data.base import DatasetInfo, InMemoryDataModule, Splits
+from mtmoe.data.base import DatasetInfo, InMemoryDataModule, Splits, register_dataset
 from mtmoe.data.cache import load_or_prepare
 from mtmoe.data.download import ensure_files, raw_sha256
 from mtmoe.data.layout import RAW_FILES
@@ -97,6 +97,7 @@ def prepare_books(ratings: BookRatings, seed: int, stratify: bool = True) -> Spl
     return rating_splits(user, book, rating, rating > 0, "read", seed, stratify)
 
 
+@register_dataset("books")
 class BooksDataModule(InMemoryDataModule):
     """Book-Crossing as the paper's Books (S1.1-S1.3): ``<root>/book-crossing/BX-CSV-Dump.zip``, read in place.
 

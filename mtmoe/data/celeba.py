@@ -35,7 +35,7 @@ from torch import Tensor
 from torchvision.io import ImageReadMode, decode_jpeg, read_file
 from torchvision.transforms.v2.functional import resize
 
-from mtmoe.data.base import DatasetInfo, TaskSpec
+from mtmoe.data.base import DatasetInfo, TaskSpec, register_dataset
 from mtmoe.data.images import SPLITS, ImageDataModule, Splits, check_n_ids, with_sample_ids
 from mtmoe.data.layout import CELEBA
 from mtmoe.errors import UsageError
@@ -114,6 +114,7 @@ def decode_images(paths: list[Path], size: int) -> Tensor:
     return out
 
 
+@register_dataset("celeba")
 class CelebADataModule(ImageDataModule):
     """CelebA with its official partition; one binary task per chosen attribute (module docstring).
 

@@ -27,7 +27,7 @@ from torch.nn import functional as F
 from torchvision.datasets import MNIST, SVHN
 from torchvision.datasets.utils import download_url
 
-from mtmoe.data.base import DatasetInfo, TaskSpec
+from mtmoe.data.base import DatasetInfo, TaskSpec, register_dataset
 from mtmoe.data.images import (
     SPLITS, ImageDataModule, Splits, check_n_ids, ensure_mnist, official_train_val, read_mnist, stratified_split,
     with_sample_ids,
@@ -91,6 +91,7 @@ def prepare_digits(mnist: tuple[Tensor, Tensor, Tensor, Tensor], svhn: tuple[Ten
     })
 
 
+@register_dataset("digits")
 class DigitsDataModule(ImageDataModule):
     """Digits: MNIST (``<root>/MNIST/raw/``) and SVHN (``<root>/SVHN/*_32x32.mat``); module docstring.
 

@@ -21,7 +21,7 @@ import pandas as pd
 import torch
 from python_calamine import CalamineError
 
-from mtmoe.data.base import DatasetInfo, InMemoryDataModule, Splits
+from mtmoe.data.base import DatasetInfo, InMemoryDataModule, Splits, register_dataset
 from mtmoe.data.cache import load_or_prepare
 from mtmoe.data.download import ensure_files, raw_sha256
 from mtmoe.data.layout import RAW_FILES
@@ -100,6 +100,7 @@ def standardise_ratings(splits: Splits) -> tuple[Splits, float, float]:
     return scaled, mean, std
 
 
+@register_dataset("jester")
 class JesterDataModule(InMemoryDataModule):
     """Jester dataset 1 as the paper's Jester (S1.1-S1.3): ``<root>/jester/jester-data-{1,2,3}.xls``.
 

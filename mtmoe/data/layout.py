@@ -70,6 +70,8 @@ def sources(dataset: str) -> list[Source]:
 def files_status(dataset: str, root: Path) -> tuple[str, str]:
     """Whether ``dataset``'s files are under ``root`` (``present``, or ``missing ...`` with what happens next), and
     the folders they go in."""
+    if dataset not in RAW_FILES:
+        return "not described here (a dataset of another package: its DataModule finds its files)", "-"
     found = sources(dataset)
     folders = ", ".join(dict.fromkeys(str(Path(root) / source.folder) for source in found))
     missing = [(path, source) for source in found for path in source.missing(root)]

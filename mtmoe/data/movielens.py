@@ -15,7 +15,7 @@ import pandas as pd
 import torch
 from torch import Tensor
 
-from mtmoe.data.base import DatasetInfo, InMemoryDataModule, TaskSpec
+from mtmoe.data.base import DatasetInfo, InMemoryDataModule, TaskSpec, register_dataset
 from mtmoe.data.cache import load_or_prepare
 from mtmoe.data.download import ensure_files, raw_sha256
 from mtmoe.data.layout import RAW_FILES
@@ -189,6 +189,7 @@ class MovieLensDataModule(InMemoryDataModule):
         return load_or_prepare(cache, prepare)
 
 
+@register_dataset("movielens")
 class MovieLens1MDataModule(MovieLensDataModule):
     """MovieLens-1M, the paper's MovieLens (CLI name ``movielens``); arguments as :class:`MovieLensDataModule`."""
 
@@ -196,6 +197,7 @@ class MovieLens1MDataModule(MovieLensDataModule):
         super().__init__(variant="1m", **kwargs)
 
 
+@register_dataset("movielens-100k")
 class MovieLens100KDataModule(MovieLensDataModule):
     """MovieLens-100K, a small stand-in with the same protocol (CLI name ``movielens-100k``)."""
 

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 from torchvision.datasets import MNIST, FashionMNIST
 
-from mtmoe.data.base import DatasetInfo, TaskSpec
+from mtmoe.data.base import DatasetInfo, TaskSpec, register_dataset
 from mtmoe.data.images import (
     ImageDataModule, Splits, check_n_ids, ensure_mnist, official_train_val, read_mnist, with_sample_ids,
 )
@@ -126,6 +126,7 @@ class MultiMNISTFamilyDataModule(ImageDataModule):
         return splits
 
 
+@register_dataset("multimnist")
 class MultiMNISTDataModule(MultiMNISTFamilyDataModule):
     """MultiMNIST (CLI name ``multimnist``); arguments as :class:`MultiMNISTFamilyDataModule`."""
 
@@ -133,6 +134,7 @@ class MultiMNISTDataModule(MultiMNISTFamilyDataModule):
         super().__init__(variant="mnist", **kwargs)
 
 
+@register_dataset("multifashionmnist")
 class MultiFashionMNISTDataModule(MultiMNISTFamilyDataModule):
     """MultiFashionMNIST (CLI name ``multifashionmnist``); arguments as :class:`MultiMNISTFamilyDataModule`."""
 

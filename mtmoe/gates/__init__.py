@@ -1,27 +1,28 @@
-"""Gates: one file each, one interface (:mod:`mtmoe.gates.base`), one registry (:mod:`mtmoe.gates.registry`)."""
-from mtmoe.gates import (  # noqa: F401  (registers the gates)
-    comet, competesmoe, dselect_k, expert_choice, hash, moesart, softmax, sparsemixer, topany, topk, usmoe,
-)
+"""Gates: one file each, one interface (:mod:`mtmoe.gates.base`), one registry (:mod:`mtmoe.gates.registry`).
+
+The files are found, not listed (:func:`mtmoe.gate_names.gate_paths`), and a gate's module is imported when it is
+first used: ``mtmoe.gates.COMETGate`` (PEP 562) imports ``comet.py`` alone.
+"""
+from mtmoe.discovery import import_object
+from mtmoe.gate_names import gate_paths
 from mtmoe.gates.base import Gate, GateDims, GateOutput, RoutingInput
-from mtmoe.gates.comet import COMETGate
-from mtmoe.gates.competesmoe import CompeteSMoEGate, CompeteSMoEV2Gate
-from mtmoe.gates.dselect_k import DSelectKGate
-from mtmoe.gates.expert_choice import ExpertChoiceGate
-from mtmoe.gates.hash import HashGate
-from mtmoe.gates.moesart import MOESARTGate
 from mtmoe.gates.registry import (
-    PLUS_PERM_EPOCHS, create_gate, gate_class, list_gates, parse_gate_name, register_gate,
+    PLUS_PERM_EPOCHS, create_gate, gate_class, gate_variants, list_gates, parse_gate_name, register_gate,
 )
-from mtmoe.gates.remoe import ReMoEGate
-from mtmoe.gates.softmax import SoftmaxGate
-from mtmoe.gates.sparsemixer import SparseMixerGate
-from mtmoe.gates.topany import TopAnyGate
-from mtmoe.gates.topk import LossFreeTopKGate, SigmoidTopKGate, TopKGate
-from mtmoe.gates.usmoe import USMoEGate
+
+
+def _package_classes() -> dict[str, str]:
+    """The package's gate classes: class name -> ``"module:Class"``."""
+    return {path.rpartition(":")[2]: path for path in gate_paths().values() if path.startswith(f"{__name__}.")}
+
+
+def __getattr__(name: str):
+    if name in (classes := _package_classes()):
+        return import_object(classes[name], "gate")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
-    "COMETGate", "CompeteSMoEGate", "CompeteSMoEV2Gate", "DSelectKGate", "ExpertChoiceGate", "Gate", "GateDims",
-    "GateOutput", "HashGate", "LossFreeTopKGate", "MOESARTGate", "ReMoEGate", "RoutingInput", "SigmoidTopKGate",
-    "SoftmaxGate", "SparseMixerGate", "TopAnyGate", "TopKGate", "USMoEGate",
-    "PLUS_PERM_EPOCHS", "create_gate", "gate_class", "list_gates", "parse_gate_name", "register_gate",
+    "Gate", "GateDims", "GateOutput", "RoutingInput", *sorted(_package_classes()),
+    "PLUS_PERM_EPOCHS", "create_gate", "gate_class", "gate_variants", "list_gates", "parse_gate_name", "register_gate",
 ]

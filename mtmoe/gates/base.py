@@ -24,7 +24,7 @@ auxiliary loss, so an evaluation loss is the pure task loss.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -90,8 +90,12 @@ class Gate(ScalarSettings):
     needs_sample_id: ClassVar[bool] = False
     needs_expert_outputs: ClassVar[bool] = False
     batch_dependent: bool = False
-    #: Hyperparameters a search space may tune for this gate (names of ``__init__`` keyword arguments).
-    hyperparameters: ClassVar[tuple[str, ...]] = ()
+    #: The hyperparameters ``tune`` searches for this gate (``__init__`` keyword arguments) and their default ranges,
+    #: in the notation of the search-space files (:mod:`mtmoe.tuning.space`): ``{"gamma": {"choice": [0.1, 1, 10]},
+    #: "trimmed_lasso_reg": {"log_uniform": [1e-4, 10.0]}, "aux_coef": 0.01}`` (a plain value is fixed). A
+    #: dataset's space file overrides them; without a section for the gate, its study searches these and the
+    #: learning rate.
+    search_space: ClassVar[dict[str, Any]] = {}
     #: Float hyperparameters kept as float64 buffers of the same name (:mod:`mtmoe.scalars`) and used only in tensor
     #: arithmetic, so that the trials of a pack (``mtmoe.pack``) may each have their own; any other argument that
     #: differs between two trials puts them in separate packs.

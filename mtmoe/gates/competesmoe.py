@@ -171,7 +171,10 @@ class CompeteSMoEGate(CompetitionGate):
     Defaults: lambda = 0.05 (§3.2, Table 4), alpha' = 0.05 (the authors' scripts: 0.01 * alpha with alpha = 5).
     """
 
-    hyperparameters = ("k", "competition_prob", "router_loss_coef")
+    #: lambda robust for 0.03-0.09 (Table 4, §6.4.1); 0.01 x alpha with alpha in {0.1, 1, 5}, robust for alpha <= 5
+    #: (Table 5).
+    search_space = {"competition_prob": {"choice": [0.03, 0.05, 0.07, 0.09]},
+                    "router_loss_coef": {"choice": [0.001, 0.01, 0.05]}}
     scalar_names = ("competition_prob", "router_loss_coef")
 
     def __init__(
@@ -210,7 +213,11 @@ class CompeteSMoEV2Gate(CompetitionGate):
     setup's balance coefficient 0.01 (Table 19).
     """
 
-    hyperparameters = ("k", "competition_prob", "distill_coef", "winner_weight", "diversity_coef")
+    #: omega, alpha, gamma, beta: Tables 5-8 (best 0.07, 0.1, 0.01, 0.005; beta 0 added: the loss targets upcycled,
+    #: identical experts); the warm-up 5% and the balance 0.01 stay fixed (Tables 19-20).
+    search_space = {"competition_prob": {"choice": [0.03, 0.05, 0.07, 0.09]},
+                    "winner_weight": {"choice": [0.0, 0.1, 0.2, 0.3]}, "distill_coef": {"choice": [0.001, 0.01, 0.03]},
+                    "diversity_coef": {"choice": [0.0, 0.001, 0.005, 0.01]}}
     scalar_names = ("competition_prob", "distill_coef", "winner_weight", "diversity_coef")
 
     def __init__(

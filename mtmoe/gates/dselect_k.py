@@ -38,7 +38,8 @@ def binary_codes(n: int) -> Tensor:
 
 @register_gate("dselect")
 class DSelectKGate(Gate):
-    hyperparameters = ("k", "gamma", "entropy_reg")
+    #: S1.3's MovieLens grids (comet-protocol.md §6); the space files give each dataset's.
+    search_space = {"gamma": {"choice": [0.01, 0.1, 1, 5, 10]}, "entropy_reg": {"choice": [0.05, 0.1, 0.5, 1, 5, 10]}}
     scalar_names = ("gamma", "entropy_reg", "zeta")
 
     def __init__(

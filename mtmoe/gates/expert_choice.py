@@ -43,7 +43,7 @@ def check_eval_policy(eval_policy: str) -> str:
 class ExpertChoiceGate(Gate):
     simplex = False
     batch_dependent = True
-    hyperparameters = ("k",)
+    search_space = {"k": {"choice": [1, 2]}}  # capacity factor: EC-CF1 and EC-CF2
 
     def __init__(self, dims: GateDims, k: float | None = None, eval_policy: Literal["batch", "sample"] = "batch") -> None:
         super().__init__(dims)

@@ -39,7 +39,8 @@ BIASNESS = ("small-random", "zero")  # the code's options that keep the weights'
 
 @register_gate("moesart")
 class MOESARTGate(Gate):
-    hyperparameters = ("k", "trimmed_lasso_reg")
+    #: The authors' own sweep in their GLUE scripts (trimmed_lasso_regs: 1e-4 .. 10), log-uniform.
+    search_space = {"trimmed_lasso_reg": {"log_uniform": [1.0e-4, 10.0]}}
     scalar_names = ("trimmed_lasso_reg",)
 
     def __init__(self, dims: GateDims, k: int | None = None, trimmed_lasso_reg: float = 0.01,

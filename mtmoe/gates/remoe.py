@@ -39,7 +39,8 @@ from mtmoe.scalars import cast
 class ReMoEGate(Gate):
     simplex = False
     min_active = 0
-    hyperparameters = ("k", "l1_multiplier")
+    #: alpha: the authors run 1.2; one step either side (it sets how fast lambda follows the target).
+    search_space = {"l1_multiplier": {"choice": [1.1, 1.2, 1.3]}}
     scalar_names = ("l1_multiplier",)
 
     def __init__(self, dims: GateDims, k: int | None = None, l1_init: float = 1e-8, l1_multiplier: float = 1.2,

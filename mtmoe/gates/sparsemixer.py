@@ -76,7 +76,9 @@ def sampling_mask(logits: Tensor, r: Tensor | float) -> Tensor:
 @register_gate("sparsemixer")
 class SparseMixerGate(Gate):
     simplex = False
-    hyperparameters = ("midpoint_prob",)
+    #: The mid-point off the argmax always (paper, §4.2) or half the time (authors' code); jitter and the balance
+    #: loss are untuned in the paper (§5).
+    search_space = {"midpoint_prob": {"choice": [1.0, 0.5]}}
     scalar_names = ("midpoint_prob", "jitter")
 
     def __init__(

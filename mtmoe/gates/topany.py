@@ -75,7 +75,7 @@ def diversity_and_simplicity(embeddings: Tensor) -> Tensor:
 @register_gate("topany")
 class TopAnyGate(Gate):
     simplex = False
-    hyperparameters = ("aux_coef",)
+    search_space = {"aux_coef": 0.01}  # the code's router_aux_loss_coef in every released config, untuned
     scalar_names = ("aux_coef",)
 
     def __init__(self, dims: GateDims, aux_coef: float = 0.01) -> None:

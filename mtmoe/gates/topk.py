@@ -49,7 +49,6 @@ SCORES = ("softmax", "sigmoid")
 
 @register_gate("topk")
 class TopKGate(Gate):
-    hyperparameters = ("k",)
     scalar_names = ("bias_rate",)
 
     def __init__(self, dims: GateDims, k: int | None = None, noisy: bool = False,
@@ -122,7 +121,7 @@ class SigmoidTopKGate(TopKGate):
 class LossFreeTopKGate(TopKGate):
     """Top-k with auxiliary-loss-free load balancing (Wang et al., 2024): Top-k with ``balance=True``."""
 
-    hyperparameters = ("k", "bias_rate")
+    search_space = {"bias_rate": {"choice": [1.0e-4, 1.0e-3, 1.0e-2]}}  # u: Wang et al.'s update-rate study
 
     def __init__(self, dims: GateDims, k: int | None = None, noisy: bool = False,
                  score: Literal["softmax", "sigmoid"] = "softmax", normalize: bool = True, balance: bool = True,

@@ -41,7 +41,9 @@ from mtmoe.scalars import cast
 class USMoEGate(Gate):
     simplex = False
     batch_dependent = True
-    hyperparameters = ("k", "alpha", "rescale_expert_choice")
+    #: alpha robust in (0.3, 0.7), 0.5 recommended (§3.2, §4.5.2); s_e x B/N is not in the paper
+    #: (routing-methods.md §6.2).
+    search_space = {"alpha": {"choice": [0.3, 0.5, 0.7]}, "rescale_expert_choice": {"choice": [False, True]}}
     scalar_names = ("alpha",)
 
     def __init__(

@@ -535,11 +535,18 @@ def select(url: str, trials: pd.DataFrame, gates: list[str] | None) -> tuple[pd.
     return trials, sorted(gates or set(trials.gate), key=gate_order)
 
 
+def split_pair(text: str, gates: list[str]) -> tuple[str, ...]:
+    """``A:B`` of ``--pairs``: a gate named ``module:Class`` has a colon of its own, so the split is at the colon
+    that leaves two of ``gates`` (else at the first)."""
+    splits = [(text[:i], text[i + 1:]) for i, char in enumerate(text) if char == ":"]
+    return next((pair for pair in splits if set(pair) <= set(gates)), tuple(text.split(":", 1)))
+
+
 def bootstrap(argv: list[str]) -> None:
     args, settings = parse_bootstrap_args(argv)
     datasets = _names(args.data, "--data")
     requested = _names(args.gates, "--gates")
-    pairs = [tuple(pair.split(":", 1)) for pair in _names(args.pairs, "--pairs") or []]
+    pair_names = _names(args.pairs, "--pairs") or []
     title = "+".join(datasets)
     out = output_dir(args.out, title)
     tables = []
@@ -547,6 +554,7 @@ def bootstrap(argv: list[str]) -> None:
         url, table = collect(args.storage, data)
         tables.append(table)
     trials, gates = select(url, pd.concat(tables, ignore_index=True), requested)
+    pairs = [split_pair(pair, gates) for pair in pair_names]
     for pair in pairs:
         if len(pair) != 2 or not set(pair) <= set(gates):
             raise UsageError(f"--pairs: {':'.join(pair)!r} is not A:B of two of the bootstrapped gates "

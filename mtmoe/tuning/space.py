@@ -1,5 +1,9 @@
-"""Search spaces: ``spaces/<dataset>.yaml`` beside this module (package data, read with :mod:`importlib.resources`),
-one section per gate, transcribed from Supplement S1.3. ``tune --space FILE`` reads another file.
+"""Search spaces: a gate's hyperparameters and their default ranges beside its class
+(:attr:`mtmoe.gates.Gate.search_space`), the learning rate for every gate (:data:`COMMON_SPACE`) and the local
+search's settings for a "+" variant (:data:`PLUS_SPACE`), overridden by the dataset's file ``spaces/<dataset>.yaml``
+beside this module (package data, read with :mod:`importlib.resources`; ``tune --space FILE`` reads another), whose
+sections per gate hold Supplement S1.3's ranges for the dataset. A gate without a section in the file, or a dataset
+without a file, is searched over the defaults.
 
 Format (keys are the CLI's dotted config keys, so a configuration is a list of ``--key=value`` arguments)::
 
@@ -7,6 +11,8 @@ Format (keys are the CLI's dotted config keys, so a configuration is a list of `
     trials: 500                      # configurations per gate (the paper's random search)
     fixed:                           # every gate: plain values
       data.batch_size: 512
+    defaults:                        # every gate, unless its section sets the key: values or distributions
+      model.lr: {log_uniform: [1.0e-4, 1.0e-3]}
     gates:
       comet:
         model.lr: {log_uniform: [5.0e-5, 5.0e-4]}
@@ -40,6 +46,13 @@ if TYPE_CHECKING:
 
 SPACES_DIR = resources.files("mtmoe.tuning") / "spaces"
 DISTRIBUTIONS = ("log_uniform", "uniform", "int", "choice")
+#: What every gate's study searches unless its dataset's file says otherwise: the learning rate (S1.3's MovieLens
+#: range).
+COMMON_SPACE = {"model.lr": {"log_uniform": [5.0e-5, 5.0e-4]}}
+#: What a "+" variant's study adds: the permutation window E_perm and the local search's zeta (S1.3, COMET+).
+PLUS_SPACE = {"model.perm_epochs": {"int": [1, 10]}, "model.zeta": 1.0e-4}
+#: Configurations per gate on a dataset without a search-space file: the paper's random search (S1.3).
+DEFAULT_TRIALS = 500
 
 
 @dataclass(frozen=True)
@@ -62,22 +75,18 @@ class SearchSpace:
         return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def _valid_keys(gate: str, data: str) -> dict[str, set[str]]:
+def _valid_keys(gate: type, data: str) -> dict[str, set[str]]:
     """The argument names each config prefix accepts, read from the signatures the CLI reads."""
-    import importlib
-
     import lightning.pytorch as pl
 
     from mtmoe.pack.engine import EarlyStopping
 
-    from mtmoe.data import DATASETS
-    from mtmoe.gates import gate_class
+    from mtmoe.data import dataset_path
     from mtmoe.lit.module import MultiTaskMoE
+    from mtmoe.run_settings import import_class
 
-    module_name, class_name = DATASETS[data].rsplit(".", 1)
-    data_class = getattr(importlib.import_module(module_name), class_name)
     data_keys = set()
-    for cls in data_class.__mro__:  # DataModules forward **kwargs to their base classes
+    for cls in import_class(dataset_path(data)).__mro__:  # DataModules forward **kwargs to their base classes
         if cls.__module__.startswith("mtmoe"):
             data_keys |= set(inspect.signature(cls.__init__).parameters)
 
@@ -85,7 +94,7 @@ def _valid_keys(gate: str, data: str) -> dict[str, set[str]]:
         return set(inspect.signature(fn).parameters) - {"self", "args", "kwargs", "dims", "info", "gate"}
 
     return {
-        "model.gate.": names(gate_class(split_gate_name(gate)[0]).__init__),
+        "model.gate.": names(gate.__init__),
         "model.": names(MultiTaskMoE.__init__),
         "data.": data_keys - {"self", "kwargs", "variant"},
         "trainer.": names(pl.Trainer.__init__),
@@ -132,8 +141,11 @@ def space_file(data: str) -> Traversable:
     return SPACES_DIR / f"{data}.yaml"
 
 
-def load_space(data: str, gate: str, path: str | Path | None = None) -> SearchSpace:
-    """Read and validate ``gate``'s section of the dataset's search-space file (default: the packaged one)."""
+def read_space_file(data: str, path: str | Path | None = None) -> tuple[dict[str, Any], str]:
+    """The search-space document of dataset ``data`` (default: the packaged file; a dataset without one has an
+    empty file of :data:`DEFAULT_TRIALS` trials) and where it was read, its top-level keys checked."""
+    if path is None and not space_file(data).is_file():
+        return {"data": data, "trials": DEFAULT_TRIALS}, f"the defaults (no {space_file(data).name} in {SPACES_DIR})"
     path = Path(path) if path is not None else space_file(data)
     if not path.is_file():
         raise UsageError(f"no search-space file {path} for dataset {data!r}")
@@ -142,26 +154,50 @@ def load_space(data: str, gate: str, path: str | Path | None = None) -> SearchSp
     except yaml.YAMLError as error:
         raise UsageError(f"{path} is not valid YAML: {' '.join(str(error).split())}") from None
     where = str(path)
-    if not isinstance(document, dict) or set(document) - {"data", "trials", "fixed", "gates"}:
-        raise UsageError(f"{where}: top-level keys must be data, trials, fixed, gates")
+    if not isinstance(document, dict) or set(document) - {"data", "trials", "fixed", "defaults", "gates"}:
+        raise UsageError(f"{where}: top-level keys must be data, trials, fixed, defaults, gates")
     if document.get("data") != data:
         raise UsageError(f"{where}: is for data {document.get('data')!r}, not {data!r}")
-    gates = document.get("gates") or {}
-    if gate not in gates:
-        raise UsageError(f"{where}: no section for gate {gate!r} (sections: {', '.join(gates)})")
     trials = document.get("trials")
     if not isinstance(trials, int) or trials < 1:
         raise UsageError(f"{where}: trials must be a positive integer, got {trials!r}")
-    valid = _valid_keys(gate, data)
+    return document, where
+
+
+def load_space(data: str, gate: str, path: str | Path | None = None) -> SearchSpace:
+    """``gate``'s search space on dataset ``data``, read from the dataset's search-space file (default: the packaged
+    one) and checked against what each key configures."""
+    return gate_space(*read_space_file(data, path), gate)
+
+
+def gate_space(document: dict[str, Any], where: str, gate: str, check_keys: bool = True) -> SearchSpace:
+    """``gate``'s search space in a search-space ``document`` read from ``where``: the file's ``fixed`` values,
+    then its section for the gate (a "+" variant without one: its gate's), then what neither sets of the file's
+    ``defaults``, then of the gate's own :attr:`~mtmoe.gates.Gate.search_space`, :data:`COMMON_SPACE` and, for a
+    "+" variant, :data:`PLUS_SPACE`.
+    ``check_keys=False`` leaves out the check of the keys against the signatures (no Lightning import)."""
+    from mtmoe.gates import list_gates, parse_gate_name
+
+    cls, plus = parse_gate_name(gate)
+    sections = document.get("gates") or {}
+    for name in sections:
+        if split_gate_name(str(name))[0] not in list_gates() and ":" not in str(name):
+            raise UsageError(f"{where}: section {name!r} names no registered gate (gates: {', '.join(list_gates())})")
+    section = gate if gate in sections else split_gate_name(gate)[0]
+    defaults = {**COMMON_SPACE, **{f"model.gate.{key}": spec for key, spec in cls.search_space.items()},
+                **(PLUS_SPACE if plus else {})}
+    valid = _valid_keys(cls, document["data"]) if check_keys else None
     fixed: dict[str, Any] = {}
     distributions: dict[str, BaseDistribution] = {}
-    for section, entries in (("fixed", document.get("fixed") or {}), (f"gates.{gate}", gates[gate] or {})):
+
+    def add(name: str, entries: Any) -> None:
         if not isinstance(entries, dict):
-            raise UsageError(f"{where}: {section} must be a mapping of keys to values or distributions")
+            raise UsageError(f"{where}: {name} must be a mapping of keys to values or distributions")
         for key, spec in entries.items():
-            _check_key(key, valid, f"{where} [{section}]")
-            distribution = _distribution(key, spec, f"{where} [{section}]")
-            if section == "fixed" and distribution is not None:
+            if valid is not None:
+                _check_key(key, valid, f"{where} [{name}]")
+            distribution = _distribution(key, spec, f"{where} [{name}]")
+            if name == "fixed" and distribution is not None:
                 raise UsageError(f"{where} [fixed]: {key} must be a plain value")
             if distribution is None:
                 fixed[key] = spec
@@ -169,4 +205,10 @@ def load_space(data: str, gate: str, path: str | Path | None = None) -> SearchSp
             else:
                 distributions[key] = distribution
                 fixed.pop(key, None)
-    return SearchSpace(data, gate, trials, fixed, distributions)
+
+    add("fixed", document.get("fixed") or {})
+    add(f"gates.{section}", sections.get(section) or {})
+    for name, entries in (("defaults", document.get("defaults") or {}),
+                          (f"{cls.__module__}.{cls.__qualname__}.search_space", defaults)):
+        add(name, {key: spec for key, spec in entries.items() if key not in fixed and key not in distributions})
+    return SearchSpace(document["data"], gate, document["trials"], fixed, distributions)

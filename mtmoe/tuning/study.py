@@ -49,6 +49,7 @@ from optuna.trial import TrialState
 
 from mtmoe.data import dataset_path
 from mtmoe.errors import OneLineParser, UsageError, did_you_mean
+from mtmoe.gate_names import check_gate_name
 from mtmoe.interrupts import Interrupted, handle_sigterm
 from mtmoe.tuning.space import SearchSpace, load_space
 from mtmoe.tuning.storage import (
@@ -334,8 +335,8 @@ def parse_tune_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                "Folders, progress\ndisplay and the accelerator do not count, nor do --workers, --storage and "
                "--log-dir.\nThe database password may come from PGPASSWORD or ~/.pgpass instead of the URL.",
     )
-    parser.add_argument("--gate", required=True, help="registered gate (`python -m mtmoe gates`), NAME+ with local "
-                                                      "search")
+    parser.add_argument("--gate", required=True, help="registered gate (`python -m mtmoe gates`) or module:Class, "
+                                                      "NAME+ with local search")
     parser.add_argument("--data", required=True, help="dataset (`python -m mtmoe datasets`)")
     parser.add_argument("--trials", type=int, default=None, help="configurations (default: the space file's)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the configurations and of the trials")
@@ -466,8 +467,9 @@ def tune(argv: list[str]) -> None:
 
 def _tune(argv: list[str]) -> None:
     args, overrides = parse_tune_args(argv)
-    dataset_path(args.data)  # unknown names fail here, before Lightning is imported and the storage touched; a gate
-    space = load_space(args.data, args.gate, args.space)  # is unknown where the space has no section for it
+    dataset_path(args.data)  # unknown names fail here, before torch is imported and the storage touched
+    check_gate_name(args.gate)
+    space = load_space(args.data, args.gate, args.space)
     quiet_libraries()
     trials = space.trials if args.trials is None else args.trials
     if trials < 1:
