@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from mtmoe.host_threads import run_split
-from mtmoe.pack.operations import fused_kernel
+from mtmoe.kernel_traffic import fused_kernel
 from mtmoe.triton_support import tl, triton, use_triton
 
 _LOW32 = 0xFFFFFFFF

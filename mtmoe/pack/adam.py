@@ -33,7 +33,7 @@ from numba.extending import intrinsic
 from torch import Tensor
 
 from mtmoe.host_threads import run_split
-from mtmoe.pack.operations import fused_kernel
+from mtmoe.kernel_traffic import fused_kernel
 from mtmoe.pack.stack import TrialStack
 from mtmoe.triton_support import tl, triton, use_triton
 
@@ -227,7 +227,7 @@ class PackedAdam:
         return stack.flat.detach(), stack.flat_grad, self.exp_avg, self.exp_avg_sq
 
     def _report(self, name: str) -> None:
-        """The fused update's traffic, to the operation counters (:func:`mtmoe.pack.operations.fused_kernel`):
+        """The fused update's traffic, to the operation counters (:func:`mtmoe.kernel_traffic.fused_kernel`):
         parameters, gradients and both moments read, parameters and moments written."""
         size = self.stack.flat.nbytes
         fused_kernel(name, 4 * size, 3 * size)

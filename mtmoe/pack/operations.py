@@ -9,30 +9,28 @@ from collections.abc import Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from mtmoe.kernel_traffic import LISTENERS
+
 #: Operations that read a device value on the host, or whose output's shape depends on values (a read too).
 HOST_READS = frozenset({"_local_scalar_dense", "item", "nonzero", "masked_select", "unique", "_unique2",
                         "unique_consecutive", "equal", "is_nonzero"})
 
 
-#: The counters inside whose ``with`` block the code runs now (:func:`fused_kernel` reports to them).
-_ACTIVE: list[Operations] = []
-
-
 class Operations(TorchDispatchMode):
     """Counts the ATen operations dispatched inside the ``with`` block (``ops``), and those of :data:`HOST_READS`
     (``host_reads``, their names in ``reads``). Kernels that run outside ATen (numba, Triton) report themselves with
-    :func:`fused_kernel`; this counter leaves them out, a subclass may count them (:meth:`kernel`)."""
+    :func:`mtmoe.kernel_traffic.fused_kernel`; this counter leaves them out, a subclass may count them (:meth:`kernel`)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.ops, self.host_reads, self.reads = 0, 0, []
 
     def __enter__(self):
-        _ACTIVE.append(self)
+        LISTENERS.append(self)
         return super().__enter__()
 
     def __exit__(self, *exc):
-        _ACTIVE.remove(self)
+        LISTENERS.remove(self)
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -50,13 +48,6 @@ class Operations(TorchDispatchMode):
 
     def kernel(self, name: str, read: int, written: int) -> None:
         """A kernel launched outside ATen that read and wrote these bytes (for subclasses)."""
-
-
-def fused_kernel(name: str, read: int, written: int) -> None:
-    """Report a kernel that runs outside ATen (a numba or Triton kernel: no dispatch mode sees it) and the bytes it
-    reads and writes to the counters active now."""
-    for counter in _ACTIVE:
-        counter.kernel(name, read, written)
 
 
 def count(step: Callable[[], object]) -> Operations:

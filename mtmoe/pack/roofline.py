@@ -52,7 +52,7 @@ def _tensors(value) -> list[Tensor]:
 class Traffic(Operations):
     """Counts, beside the operations, the bytes each dispatched operation reads (its tensor arguments) and writes (its
     tensor results) and the kernels it launches: views and allocations move nothing and launch nothing. Kernels
-    that run outside ATen report their own traffic (:func:`mtmoe.pack.operations.fused_kernel`). ``by_kernel``:
+    that run outside ATen report their own traffic (:func:`mtmoe.kernel_traffic.fused_kernel`). ``by_kernel``:
     bytes by operation name."""
 
     def __init__(self) -> None:
