@@ -359,6 +359,8 @@ def _dropout_kernel(h: Tensor, seed: Tensor, step: Tensor, site: int, p: float) 
     if use_triton(h.device):
         fused_kernel("dropout (triton)", h.nbytes + 16 * count, h.nbytes)
         out = torch.empty_like(h)
+        iv0, iv1 = (lane - 2**32 if lane >= 2**31 else lane for lane in (iv0, iv1))  # their bits as int32: one
+        # kernel signature for every site (Triton types a Python int by its value, i64 from 2^31)
         _dropout_cuda[(triton.cdiv(n, _BLOCK), count)](h, out, seeds, steps, n, iv0, iv1, threshold, scale,
                                                        BLOCK=_BLOCK, FLOAT64=h.dtype == torch.float64,
                                                        BFLOAT16=h.dtype == torch.bfloat16)

@@ -18,6 +18,11 @@ except ImportError:  # pragma: no cover - Triton ships with CUDA builds of torch
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
+# The GPU paths' supported range, oldest to newest: torch and Triton of the lent GPUs' image (torch 2.11, Triton 3.6)
+# to those of the CI machine, where tests/test_triton_compile.py compiles every kernel for sm_80 and sm_90 and the
+# interpreter runs them (torch 2.15, Triton 3.9). benchmarks/gpu_check.py prints it beside the versions in use.
+SUPPORTED_VERSIONS = {"torch": ("2.11", "2.15"), "triton": ("3.6", "3.9")}
+
 
 def use_triton(device: torch.device) -> bool:
     """Whether tensors on ``device`` go to the Triton kernels: CUDA tensors, and every tensor under the

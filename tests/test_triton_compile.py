@@ -1,0 +1,162 @@
+"""Every Triton kernel of ``mtmoe`` compiled ahead of time for real GPUs, on a CPU: ``triton.compile`` for sm_90
+(H100) and sm_80 (A100), each launch signature the code uses, a cubin asserted for each (Triton ships ptxas).
+
+The signatures are recorded, not listed by hand: a process with ``TRITON_INTERPRET=1`` runs the code that launches
+the kernels (:func:`record_launches`: dropout in every dtype it takes, the Sinkhorn forward and backward for the
+search spaces' expert counts, the packed Adam at pack sizes 1, 3 and 16) with each kernel's ``run`` wrapped to note
+its arguments (a tensor's dtype and alignment, a number's value, the constexprs and options). This process replays
+each through Triton's own argument binder for the target, which gives the types, constexprs and specialisations
+(an int's divisibility by 16 or value 1, a pointer's alignment) a launch on that GPU gets, and compiles them. A
+kernel launched (``name[grid](...)``) from code this recording does not reach fails the test.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+
+ROOT = Path(__file__).resolve().parent.parent
+TARGETS = [("cuda", 90, 32), ("cuda", 80, 32)]
+
+
+def kernel_modules() -> list[str]:
+    """The modules of ``mtmoe`` that define Triton kernels (their source holds ``triton.jit``)."""
+    return sorted(".".join(path.relative_to(ROOT).with_suffix("").parts) for path in (ROOT / "mtmoe").rglob("*.py")
+                  if "@triton.jit" in path.read_text())
+
+
+def kernels() -> dict[str, object]:
+    """Every kernel (a Triton ``KernelInterface``: compiled or interpreted) of :func:`kernel_modules`, by name."""
+    from triton.runtime.jit import KernelInterface
+
+    found = {}
+    for name in kernel_modules():
+        module = importlib.import_module(name)
+        found.update({f"{name}.{attr}": value for attr, value in vars(module).items()
+                      if isinstance(value, KernelInterface)})
+    return found
+
+
+def launched_names() -> set[str]:
+    """The kernels some code of ``mtmoe`` launches: ``name[grid](...)`` in their module's source."""
+    return {name for name in kernels()
+            if re.search(rf"\b{re.escape(name.rsplit('.', 1)[1])}\[", importlib.import_module(
+                name.rsplit(".", 1)[0]).__loader__.get_source(name.rsplit(".", 1)[0]))}
+
+
+def _note(value):
+    if isinstance(value, torch.Tensor):
+        return {"dtype": str(value.dtype).removeprefix("torch."), "offset": value.data_ptr() % 16}
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    raise TypeError(f"a launch argument of type {type(value).__name__}: teach _note and _replay it")
+
+
+def record_launches() -> None:
+    """Run with ``TRITON_INTERPRET=1``: the launch sites of every kernel on CPU tensors; prints the launches as one
+    JSON list of ``{kernel, args, kwargs}``."""
+    import yaml
+
+    from mtmoe import random as streams
+    from mtmoe import sinkhorn, triton_support
+    from mtmoe.pack.adam import PackedAdam
+    from mtmoe.pack.stack import TrialStack
+
+    assert triton_support.INTERPRET
+    launches = []
+    for name, kernel in kernels().items():
+        def recording(*args, grid, warmup, _run=kernel.run, _name=name, **kwargs):
+            launches.append({"kernel": _name, "args": [_note(a) for a in args],
+                             "kwargs": {k: _note(v) for k, v in kwargs.items()}})
+            return _run(*args, grid=grid, warmup=warmup, **kwargs)
+
+        kernel.run = recording
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):  # dropout's dtypes (autocast: 16-bit)
+        h = torch.randn(2, 3, 40).to(dtype).requires_grad_()
+        for site in range(4):  # lanes H(2 site), H(2 site + 1) on either side of 2^31
+            streams.dropout(h, torch.tensor(site + 5), site, torch.tensor(3), 0.25).sum().backward()
+    n_experts = sorted({yaml.safe_load(path.read_text())["fixed"]["model.n_experts"]
+                        for path in (ROOT / "mtmoe" / "tuning" / "spaces").glob("*.yaml")})
+    for dtype in (torch.float32, torch.float64):  # the permutation's log-weights: a float parameter
+        for n in n_experts:
+            u = torch.randn(2, n, n, dtype=dtype, requires_grad=True)
+            p, penalty = sinkhorn.sinkhorn_and_penalty(u, 0.5, 3, 1e-3)
+            (p.sum() + penalty).backward()
+    for capacity in (1, 3, 16):
+        net = torch.nn.Sequential(torch.nn.Linear(30, 20), torch.nn.Linear(20, 3))
+        stack = TrialStack(net, capacity, "cpu")
+        adam = PackedAdam(stack)
+        for slot in range(capacity):
+            stack.load(slot, net)
+            adam.reset(slot, 1e-3, 1e-8)
+        stack.flat_grad.normal_()
+        adam.step({"1.weight": torch.zeros(capacity, dtype=torch.bool)})
+    print(json.dumps(launches))
+
+
+def _replay(note):
+    if isinstance(note, dict):
+        dtype = getattr(torch, note["dtype"])
+        base = torch.empty(64, dtype=dtype)
+        return base[note["offset"] // base.element_size():]
+    return note
+
+
+def bind(kernel, launch: dict, target) -> tuple[tuple, dict]:
+    """What a launch of ``kernel`` with the recorded arguments compiles on ``target``: ``ASTSource``'s signature,
+    constexprs and attributes, and the options, as ``JITFunction.run`` derives them."""
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    backend = make_backend(target)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    args, kwargs = [_replay(a) for a in launch["args"]], launch["kwargs"]
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
+    return (signature, constexprs, attrs), options.__dict__
+
+
+def test_every_kernel_compiles_for_sm90_and_sm80_in_every_launched_signature() -> None:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_triton_compile as t; " \
+           "t.record_launches()"
+    result = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TRITON_INTERPRET": "1",
+                                                               "OMP_NUM_THREADS": "1"},
+                            capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    launches = json.loads(result.stdout.strip().splitlines()[-1])
+    found = kernels()
+    assert {launch["kernel"] for launch in launches} == launched_names()
+    called = "\n".join(found[name].src for name in launched_names())
+    helpers = set(found) - launched_names()
+    assert all(re.search(rf"\b{name.rsplit('.', 1)[1]}\(", called) for name in helpers), helpers
+    compiled = {}
+    for launch in launches:
+        kernel = found[launch["kernel"]]
+        for target in (GPUTarget(*t) for t in TARGETS):
+            (signature, constexprs, attrs), options = bind(kernel, launch, target)
+            key = (launch["kernel"], target.arch, json.dumps([signature, sorted(map(str, constexprs.items())),
+                                                              sorted(map(str, attrs.items())), sorted(
+                                                                  map(str, options.items()))]))
+            if key in compiled:
+                continue
+            binary = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options)
+            assert binary.asm["cubin"][:4] == b"\x7fELF", key
+            assert f".target sm_{target.arch}" in binary.asm["ptx"], key
+            compiled[key] = signature
+    per_kernel = {name: sum(k[0] == name for k in compiled) for name in sorted(launched_names())}
+    print(f"compiled {len(compiled)} cubins (sm_90 and sm_80) of {len(per_kernel)} kernels: {per_kernel}")
+    assert all(per_kernel.values())
