@@ -75,7 +75,7 @@ def plan(gate: str, n: int, epochs: int) -> list[dict]:
     return configurations
 
 
-def factory(gate: str, params: dict, device: str, precision: str):
+def factory(gate: str, params: dict, device: str, precision: str, extra: tuple[str, ...] = ()):
     from mtmoe.run import build_run
     from mtmoe.tuning.objective import cli_args
     from mtmoe.tuning.packs import TrialFactory
@@ -84,19 +84,20 @@ def factory(gate: str, params: dict, device: str, precision: str):
     space = load_space(DATA, gate)
     accelerator = "gpu" if device == "cuda" else "cpu"
     args = cli_args(space, params, [f"--trainer.accelerator={accelerator}", f"--trainer.precision={precision}",
-                                    "--early_stopping.patience=1000"], 0, Path(tempfile.mkdtemp()))
+                                    "--early_stopping.patience=1000", *extra], 0, Path(tempfile.mkdtemp()))
     return TrialFactory(build_run(args))
 
 
-def pack_epoch_seconds(gate: str, pack: int, device: str, precision: str, graphs: bool, fused_adam: bool = True
-                       ) -> float:
-    """The second pack epoch (training and validation of every slot) of P planned configurations."""
+def pack_epoch_seconds(gate: str, pack: int, device: str, precision: str, graphs: bool, fused_adam: bool = True,
+                       limit_batches: int | None = None, trial_args: tuple[str, ...] = ()) -> float:
+    """The second pack epoch (training and validation of every slot) of P planned configurations; ``limit_batches``
+    and ``trial_args`` (``fit`` options) shrink them (``gpu_check.py --dry-run``)."""
     import lightning.pytorch as pl
 
     from mtmoe.lit.module import PackModule
 
     configurations = plan(gate, pack, 3)
-    trials = factory(gate, configurations[0], device, precision)
+    trials = factory(gate, configurations[0], device, precision, trial_args)
     queue = [trials.build(i, params, i) for i, params in enumerate(configurations)]
     data = trials.run.datamodule
     data.prepare_data()
@@ -114,7 +115,9 @@ def pack_epoch_seconds(gate: str, pack: int, device: str, precision: str, graphs
                         lambda: queue.pop(0) if queue else None, lambda result: None, on_epoch, graphs, fused_adam)
     trainer = pl.Trainer(accelerator="gpu" if device == "cuda" else "cpu", devices=1, precision=precision,
                          max_epochs=-1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, num_sanity_val_steps=0)
+                         enable_model_summary=False, num_sanity_val_steps=0,
+                         limit_train_batches=limit_batches, limit_val_batches=limit_batches,
+                         limit_test_batches=limit_batches)
     trainer.fit(module)
     return stamps[2] - stamps[1]
 
@@ -301,6 +304,10 @@ def main() -> None:
     parser.add_argument("--roofline", action="store_true",
                         help="per phase and precision: FLOPs, bytes, launches and the H100 time they project")
     parser.add_argument("--profile", type=int, default=0, help="P: where a CPU pack's training step spends its time")
+    parser.add_argument("--limit-batches", type=int, default=None, help="--packs: batches per epoch (default all)")
+    parser.add_argument("--trial-args", default="", help="--packs: `fit` options of every trial, space-separated "
+                        "(--trial-args='--data.batch_size=8 --model.n_experts=4')")
+    parser.add_argument("--out", type=Path, default=OUT, help="folder of packs.md and packs.json")
     args = parser.parse_args()
     where = (torch.cuda.get_device_name() if args.device == "cuda"
              else f"CPU {platform.machine()} {platform.processor() or ''}, {torch.get_num_threads()} threads")
@@ -318,7 +325,8 @@ def main() -> None:
             for graphs, adam in itertools.product(args.graphs.split(","), args.adam.split(",")):
                 for pack in (int(p) for p in args.packs.split(",")):
                     seconds = pack_epoch_seconds(gate, pack, args.device, args.precision, graphs == "on",
-                                                 adam == "fused")
+                                                 adam == "fused", args.limit_batches,
+                                                 tuple(args.trial_args.split()))
                     rate = pack * 3600 / seconds
                     base = base or rate / pack if pack == 1 else base
                     memory = ""
@@ -406,9 +414,9 @@ def main() -> None:
         tables += ["", f"Floor: the expert layer's three matmuls alone take {floors['32']:.3f} s per trial-epoch in "
                    f"fp32 and {floors['bf16-mixed']:.3f} s in bf16 (308 training steps)"]
         print(tables[-1], flush=True)
-    OUT.mkdir(exist_ok=True)
-    write_atomic("\n".join(tables) + "\n", OUT / "packs.md")
-    write_atomic(json.dumps({"where": where, "rows": rows}, indent=2) + "\n", OUT / "packs.json")
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_atomic("\n".join(tables) + "\n", args.out / "packs.md")
+    write_atomic(json.dumps({"where": where, "rows": rows}, indent=2) + "\n", args.out / "packs.json")
 
 
 if __name__ == "__main__":

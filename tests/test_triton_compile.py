@@ -3,9 +3,9 @@
 
 The signatures are recorded, not listed by hand: a process with ``TRITON_INTERPRET=1`` runs the code that launches
 the kernels (:func:`record_launches`: dropout in every dtype it takes, the Sinkhorn forward and backward for the
-search spaces' expert counts, the packed Adam at pack sizes 1, 3 and 16) with each kernel's ``run`` wrapped to note
-its arguments (a tensor's dtype and alignment, a number's value, the constexprs and options). This process replays
-each through Triton's own argument binder for the target, which gives the types, constexprs and specialisations
+search spaces' expert counts and 33, the packed Adam at pack sizes 1, 3 and 16) with each kernel's ``run`` wrapped
+to note its arguments (a tensor's dtype and alignment, a number's value, the constexprs and options). The test
+replays each through Triton's own argument binder for the target, which gives the types, constexprs and specialisations
 (an int's divisibility by 16 or value 1, a pointer's alignment) a launch on that GPU gets, and compiles them. A
 kernel launched (``name[grid](...)``) from code this recording does not reach fails the test.
 """
@@ -86,7 +86,8 @@ def record_launches() -> None:
         for site in range(4):  # lanes H(2 site), H(2 site + 1) on either side of 2^31
             streams.dropout(h, torch.tensor(site + 5), site, torch.tensor(3), 0.25).sum().backward()
     n_experts = sorted({yaml.safe_load(path.read_text())["fixed"]["model.n_experts"]
-                        for path in (ROOT / "mtmoe" / "tuning" / "spaces").glob("*.yaml")})
+                        for path in (ROOT / "mtmoe" / "tuning" / "spaces").glob("*.yaml")} | {33})  # 33: BLOCK 64,
+    # as the CUDA tests of tests/test_sinkhorn.py launch it
     for dtype in (torch.float32, torch.float64):  # the permutation's log-weights: a float parameter
         for n in n_experts:
             u = torch.randn(2, n, n, dtype=dtype, requires_grad=True)

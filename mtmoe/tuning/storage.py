@@ -66,10 +66,10 @@ def display_url(url: str, text: str | None = None) -> str:
 
 def _masked(url: str) -> tuple[str, set[str]]:
     """(``url`` with its passwords shown as ``***``, the passwords as written and decoded)."""
-    from sqlalchemy.engine import make_url
-
     if url.startswith("journal:"):
         return url, set()
+    from sqlalchemy.engine import make_url  # here: a journal storage needs no SQLAlchemy (a lent GPU has none)
+
     try:
         parsed = make_url(url)
     except Exception:  # ArgumentError, or ValueError for a port that is no number

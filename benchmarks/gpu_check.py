@@ -1,0 +1,375 @@
+"""One prepared command for a lent GPU (issue 31): the CUDA tests, the pack throughput in each precision, the
+500-trial MovieLens-100K comet study at the paper's budget (resumable across leases), then ``report`` and
+``bootstrap``, each step in its own time budget, within 9 minutes.
+
+    python benchmarks/gpu_check.py gather             # here: wheels and data into .gpu/ (git-ignored, carried)
+    python3 benchmarks/gpu_check.py run --out DIR     # on the GPU (the exact device call: benchmarks/README.md)
+    python benchmarks/gpu_check.py --dry-run          # here: the same steps, tiny, on the CPU, in the interpreter
+
+A lent GPU's image has torch and Triton but not the suite's other dependencies, and nothing can be downloaded
+there: ``gather`` fetches the wheels of :data:`WHEELS` (the versions installed here) and copies the MovieLens-100K
+files into ``.gpu/``, which the device call carries with the working tree. ``run`` installs the wheels, then runs
+each step as a subprocess with its own budget (the study: what is left of 9 minutes once the steps after it have
+theirs): a step that fails or overruns is logged and the next one runs; ``--steps`` runs some of them. The
+study's storage is a journal file in ``.gpu/study/``: the study stops cleanly (SIGTERM: running trials are marked
+interrupted and rerun on resume) before its budget ends, its journal comes back in DIR, and carried to the next
+lease it resumes. DIR receives ``summary.json``, ``summary.md`` (the short table, also printed last),
+``logs.tar.gz`` (every step's full log), ``study.journal``, ``report.md`` and ``results.tar.gz`` (the report's and
+the bootstrap's folders): at most 8 files, as the device tool returns.
+
+``--dry-run`` runs :func:`run` itself with :data:`DRY` sizes (4 trials of 2 epochs of 2 batches of 8 rows, 4 experts
+of 8 units, embeddings of 4, packs of 2 and 4, bands at 50%, Triton's interpreter) on the CPU, the study in a temporary folder
+rather than ``.gpu/study``, and the modules of :data:`ABSENT_ON_GPU` unimportable.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CARRIED = ROOT / ".gpu"  # travels with the working tree: carry=[".gpu"]
+WHEELS_DIR, DATA_DIR, STUDY_DIR = CARRIED / "wheels", CARRIED / "data", CARRIED / "study"
+DATASET, GATE, SOURCE = "movielens-100k", "comet", "ml-100k"
+# What the suite imports on this path (tune with a journal storage, report, bootstrap, bench_packs, the tests) that
+# the GPU image lacks (/work/.library/device/KINDS.md), its missing dependencies included; all pure Python.
+WHEELS = ("optuna", "colorlog", "jsonargparse", "docstring_parser", "typeshed_client", "opda")
+# The suite's other dependencies, absent there and not carried (RDB storage, the dashboard, Jester's .xls): the
+# dry run makes them unimportable, so that a step that would need one on the GPU fails here first.
+ABSENT_ON_GPU = ("sqlalchemy", "alembic", "mako", "psycopg2", "optuna_dashboard", "python_calamine")
+TREE_LIMIT = 64 * 2**20  # the device tool's limit on the working tree with the carried folders
+# bench_packs.py's options for each precision it benchmarks: the one place to add a precision
+PRECISIONS = {"fp32": ["--precision", "32"], "bf16": ["--precision", "bf16-mixed"]}
+CUDA_TESTS = ["tests/test_engine_cuda.py",
+              "tests/test_sinkhorn.py::test_cuda_kernels_equal_the_cpu_loops_without_synchronising",
+              "tests/test_sinkhorn.py::test_a_cuda_graph_replays_a_pack_step_with_new_schedules",
+              "tests/test_random.py::test_cuda_equals_cpu",
+              "tests/test_image_models.py::test_trains_on_gpu_with_uint8_batches"]
+
+
+STEPS = ("tests", "bench", "study", "report", "bootstrap")  # --steps chooses among them; install always runs
+KILL_GRACE = 5  # seconds from a step's SIGTERM to its SIGKILL; the study's clean stop has Sizes.stop
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """What a run trains and how long it may take (seconds): each step its budget, the study what is left of
+    ``total`` once the steps after it have theirs."""
+
+    packs: str
+    trials: int
+    bench_args: list[str]
+    tune_args: list[str]
+    bootstrap_args: list[str]
+    budgets: dict[str, int] = field(default_factory=dict)
+    total: int = 540
+    stop: int = 30  # the study's SIGTERM comes this long before its budget ends
+
+
+GPU = Sizes("64,256,512", 500, ["--device", "cuda"], ["--trainer.accelerator=gpu"], ["--device", "cuda"],
+            {"install": 40, "tests": 100, "bench": 140, "report": 30, "bootstrap": 30})
+TINY = "--data.batch_size=8 --model.n_experts=4 --model.embedding_dim=4 --model.expert_units=8 --model.tower_units=8"  # the interpreter's pace
+DRY = Sizes("2", 4, ["--limit-batches", "2", f"--trial-args={TINY}"],
+            ["--pack=4", "--trainer.max_epochs=2", "--trainer.limit_train_batches=2", "--trainer.limit_val_batches=2",
+             "--trainer.limit_test_batches=2", *TINY.split()], ["--draws", "20", "--confidence", "0.5"],
+            {"install": 30, "tests": 120, "bench": 240, "report": 60, "bootstrap": 60}, total=700, stop=10)
+
+
+def fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+# ---- here: gather what travels ---------------------------------------------------------------------------------------
+
+def tree_bytes() -> int:
+    """Bytes of what the device tool sends: tracked and untracked, not ignored files, and the carried folder."""
+    listed = subprocess.run(["git", "ls-files", "-coz", "--exclude-standard"], cwd=ROOT, capture_output=True,
+                            check=True).stdout.decode().split("\0")
+    files = [ROOT / name for name in listed if name] + [p for p in CARRIED.rglob("*") if p.is_file()]
+    return sum(p.stat().st_size for p in files if p.is_file())
+
+
+def gather() -> None:
+    """The wheels (Python 3.12, manylinux x86-64, no dependencies resolved: :data:`WHEELS` names them all, at the
+    versions installed here) and the MovieLens-100K files into ``.gpu/``; the commit; the size that travels."""
+    from importlib.metadata import version
+
+    from mtmoe.data.download import ensure_files, manifest_entry
+    from mtmoe.data.layout import data_root
+
+    shutil.rmtree(WHEELS_DIR, ignore_errors=True)
+    WHEELS_DIR.mkdir(parents=True)
+    pinned = [f"{name}=={version(name)}" for name in WHEELS]
+    platforms = [a for n in (28, 27, 17) for a in ("--platform", f"manylinux_2_{n}_x86_64")]
+    download = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                               "--python-version", "3.12", "--implementation", "cp", *platforms, "-d",
+                               str(WHEELS_DIR), *pinned], capture_output=True, text=True)
+    if download.returncode != 0:
+        fail(f"pip download failed ({download.stderr.strip().splitlines()[-1:]}): check the network and {pinned}")
+    ensure_files(data_root(), SOURCE, download=True)
+    for relative in manifest_entry(SOURCE)["files"]:
+        target = DATA_DIR / relative
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(data_root() / relative, target)
+    commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
+    (CARRIED / "commit").write_text(commit + "\n")
+    STUDY_DIR.mkdir(exist_ok=True)
+    size = tree_bytes()
+    print(f"gathered {len(list(WHEELS_DIR.glob('*.whl')))} wheels ({', '.join(pinned)}) and {SOURCE} into "
+          f"{CARRIED}; commit {commit}; the working tree with .gpu/ is {size / 2**20:.1f} MiB of the "
+          f"{TREE_LIMIT / 2**20:.0f} MiB the device tool sends")
+    if size > TREE_LIMIT:
+        fail(f"{size / 2**20:.1f} MiB would travel, over {TREE_LIMIT / 2**20:.0f} MiB: remove large untracked files")
+
+
+# ---- there: run the steps ----------------------------------------------------------------------------------------
+
+@dataclass
+class Step:
+    name: str
+    status: str  # ok, failed (exit code N), stopped at its budget, skipped (why)
+    seconds: float
+    budget: int
+    output: str = ""
+
+
+def run_step(name: str, command: list[str], budget: int, logs: Path, env: dict, grace: int,
+             stop_early: int = 0) -> Step:
+    """``command`` in its own process group, its output in ``logs/<name>.log``; SIGTERM ``stop_early`` seconds
+    before the budget (a clean stop), SIGKILL ``grace`` seconds later."""
+    log = logs / f"{name}.log"
+    start = time.perf_counter()
+    with open(log, "w") as out:
+        out.write(f"$ {' '.join(command)}\n")
+        out.flush()
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
+                                   start_new_session=True)
+        try:
+            code = process.wait(timeout=max(1, budget - stop_early))
+            status = "ok" if code == 0 else f"failed (exit code {code})"
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGTERM)
+            try:
+                code = process.wait(timeout=grace)
+                status = f"stopped at its budget (SIGTERM, exit code {code})"
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+                status = "killed at its budget"
+    seconds = time.perf_counter() - start
+    print(f"step {name}: {status}, {seconds:.0f} s of {budget} s", flush=True)
+    return Step(name, status, seconds, budget, log.read_text(errors="replace"))
+
+
+def environment(dry_run: bool) -> dict:
+    """GPU, driver, torch, Triton (in use and supported), commit."""
+    import torch
+
+    from mtmoe.triton_support import SUPPORTED_VERSIONS, triton
+
+    found = {"torch": torch.__version__, "triton": getattr(triton, "__version__", None),
+             "supported_versions": SUPPORTED_VERSIONS, "python": sys.version.split()[0], "dry_run": dry_run}
+    if torch.cuda.is_available():
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                             capture_output=True, text=True).stdout.strip()
+        found |= {"device": torch.cuda.get_device_name(), "nvidia_smi": smi, "cuda": torch.version.cuda}
+    else:
+        found["device"] = "cpu (no CUDA device)"
+    git = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True)
+    gathered = CARRIED / "commit"
+    if git.returncode == 0:
+        found["commit"] = git.stdout.strip()
+    else:
+        found["commit"] = (gathered.read_text().strip() + " (at gather)") if gathered.exists() else "unknown"
+    return found
+
+
+def tests_summary(output: str) -> dict:
+    """pytest's counts from its last summary line."""
+    lines = [line for line in output.splitlines() if re.search(r"\d+ (passed|failed|skipped|error)", line)]
+    counts = {kind: int(n) for n, kind in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)",
+                                                     lines[-1] if lines else "")}
+    return {"line": lines[-1].strip("= ") if lines else "", **counts}
+
+
+def throughput(output: str, precision: str) -> list[dict]:
+    """bench_packs.py's table rows (``| gate | P | graphs | Adam | epoch (s) | trial-epochs / hour | ...``)."""
+    rows = []
+    for cells in (line.strip("|").split("|") for line in output.splitlines() if line.startswith("| ")):
+        cells = [c.strip() for c in cells]
+        if len(cells) >= 6 and cells[1].isdigit():
+            rows.append({"precision": precision, "gate": cells[0], "P": int(cells[1]), "graphs": cells[2],
+                         "epoch_s": float(cells[4]), "trial_epochs_per_hour": int(cells[5].replace(",", "")),
+                         "memory_per_trial_mib": cells[7] if len(cells) > 7 else ""})
+    return rows
+
+
+STUDY_STATE = """
+import json, sys, optuna
+storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(sys.argv[1]))
+trials = [t for name in optuna.get_all_study_names(storage)
+          for t in optuna.load_study(study_name=name, storage=storage).get_trials(deepcopy=False)]
+complete = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
+epochs = [t.user_attrs["epochs_run"] for t in complete if t.user_attrs.get("epochs_run") is not None]
+print(json.dumps({"trials": len(trials), "trials_complete": len(complete),
+                  "mean_epochs": sum(epochs) / len(epochs) if epochs else None}))
+"""
+
+
+def study_state(journal: Path, env: dict) -> dict:
+    if not journal.exists():
+        return {"trials": 0, "trials_complete": 0, "mean_epochs": None}
+    result = subprocess.run([sys.executable, "-c", STUDY_STATE, str(journal)], capture_output=True, text=True,
+                            env=env, timeout=120)
+    return json.loads(result.stdout) if result.returncode == 0 else {"error": result.stderr.strip()[-500:]}
+
+
+def run(out: Path, sizes: Sizes, study_dir: Path, dry_run: bool = False, chosen: tuple[str, ...] = STEPS) -> dict:
+    """The ``chosen`` steps, their logs and the summary in ``out`` (see the module's docstring); returns the
+    summary."""
+    start = time.perf_counter()
+    out.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix="gpu-check-"))
+    logs = scratch / "logs"
+    logs.mkdir()
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
+    if DATA_DIR.is_dir() and not dry_run:
+        env["MTMOE_DATA"] = str(DATA_DIR)
+    if dry_run:
+        env["TRITON_INTERPRET"] = "1"
+        blocker = scratch / "absent"  # a sitecustomize, imported at every start-up, before the steps' imports
+        blocker.mkdir()
+        (blocker / "sitecustomize.py").write_text(f"import sys\nsys.modules.update(dict.fromkeys({ABSENT_ON_GPU!r}))\n")
+        env["PYTHONPATH"] = f"{blocker}{os.pathsep}{ROOT}"
+    python = sys.executable
+    summary = {"environment": environment(dry_run)}
+    summary["device"], summary["commit"] = summary["environment"]["device"], summary["environment"]["commit"]
+    print(json.dumps(summary["environment"]), flush=True)
+    steps: list[Step] = []
+    budgets = sizes.budgets
+
+    def step(name: str, command: list[str], budget: int, grace: int = KILL_GRACE, stop_early: int = 0) -> Step:
+        if name.split("-")[0] not in chosen + ("install",):
+            steps.append(Step(name, "skipped (not in --steps)", 0, budget))
+        else:
+            steps.append(run_step(name, command, budget, logs, env, grace, stop_early))
+        return steps[-1]
+
+    wheels = sorted(WHEELS_DIR.glob("*.whl"))
+    if wheels:
+        site = scratch / "site"
+        step("install", [python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                         "--no-cache-dir", "--upgrade", "--target", str(site), *map(str, wheels)], budgets["install"])
+        env["PYTHONPATH"] = f"{site}{os.pathsep}{env['PYTHONPATH']}"
+    else:
+        steps.append(Step("install", "skipped (no wheels in .gpu/wheels: run gather)", 0, budgets["install"]))
+    tests = step("tests", [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", *CUDA_TESTS],
+                 budgets["tests"])
+    summary["tests"] = tests_summary(tests.output)
+    rows = []
+    for precision, options in PRECISIONS.items():
+        bench = step(f"bench-{precision}", [python, "benchmarks/bench_packs.py", "--gates", GATE, "--packs",
+                                            sizes.packs, "--graphs", "on", "--out", str(scratch / f"bench-{precision}"),
+                                            *options, *sizes.bench_args], budgets["bench"] // len(PRECISIONS))
+        rows += throughput(bench.output, precision)
+    summary["throughput"] = rows
+    study_dir.mkdir(parents=True, exist_ok=True)
+    journal = study_dir / f"{DATASET}-{GATE}.journal"
+    storage = f"journal:{journal}"
+    before = study_state(journal, env)
+    later = sum(budgets[name] + KILL_GRACE for name in ("report", "bootstrap") if name in chosen)
+    study_budget = int(sizes.total - (time.perf_counter() - start) - later - 10)  # 10: the summary, the archives
+    tune = step("study", [python, "-m", "mtmoe", "tune", "--gate", GATE, "--data", DATASET, "--trials",
+                          str(sizes.trials), "--storage", storage, "--log-dir", str(scratch / "runs"),
+                          *sizes.tune_args], study_budget, sizes.stop, stop_early=sizes.stop)
+    after = study_state(journal, env)
+    summary["study"] = {"journal": str(journal), "before": before, **after, "wall_s": tune.seconds,
+                        "status": tune.status}
+    summary["trials_complete"], summary["wall_s"] = after.get("trials_complete"), tune.seconds
+    results = scratch / "results"
+    step("report", [python, "-m", "mtmoe", "report", "--data", DATASET, "--storage", storage, "--out",
+                    str(results / "report")], budgets["report"])
+    step("bootstrap", [python, "-m", "mtmoe", "bootstrap", "--data", DATASET, "--storage", storage, "--out",
+                       str(results / "bootstrap"), *sizes.bootstrap_args], budgets["bootstrap"])
+    summary["steps"] = {s.name: {"status": s.status, "seconds": round(s.seconds, 1), "budget_s": s.budget}
+                        for s in steps}
+    summary["total_s"] = round(time.perf_counter() - start, 1)
+    table = short_table(summary)
+    (out / "summary.md").write_text(table + "\n")
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    with tarfile.open(out / "logs.tar.gz", "w:gz") as archive:
+        archive.add(logs, "logs")
+    if results.exists():
+        with tarfile.open(out / "results.tar.gz", "w:gz") as archive:
+            archive.add(results, "results")
+        for report in results.rglob("report.md"):
+            shutil.copyfile(report, out / "report.md")
+    if journal.exists():
+        shutil.copyfile(journal, out / "study.journal")
+    shutil.rmtree(scratch, ignore_errors=True)
+    print(table, flush=True)
+    return summary
+
+
+def short_table(summary: dict) -> str:
+    study, tests = summary["study"], summary["tests"]
+    lines = [f"gpu-check on {summary['device']}, commit {summary['commit']}, torch {summary['environment']['torch']}, "
+             f"Triton {summary['environment']['triton']}", "", "| step | status | seconds / budget |", "|---|---|---|"]
+    lines += [f"| {name} | {s['status']} | {s['seconds']:.0f} / {s['budget_s']} |"
+              for name, s in summary["steps"].items()]
+    lines += ["", f"tests: {tests.get('line') or 'no summary line'}", "",
+              "| precision | gate | P | epoch (s) | trial-epochs / hour |", "|---|---|---|---|---|"]
+    lines += [f"| {r['precision']} | {r['gate']} | {r['P']} | {r['epoch_s']:.2f} | {r['trial_epochs_per_hour']:,} |"
+              for r in summary["throughput"]]
+    lines += ["", f"study: {study.get('trials_complete')} of {study.get('trials')} trials complete "
+                  f"({study['before'].get('trials_complete')} before this run), mean epochs "
+                  f"{study.get('mean_epochs')}, {study['wall_s']:.0f} s this run ({study['status']})"]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("command", nargs="?", choices=["gather", "run"], help="gather (here) or run (on the GPU)")
+    parser.add_argument("--out", type=Path, help="run: the output folder ($OUT on the device)")
+    parser.add_argument("--dry-run", action="store_true", help="the run's steps on this CPU, tiny, under 90 s")
+    parser.add_argument("--steps", default=",".join(STEPS),
+                        help=f"run: the steps to run, of {','.join(STEPS)} (a resumed study: study,report,bootstrap)")
+    args = parser.parse_args()
+    chosen = tuple(args.steps.split(","))
+    if not set(chosen) <= set(STEPS):
+        fail(f"--steps {args.steps}: choose among {','.join(STEPS)}")
+    if args.command == "gather":
+        gather()
+    elif args.dry_run:
+        out = args.out or Path(tempfile.mkdtemp(prefix="gpu-check-dry-"))
+        study = Path(tempfile.mkdtemp(prefix="gpu-check-study-"))
+        summary = run(out, DRY, study, dry_run=True, chosen=chosen)
+        shutil.rmtree(study)
+        broken = {name: s["status"] for name, s in summary["steps"].items()
+                  if not (s["status"] == "ok" or s["status"].startswith("skipped"))}
+        if broken or not summary["throughput"] or not summary["trials_complete"]:
+            fail(f"dry run: steps {broken}, {len(summary['throughput'])} throughput rows, "
+                 f"{summary['trials_complete']} trials complete; the logs are in {out / 'logs.tar.gz'}")
+        print(f"gpu-check dry-run ok: {len(summary['steps'])} steps in {summary['total_s']:.0f} s, output in {out}")
+    elif args.command == "run":
+        if args.out is None:
+            fail("run needs --out DIR (on the device: --out $OUT)")
+        run(args.out, GPU, STUDY_DIR, chosen=chosen)
+    else:
+        fail("give a command: gather, run --out DIR, or --dry-run")
+
+
+if __name__ == "__main__":
+    main()

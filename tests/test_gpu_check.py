@@ -1,0 +1,58 @@
+"""``benchmarks/gpu_check.py``: the lent GPU's one command, run here as ``--dry-run`` (the same steps, tiny, on the
+CPU, Triton's interpreter), so that the GPU path cannot rot between leases."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
+sys.path.insert(0, str(SCRIPT.parent))
+
+import gpu_check  # noqa: E402
+
+
+def test_run_without_an_output_folder_is_one_error_line() -> None:
+    result = subprocess.run([sys.executable, str(SCRIPT), "run"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == ["error: run needs --out DIR (on the device: --out $OUT)"]
+
+
+@pytest.mark.integration
+def test_a_step_past_its_budget_is_stopped_and_reported(tmp_path: Path) -> None:
+    """SIGTERM at the budget; a process that ignores it is killed ``grace`` seconds later: the next step runs."""
+    ignore = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('started', flush=True); " \
+             "time.sleep(60)"
+    step = gpu_check.run_step("stubborn", [sys.executable, "-c", ignore], 3, tmp_path, dict(os.environ), grace=1)
+    assert step.status == "killed at its budget" and step.seconds < 10
+    assert "started" in step.output
+    step = gpu_check.run_step("polite", [sys.executable, "-c", "import time; time.sleep(60)"], 3, tmp_path,
+                              dict(os.environ), grace=5)
+    assert step.status.startswith("stopped at its budget") and step.seconds < 10
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_the_dry_run_runs_every_step_and_writes_the_summary(tmp_path: Path) -> None:
+    from mtmoe.data.layout import data_root, files_status
+
+    if files_status("movielens-100k", data_root())[0] != "present":
+        pytest.skip("needs MovieLens-100K under $MTMOE_DATA")
+    result = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(tmp_path)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=1200)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1].startswith("gpu-check dry-run ok")
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["trials_complete"] == gpu_check.DRY.trials and summary["wall_s"] > 0
+    assert summary["device"] and summary["commit"] and summary["tests"]["line"]
+    assert {row["precision"] for row in summary["throughput"]} == set(gpu_check.PRECISIONS)
+    assert all(s["status"] == "ok" or s["status"].startswith("skipped") for s in summary["steps"].values())
+    returned = sorted(p.name for p in tmp_path.iterdir())
+    expected = {"summary.json", "summary.md", "logs.tar.gz", "study.journal", "report.md", "results.tar.gz"}
+    assert expected <= set(returned)
+    assert len(returned) <= 8 and all(p.is_file() for p in tmp_path.iterdir())  # the device tool returns 8 files
