@@ -18,8 +18,8 @@ lease it resumes. DIR receives ``summary.json``, ``summary.md`` (the short table
 the bootstrap's folders): at most 8 files, as the device tool returns.
 
 ``--dry-run`` runs :func:`run` itself with :data:`DRY` sizes (4 trials of 2 epochs of 2 batches of 8 rows, 4 experts
-of 8 units, embeddings of 4, packs of 2 and 4, bands at 50%, Triton's interpreter) on the CPU, the study in a temporary folder
-rather than ``.gpu/study``, and the modules of :data:`ABSENT_ON_GPU` unimportable.
+of 8 units, embeddings of 4, packs of 2 and 4, bands at 50%, Triton's interpreter) on the CPU, the study in a
+temporary folder rather than ``.gpu/study``, and the modules of :data:`ABSENT_ON_GPU` unimportable.
 """
 from __future__ import annotations
 
@@ -78,7 +78,8 @@ class Sizes:
 
 GPU = Sizes("64,256,512", 500, ["--device", "cuda"], ["--trainer.accelerator=gpu"], ["--device", "cuda"],
             {"install": 40, "tests": 100, "bench": 140, "report": 30, "bootstrap": 30})
-TINY = "--data.batch_size=8 --model.n_experts=4 --model.embedding_dim=4 --model.expert_units=8 --model.tower_units=8"  # the interpreter's pace
+# the interpreter's pace: each program of a kernel costs milliseconds, each 1,024 parameters one Adam program
+TINY = "--data.batch_size=8 --model.n_experts=4 --model.embedding_dim=4 --model.expert_units=8 --model.tower_units=8"
 DRY = Sizes("2", 4, ["--limit-batches", "2", f"--trial-args={TINY}"],
             ["--pack=4", "--trainer.max_epochs=2", "--trainer.limit_train_batches=2", "--trainer.limit_val_batches=2",
              "--trainer.limit_test_batches=2", *TINY.split()], ["--draws", "20", "--confidence", "0.5"],

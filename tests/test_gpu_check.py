@@ -38,6 +38,7 @@ def test_a_step_past_its_budget_is_stopped_and_reported(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.integration
+@pytest.mark.timeout(1200)
 def test_the_dry_run_runs_every_step_and_writes_the_summary(tmp_path: Path) -> None:
     from mtmoe.data.layout import data_root, files_status
 
