@@ -56,6 +56,7 @@ import torch
 
 from mtmoe.files import write_atomic
 from mtmoe.gate_names import split_gate_name
+from mtmoe.pack.precision import matmul_precision
 
 OUT = Path(__file__).resolve().parent / "out"
 DATA = "movielens-100k"
@@ -304,6 +305,8 @@ def main() -> None:
     parser.add_argument("--roofline", action="store_true",
                         help="per phase and precision: FLOPs, bytes, launches and the H100 time they project")
     parser.add_argument("--profile", type=int, default=0, help="P: where a CPU pack's training step spends its time")
+    parser.add_argument("--matmul-precision", default="highest", choices=["highest", "high"],
+                        help="--packs: float32 matmuls in float32 or TF32 (--model.matmul_precision)")
     parser.add_argument("--limit-batches", type=int, default=None, help="--packs: batches per epoch (default all)")
     parser.add_argument("--trial-args", default="", help="--packs: `fit` options of every trial, space-separated "
                         "(--trial-args='--data.batch_size=8 --model.n_experts=4')")
@@ -311,7 +314,8 @@ def main() -> None:
     args = parser.parse_args()
     where = (torch.cuda.get_device_name() if args.device == "cuda"
              else f"CPU {platform.machine()} {platform.processor() or ''}, {torch.get_num_threads()} threads")
-    header = f"MovieLens-100K, batch 512, 16 experts; {where}, torch {torch.__version__}; {args.precision}"
+    header = (f"MovieLens-100K, batch 512, 16 experts; {where}, torch {torch.__version__}; {args.precision}, "
+              f"matmul precision {args.matmul_precision}")
     print(header, flush=True)
     rows, tables = [], [header, ""]
     gates = args.gates.split(",")
@@ -324,9 +328,10 @@ def main() -> None:
             base = None
             for graphs, adam in itertools.product(args.graphs.split(","), args.adam.split(",")):
                 for pack in (int(p) for p in args.packs.split(",")):
-                    seconds = pack_epoch_seconds(gate, pack, args.device, args.precision, graphs == "on",
-                                                 adam == "fused", args.limit_batches,
-                                                 tuple(args.trial_args.split()))
+                    with matmul_precision(args.matmul_precision):  # as tune's packs train
+                        seconds = pack_epoch_seconds(gate, pack, args.device, args.precision, graphs == "on",
+                                                     adam == "fused", args.limit_batches,
+                                                     tuple(args.trial_args.split()))
                     rate = pack * 3600 / seconds
                     base = base or rate / pack if pack == 1 else base
                     memory = ""

@@ -49,7 +49,8 @@ WHEELS = ("optuna", "colorlog", "jsonargparse", "docstring_parser", "typeshed_cl
 ABSENT_ON_GPU = ("sqlalchemy", "alembic", "mako", "psycopg2", "optuna_dashboard", "python_calamine")
 TREE_LIMIT = 64 * 2**20  # the device tool's limit on the working tree with the carried folders
 # bench_packs.py's options for each precision it benchmarks: the one place to add a precision
-PRECISIONS = {"fp32": ["--precision", "32"], "bf16": ["--precision", "bf16-mixed"]}
+PRECISIONS = {"fp32": ["--precision", "32"], "tf32": ["--precision", "32", "--matmul-precision", "high"],
+              "bf16": ["--precision", "bf16-mixed"]}
 CUDA_TESTS = ["tests/test_engine_cuda.py",
               "tests/test_sinkhorn.py::test_cuda_kernels_equal_the_cpu_loops_without_synchronising",
               "tests/test_sinkhorn.py::test_a_cuda_graph_replays_a_pack_step_with_new_schedules",
@@ -76,8 +77,8 @@ class Sizes:
     stop: int = 30  # the study's SIGTERM comes this long before its budget ends
 
 
-GPU = Sizes("64,256,512", 500, ["--device", "cuda"], ["--trainer.accelerator=gpu"], ["--device", "cuda"],
-            {"install": 40, "tests": 100, "bench": 140, "report": 30, "bootstrap": 30})
+GPU = Sizes("256,512", 500, ["--device", "cuda"], ["--trainer.accelerator=gpu"], ["--device", "cuda"],
+            {"install": 40, "tests": 100, "bench": 180, "report": 30, "bootstrap": 30})
 # the interpreter's pace: each program of a kernel costs milliseconds, each 1,024 parameters one Adam program
 TINY = "--data.batch_size=8 --model.n_experts=4 --model.embedding_dim=4 --model.expert_units=8 --model.tower_units=8"
 DRY = Sizes("2", 4, ["--limit-batches", "2", f"--trial-args={TINY}"],
