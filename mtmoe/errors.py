@@ -36,3 +36,10 @@ def did_you_mean(given: str, options: Iterable[str]) -> str:
     if not close:
         return ""
     return f": did you mean {close[0]}?" + (" (options are not abbreviated)" if close[0].startswith(given) else "")
+
+
+def suggestion(given: str, names: Iterable[str], suffix: str = "") -> str:
+    """``; did you mean NAME?`` for a mistyped name ``given`` close to one of ``names`` (gates, datasets), else
+    ``""``; ``suffix`` is appended to the name (a gate's "+")."""
+    close = difflib.get_close_matches(given, list(names), n=1)
+    return f"; did you mean {close[0]}{suffix}?" if close else ""

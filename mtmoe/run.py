@@ -43,12 +43,13 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from mtmoe.data import DATASETS, dataset_path
+from mtmoe.arguments import UNSUPPORTED_TRAINER_SETTINGS, translate_shortcuts
+from mtmoe.data import DATASETS
 from mtmoe.data.base import InMemoryDataModule
 from mtmoe.dataset_info import DatasetInfo
 from mtmoe.errors import TrainingDiverged, UsageError, did_you_mean
 from mtmoe.files import write_atomic
-from mtmoe.gates import PLUS_PERM_EPOCHS, gate_class, list_gates, parse_gate_name
+from mtmoe.gates import gate_class, list_gates
 from mtmoe.interrupts import Interrupted
 from mtmoe.lit.module import MultiTaskMoE
 from mtmoe.lit.outputs import AtomicCheckpointIO, RunCheckpoint, RunLogger, run_checkpoints
@@ -59,6 +60,8 @@ from mtmoe.run_settings import (
 )
 
 LIGHTNING_COMMANDS = ("fit", "validate", "test")
+USAGE = {"fit": "--gate NAME --data NAME [--ckpt_path PATH]", "validate": "--ckpt_path PATH [--data NAME]",
+         "test": "--ckpt_path PATH [--data NAME]"}
 #: The splits of ``--trainer.limit_{split}_batches``, typed integer first (the signature's ``Optional[Union[int,
 #: float]]`` reaches jsonargparse float first, where ``1`` would parse as ``1.0``, all batches).
 BATCH_LIMITS = ("train", "val", "test", "predict")
@@ -128,6 +131,11 @@ class MTMoECLI(LightningCLI):
         parser._option_string_actions["--data"].help = (
             f"NAME: a registered dataset, one of {', '.join(sorted(DATASETS))} (python -m mtmoe datasets); or a "
             "DataModule's class path, or a config. Its arguments: --data.ARG VALUE.")
+
+    def _add_subcommands(self, parser: LightningArgumentParser, **kwargs: Any) -> None:
+        super()._add_subcommands(parser, **kwargs)
+        for subparser in parser._subcommands_action._name_parser_map.values():
+            honoured_help(subparser)
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         self.named = {arg[2:].partition("=")[0] for arg in args if arg.startswith("--")}
@@ -322,6 +330,29 @@ def format_results(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def honoured_help(parser: LightningArgumentParser) -> None:
+    """``--help`` lists what a run honours, the shortcuts first: the trainer settings the engine does not honour
+    (refused unless left at the honoured value), the dataset description the data links to the model and
+    ``--verbose`` (the results table replaces Lightning's) are not shown; the trainer's group comes last."""
+    hidden = ("--model.info", "--verbose", *(f"--trainer.{key}" for key in UNSUPPORTED_TRAINER_SETTINGS))
+    for option, action in parser._option_string_actions.items():
+        if option.removesuffix("+").removesuffix(".help") in hidden:
+            action.help = argparse.SUPPRESS
+    checkpoint = parser._option_string_actions["--ckpt_path"]
+    checkpoint.help = ("the checkpoint to evaluate (validate, test) or to resume a fit from "
+                       "(runs/lightning_logs/version_N/checkpoints/best.ckpt or last.ckpt)")
+    groups = parser._action_groups
+    trainer = next(group for group in groups if any(a.dest.startswith("trainer.") for a in group._group_actions))
+    trainer.title = "trainer: Lightning's settings that a run honours"
+    shortcuts = next(group for group in groups if group.title == "shortcuts")
+    parser._option_string_actions["--weights_only"].help = ("torch.load's weights_only for --ckpt_path (mtmoe's "
+                                                            "checkpoints load with true)")
+    checkpoint_group = next(group for group in groups if checkpoint in group._group_actions)
+    checkpoint_group.title = "checkpoint"
+    rest = [group for group in groups if group not in (shortcuts, checkpoint_group, trainer)]
+    groups[:] = [shortcuts, checkpoint_group, *rest, trainer]
+
+
 class Shortcut(argparse.Action):
     """A shortcut in the options list (``--gate NAME``): :func:`translate_shortcuts` replaces it before parsing."""
 
@@ -419,37 +450,6 @@ def checkpoint_dataset(args: list[str]) -> list[str]:
     return args if dataset not in DATASETS else [args[0], f"--data={DATASETS[dataset]}", *args[1:]]
 
 
-def translate_shortcuts(argv: list[str]) -> list[str]:
-    """``--gate NAME`` -> ``--model.gate CLASS``, ``--data NAME`` -> ``--data CLASS``; unknown names fail here, and
-    so does ``--model.perm_epochs`` with a gate named without "+" (it would make the "+" variant)."""
-    out: list[str] = []
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        flag, eq, value = arg.partition("=")
-        if flag in ("--gate", "--data") and not eq:
-            if i + 1 >= len(argv):
-                raise UsageError(f"{flag} needs a value")
-            value, i = argv[i + 1], i + 1
-        if flag == "--gate":  # "NAME+": the gate with local search (E_perm = 5 unless --model.perm_epochs is given)
-            cls, plus = parse_gate_name(value)
-            out.append(f"--model.gate={cls.__module__}.{cls.__qualname__}")
-            perm_epochs = any(a.startswith("--model.perm_epochs") for a in argv)
-            if perm_epochs and not plus:
-                raise UsageError(f"--model.perm_epochs adds local search to {value}: pass --gate {value}+ for that, "
-                                 f"or drop --model.perm_epochs")
-            if plus and not perm_epochs:
-                out.append(f"--model.perm_epochs={PLUS_PERM_EPOCHS}")
-        elif flag == "--data" and "." not in value:
-            out.append(f"--data={dataset_path(value)}")
-        elif flag == "--data":
-            out.append(f"--data={value}")
-        else:
-            out.append(arg)
-        i += 1
-    return out
-
-
 def _cli(argv: list[str], run: bool) -> MTMoECLI:
     """The ``MTMoECLI`` of ``argv`` (shortcuts allowed); ``run=True`` runs its subcommand, ``False`` only builds."""
     quiet_lightning()
@@ -474,8 +474,10 @@ def _cli(argv: list[str], run: bool) -> MTMoECLI:
             },
             save_config_kwargs={"overwrite": True},
             parser_kwargs={"exit_on_error": False, "allow_abbrev": False, "prog": "python -m mtmoe",
-                           **{c: {"exit_on_error": False, "allow_abbrev": False, "description": DESCRIPTIONS[c]}
-                              for c in LIGHTNING_COMMANDS}},
+                           **{c: {"exit_on_error": False, "allow_abbrev": False, "description": DESCRIPTIONS[c],
+                                  "usage": f"python -m mtmoe {c} {USAGE[c]} [-c CONFIG] [--print_config]\n       [--model.* ...] "
+                                           "[--data.* ...] [--early_stopping.* ...] [--trainer.* ...] "
+                                           "[--seed_everything N]"} for c in LIGHTNING_COMMANDS}},
             auto_configure_optimizers=False,
         )
     finally:

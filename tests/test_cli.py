@@ -19,6 +19,7 @@ from torchvision.datasets import MNIST, SVHN
 from conftest import run_cli
 from image_fixtures import write_mnist
 
+from mtmoe.arguments import UNSUPPORTED_TRAINER_SETTINGS
 from mtmoe.data import DATASETS
 from mtmoe.data.layout import MNIST_SOURCES, SVHN as SVHN_FILES
 from mtmoe.errors import UsageError
@@ -271,6 +272,16 @@ ANSWERED_WITHOUT_TORCH = {  # argv -> exit code, the error line's text (None: no
     ("tune", "--gate", "nope", "--data", "movielens"): (2, "unknown gate 'nope'; valid gates: comet, "),
     ("tune", "--gate", "topk", "--data", "nope"): (2, "unknown dataset 'nope'"),
     ("tune", "--gate", "topk", "--data", "movielens", "--tri", "3"): (2, "did you mean --trials?"),
+    ("fit", "--gate", "comt+"): (2, "unknown gate 'comt+'; valid gates: comet, "),
+    ("fit", "--data", "movielens", "--gate=comt+"): (2, "(append '+' for permutation local search, e.g. comet+); "
+                                                      "did you mean comet+?"),
+    ("fit", "--gate", "topk", "--data", "movielen"): (2, "unknown dataset 'movielen'; valid datasets: books, "),
+    ("test", "--data=movielen", "--ckpt_path", "x.ckpt"): (2, "did you mean movielens?"),
+    ("validate", "--gate"): (2, "--gate needs a value"),
+    ("fit", "--gate", "topk", "--model.perm_epochs", "3"): (2, "--model.perm_epochs adds local search to topk"),
+    ("fit", "--gate", "topk", "--trainer.max_steps", "5"): (2, "--trainer.max_steps 5 is not supported by mtmoe's "
+                                                              "training engine: a trial's budget is"),
+    ("fit", "--gate", "topk", "--trainer.gradient_clip_val=1"): (2, "--trainer.gradient_clip_val 1 is not supported"),
 }
 
 
@@ -348,6 +359,19 @@ def test_datasets_lists_the_files_each_datamodule_reads(tmp_path: Path, capsys) 
         assert f"missing {root / first}:" in str(error.value), (name, rows[name])
     assert [Path(name).stem for name, _ in MNIST.resources] == list(MNIST_SOURCES["MNIST"].files)  # torchvision's
     assert [SVHN.split_list[part][1] for part in ("train", "test", "extra")] == list(SVHN_FILES.files)
+
+
+@pytest.mark.parametrize("command", ["fit", "validate", "test"])
+def test_run_help_lists_what_a_run_honours_shortcuts_first(command: str, capsys) -> None:
+    assert run_cli([command, "--help"]) == 0
+    out = capsys.readouterr().out
+    groups = re.findall(r"^(\S.*):\n  -", out, re.MULTILINE)  # a group's title, then its first option
+    assert groups[0] == "shortcuts" and groups[-1] == "trainer: Lightning's settings that a run honours"
+    for key in UNSUPPORTED_TRAINER_SETTINGS:  # refused by the engine: not offered
+        assert f"--trainer.{key}" not in out, key
+    assert "--model.info" not in out and "registry:model-name" not in out and "--trainer.max_epochs" in out
+    assert out.startswith(f"usage: python -m mtmoe {command} ") and len(out.splitlines()[0]) < 100
+    assert len(out.splitlines()) < 450
 
 
 def test_fit_help_lists_the_shortcuts_with_their_choices(capsys) -> None:
