@@ -46,6 +46,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from mtmoe.arguments import UNSUPPORTED_TRAINER_SETTINGS, translate_shortcuts
 from mtmoe.data import DATASETS
 from mtmoe.data.base import InMemoryDataModule
+from mtmoe.data.layout import data_root
 from mtmoe.dataset_info import DatasetInfo
 from mtmoe.errors import TrainingDiverged, UsageError, did_you_mean
 from mtmoe.files import write_atomic
@@ -170,7 +171,8 @@ class MTMoECLI(LightningCLI):
             flags = {flag: True for flag in self.print_config.split(",") if flag}
             if set(flags) - {"skip_default", "skip_unset"}:
                 raise UsageError(f"--print_config takes skip_default, skip_unset, got {self.print_config!r}")
-            sys.stdout.write(self._parser(self.subcommand).dump(config, **{"skip_unset": False, **flags}))
+            sys.stdout.write(self._parser(self.subcommand).dump(shown_config(config), **{"skip_unset": False,
+                                                                                         **flags}))
             sys.exit(0)
         check_run_settings(config, self.subcommand)
 
@@ -305,6 +307,17 @@ class MTMoECLI(LightningCLI):
             meaning = {"best": "these weights", "last": "the last epoch, to resume from"}
             for which, checkpoint in results.get("checkpoints", {}).items():
                 print(f"{which} checkpoint: {checkpoint} ({meaning[which]})")
+
+
+def shown_config(config: Namespace) -> Namespace:
+    """The configuration as ``--print_config`` shows it: a data root left unset (``$MTMOE_DATA``, else the user's
+    cache) as the folder in force. The run's own ``config.yaml`` keeps it unset, to follow ``$MTMOE_DATA`` where it
+    runs again."""
+    shown = copy.deepcopy(config)
+    data = shown.get("data")
+    if data is not None and "root" in data.get("init_args", Namespace()) and data.init_args.root is None:
+        data.init_args.root = str(data_root())
+    return shown
 
 
 def weights_evaluated(results: dict[str, Any]) -> str:

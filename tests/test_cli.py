@@ -132,6 +132,22 @@ def test_print_config_shows_the_values_in_force(tiny_root: Path, capsys) -> None
     assert not Path("runs").exists()
 
 
+def test_print_config_shows_the_data_root_in_force(tiny_root: Path, monkeypatch, capsys) -> None:
+    """Before: ``data.root: null`` with $MTMOE_DATA set. The run's config.yaml keeps it unset (it follows
+    $MTMOE_DATA where it runs again)."""
+    monkeypatch.setenv("MTMOE_DATA", str(tiny_root))
+    argv = [arg for arg in fit(tiny_root) if not arg.startswith("--data.root")]
+    assert run_cli([*argv, "--print_config"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["data"]["init_args"]["root"] == str(tiny_root)
+    monkeypatch.delenv("MTMOE_DATA")
+    monkeypatch.setenv("HOME", str(tiny_root.parent))
+    assert run_cli([*argv, "--print_config"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["data"]["init_args"]["root"] == str(
+        tiny_root.parent / ".cache" / "mtmoe" / "data")
+    assert run_cli([*fit(tiny_root), "--print_config"]) == 0  # --data.root as given
+    assert yaml.safe_load(capsys.readouterr().out)["data"]["init_args"]["root"] == str(tiny_root)
+
+
 def test_perm_epochs_on_a_gate_without_plus_names_the_plus_gate(tiny_root: Path, capsys) -> None:
     assert run_cli(fit(tiny_root, "--model.perm_epochs=2")) == 2
     assert "pass --gate topk+" in one_error_line(capsys)

@@ -369,6 +369,7 @@ def test_sqlite_study_resume_reproducible_and_report(tiny_root: Path, tmp_path: 
     assert table7["watch AUC mean"] == pytest.approx(100 * best.user_attrs["test/watch/auroc"])
     assert table7["rating MSE mean"] == pytest.approx(best.user_attrs["test/rating/mse"])
     assert f"{100 * best.user_attrs['test_loss']:.2f} ± n/a" in printed
+    assert "Test loss ×10⁻², as the paper writes it: in hundredths" in printed and "(×100)" not in printed
     assert (tmp_path / "rep" / "report.md").read_text() in printed
 
 
