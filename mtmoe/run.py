@@ -226,6 +226,28 @@ class MTMoECLI(LightningCLI):
             self.trainer.fit(model, datamodule=datamodule, **kwargs)
             self.trainer.test(model, datamodule=datamodule, verbose=False)
             self.report(model, datamodule, self.fit_summary(model))
+            self.log_settings(self.results)
+
+    def log_settings(self, results: dict[str, Any]) -> None:
+        """The run's settings (as ``--print_config`` shows them) as every logger's hyperparameters (its
+        ``hparams.yaml``); TensorBoard also gets the final validation and test results as the metrics of its HPARAMS
+        tab (``hparams/val/loss``, ``hparams/test/loss``, ...)."""
+        from lightning.fabric.loggers import TensorBoardLogger
+        from lightning.pytorch.core.saving import save_hparams_to_yaml
+
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        settings = yaml.safe_load(self._parser(self.subcommand).dump(shown_config(config)))
+        params = {"gate": results["gate"], "dataset": results["dataset"], **settings}
+        metrics = {f"hparams/{split}/{key}": value for split in ("val", "test")
+                   for key, value in results.get(split, {}).items() if isinstance(value, float)}
+        for logger in self.trainer.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                logger.log_hyperparams(params, metrics)
+            else:
+                logger.log_hyperparams(params)
+            logger.finalize("success")  # write them: the loggers were finalised when the test ended
+            if isinstance(logger, TensorBoardLogger):  # its save() keeps the hparams.yaml written then, empty
+                save_hparams_to_yaml(Path(logger.log_dir) / "hparams.yaml", logger.hparams)
 
     def validate(self, model: MultiTaskMoE, datamodule: InMemoryDataModule, **kwargs: Any) -> None:
         self.evaluate(self.trainer.validate, model, datamodule, **kwargs)
