@@ -82,8 +82,16 @@ def translate_shortcuts(argv: list[str]) -> list[str]:
             if plus and not perm_epochs:
                 out.append(f"--model.perm_epochs={PLUS_PERM_EPOCHS}")
         else:
-            out.append(arg)
+            out.append(underscored(arg))
     return out
+
+
+def underscored(arg: str) -> str:
+    """``--trainer.max-epochs=3`` -> ``--trainer.max_epochs=3``: a key is the name of a Python argument (of the
+    Trainer, the model, the DataModule), with underscores; a hyphen is read as one, as ``tune``, ``report`` and
+    ``bootstrap`` take either spelling of their own options (:class:`mtmoe.errors.OneLineParser`)."""
+    flag, eq, value = arg.partition("=")
+    return "--" + flag[2:].replace("-", "_") + eq + value if flag.startswith("--") else arg
 
 
 def check_arguments(argv: list[str]) -> None:

@@ -148,6 +148,23 @@ def test_print_config_shows_the_data_root_in_force(tiny_root: Path, monkeypatch,
     assert yaml.safe_load(capsys.readouterr().out)["data"]["init_args"]["root"] == str(tiny_root)
 
 
+def test_options_take_either_spelling(tiny_root: Path, capsys) -> None:
+    """fit's keys are Python names (--trainer.max_epochs), tune's/report's/bootstrap's own options hyphenated
+    (--study-name): each command takes the other spelling too."""
+    from mtmoe.tuning.bootstrap_report import parse_bootstrap_args
+    from mtmoe.tuning.study import parse_tune_args
+
+    assert run_cli([*fit(tiny_root), "--trainer.max-epochs=3", "--early-stopping.patience", "4", "--print_config"]) == 0
+    config = yaml.safe_load(capsys.readouterr().out)
+    assert config["trainer"]["max_epochs"] == 3 and config["early_stopping"]["patience"] == 4
+    args, overrides = parse_tune_args(["--gate", "topk", "--data", "movielens", "--study_name", "s", "--log_dir=d",
+                                       "--trainer.max_epochs=2"])
+    assert (args.study_name, args.log_dir, overrides) == ("s", "d", ["--trainer.max_epochs=2"])
+    assert parse_bootstrap_args(["--data", "movielens", "--max_budget", "7"])[0].max_budget == 7
+    with pytest.raises(UsageError, match="did you mean --max-budget"):
+        parse_bootstrap_args(["--data", "movielens", "--max_budgets", "7"])
+
+
 def test_perm_epochs_on_a_gate_without_plus_names_the_plus_gate(tiny_root: Path, capsys) -> None:
     assert run_cli(fit(tiny_root, "--model.perm_epochs=2")) == 2
     assert "pass --gate topk+" in one_error_line(capsys)
