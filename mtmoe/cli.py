@@ -26,7 +26,7 @@ from mtmoe.errors import OneLineParser, TrainingDiverged, UsageError
 from mtmoe.gate_names import split_gate_name
 
 # Each command imports what it needs when it runs: help and the listings import neither Lightning nor Optuna's
-# storages, and the listing of datasets not even torch.
+# storages, the listing of datasets not even torch, and a fit's mistyped names (mtmoe.arguments) neither.
 
 COMMANDS = {
     "fit": "train a gate on a dataset to early stopping; val and test results of the best epoch's weights",

@@ -376,14 +376,14 @@ def honoured_help(parser: LightningArgumentParser) -> None:
     checkpoint = parser._option_string_actions["--ckpt_path"]
     checkpoint.help = ("the checkpoint to evaluate (validate, test) or to resume a fit from "
                        "(runs/lightning_logs/version_N/checkpoints/best.ckpt or last.ckpt)")
-    groups = parser._action_groups
-    trainer = next(group for group in groups if any(a.dest.startswith("trainer.") for a in group._group_actions))
-    trainer.title = "trainer: Lightning's settings that a run honours"
-    shortcuts = next(group for group in groups if group.title == "shortcuts")
     parser._option_string_actions["--weights_only"].help = ("torch.load's weights_only for --ckpt_path (mtmoe's "
                                                             "checkpoints load with true)")
+    groups = parser._action_groups
+    shortcuts = next(group for group in groups if group.title == "shortcuts")
     checkpoint_group = next(group for group in groups if checkpoint in group._group_actions)
     checkpoint_group.title = "checkpoint"
+    trainer = next(group for group in groups if any(a.dest.startswith("trainer.") for a in group._group_actions))
+    trainer.title = "trainer: Lightning's settings that a run honours"
     rest = [group for group in groups if group not in (shortcuts, checkpoint_group, trainer)]
     groups[:] = [shortcuts, checkpoint_group, *rest, trainer]
 

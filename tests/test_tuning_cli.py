@@ -140,9 +140,9 @@ def test_tune_at_a_terminal_shows_a_bar_within_the_first_pack_epoch(tiny_root: P
     assert screens[0].startswith("study 'movielens-100k/topk': 2 configurations, settings: data.batch_size=8, ")
     bars = [line for line in screens if line.startswith("[movielens-100k/topk]") and "%|" in line]
     assert bars, screens
-    first = bars.index(next(line for line in bars if "pack epoch" in line))  # a bar drawn as the first epoch
+    first = next(line for line in bars if "pack epoch" in line)  # drawn as the first pack epoch starts
     assert re.fullmatch(r"\[movielens-100k/topk\]   0%\| {10}\| 00:0\d<\?, 0/2 done, 0 failed, best n/a, 2 running, "
-                        r"pack epoch 1 0%", bars[first]), bars[first]  # starts, and moves within it:
+                        r"pack epoch 1 0%", first), first  # and it moves within that epoch:
     assert any(re.search(r"\| 00:\d\d<\d\d:\d\d, 0/2 done, .* pack epoch 1 [1-9]\d%$", line) for line in bars), bars
     assert re.fullmatch(r"\[movielens-100k/topk\] 100%\|█{10}\| \d\d:\d\d<00:00, 2/2 done, 0 failed, best \d\.\d+, "
                         r"0 running, pack epoch 2 done", bars[-1]), bars[-1]

@@ -334,6 +334,7 @@ class PackProgress(Callback):
         self.bar: tqdm | None = None  # made when the first epoch starts (after --pack auto's line)
 
     def _counts(self) -> tuple[int, int, float | None]:
+        self.counted = time.perf_counter()
         counts = study_counts(self.study)
         best = min((t.value for t in counts["complete"]), default=None)
         return len(counts["complete"]) + len(counts["failed"]), len(counts["failed"]), best
@@ -383,8 +384,7 @@ class PackProgress(Callback):
         if self.use_bar and self.bar is None:
             size = shutil.get_terminal_size()  # 80x24 where the terminal does not say (tqdm would draw nothing)
             self.bar = tqdm(total=self.total, initial=self.done, file=sys.stderr, ncols=size.columns,
-                            nrows=size.lines, smoothing=0,
-                            desc=f"[{self.study.study_name}]",
+                            nrows=size.lines, smoothing=0, desc=f"[{self.study.study_name}]",
                             bar_format="{desc} {percentage:3.0f}%|{bar:10}| {elapsed}<{remaining}{postfix}")
         self.show(force=self.epochs == 0)
 
@@ -394,10 +394,12 @@ class PackProgress(Callback):
         self.show()
 
     def __call__(self, module: PackModule) -> None:
-        """The end of a pack epoch (its trials that ended already told): the study's counts read again."""
+        """The end of a pack epoch (its trials that ended already told): the study's counts read again when trials
+        ended here, else at most every ``every`` seconds (other workers' trials; a storage query)."""
         self.epochs += 1
         self.batch = 0
-        self.done, self.failed, self.best = self._counts()
+        if self.finished != self.reported or time.perf_counter() - self.counted >= self.every:
+            self.done, self.failed, self.best = self._counts()
         self.show(force=self.finished != self.reported)
         self.reported = self.finished
 
