@@ -325,7 +325,7 @@ def test_sqlite_study_resume_reproducible_and_report(tiny_root: Path, tmp_path: 
     assert run_cli(args) == 0
     out, err = capsys.readouterr()
     assert "%|" not in err and "\r" not in out + err  # not a terminal: plain lines, no bar
-    assert re.search(r"^\[movielens-100k/topk\] 3/3 done, 0 failed, best \d+\.\d+, 0 running, pack epoch \d+ done, "
+    assert re.search(r"^\[movielens-100k/topk\] 3/3 done, 0 failed, best \d+\.\d+, 0 running in a pack of [123], pack epoch \d+ done, "
                      r"elapsed \S+, ETA \S+$", out, re.M), out
     trials = trials_of(url, "movielens-100k/topk")
     assert len(trials) == 3
@@ -574,8 +574,9 @@ def test_three_workers_on_postgres_evaluate_each_configuration_once(pg_study) ->
     assert len(planned) == 6  # no second evaluation of any configuration, no failure
     out = (tmp / "workers.out").read_text()
     assert "3 worker(s)" in out and re.search(r"\[three-workers\] 6/6 done, 0 failed", out), out
-    done = [int(n) for n in re.findall(r"^\[three-workers\] (\d)/6 done", out, re.M)]
-    # each worker prints when its trials end (a pack's may end together; three processes may repeat a count)
+    done = [int(n) for n in re.findall(r"^\[three-workers\] (\d)/6 done, .*, pack epoch \d+ done, ", out, re.M)]
+    # each worker prints when its trials end (a pack's may end together; three processes may repeat a count), and
+    # as its first pack epoch starts (0/6 done, ..., pack epoch 1 0%)
     assert len(done) >= 3 and max(done) == 6 and min(done) >= 1
     err = (tmp / "workers.err").read_text()
     assert "Traceback" not in err and "GPU available" not in err  # spawned workers are as quiet as one

@@ -141,11 +141,11 @@ def test_tune_at_a_terminal_shows_a_bar_within_the_first_pack_epoch(tiny_root: P
     bars = [line for line in screens if line.startswith("[movielens-100k/topk]") and "%|" in line]
     assert bars, screens
     first = next(line for line in bars if "pack epoch" in line)  # drawn as the first pack epoch starts
-    assert re.fullmatch(r"\[movielens-100k/topk\]   0%\| {10}\| 00:0\d<\?, 0/2 done, 0 failed, best n/a, 2 running, "
-                        r"pack epoch 1 0%", first), first  # and it moves within that epoch:
+    assert re.fullmatch(r"\[movielens-100k/topk\]   0%\| {10}\| 00:0\d<\?, 0/2 done, 0 failed, best n/a, 2 running "
+                        r"in a pack of 2, pack epoch 1 0%", first), first  # and it moves within that epoch:
     assert any(re.search(r"\| 00:\d\d<\d\d:\d\d, 0/2 done, .* pack epoch 1 [1-9]\d%$", line) for line in bars), bars
     assert re.fullmatch(r"\[movielens-100k/topk\] 100%\|█{10}\| \d\d:\d\d<00:00, 2/2 done, 0 failed, best \d\.\d+, "
-                        r"0 running, pack epoch 2 done", bars[-1]), bars[-1]
+                        r"0 running in a pack of 2, pack epoch 2 done", bars[-1]), bars[-1]
     assert screens[-1] == "study 'movielens-100k/topk': 2 complete, 0 failed, 0 waiting", screens
     assert not [line for line in screens if line not in bars and line.startswith("[movielens-100k/topk]")]
     assert "\x1b[" not in output.decode()  # no colour codes

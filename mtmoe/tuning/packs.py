@@ -348,11 +348,11 @@ class PackProgress(Callback):
 
     def status(self) -> str:
         engine = self.module.engine if self.module is not None else None
-        running = len(engine.running) if engine is not None else 0
+        running = f"{len(engine.running)} running in a pack of {engine.capacity}" if engine is not None else "0 running"
         best = "n/a" if self.best is None else f"{self.best:.5g}"
         epoch = (f"pack epoch {self.epochs} done" if self.epochs and not self.batch else
                  f"pack epoch {self.epochs + 1} {100 * self.batch // self.batches}%")
-        return f"{self.done}/{self.total} done, {self.failed} failed, best {best}, {running} running, {epoch}"
+        return f"{self.done}/{self.total} done, {self.failed} failed, best {best}, {running}, {epoch}"
 
     def show(self, force: bool = False) -> None:
         """Refresh the bar (at most every tenth of a second), or print a line if ``every`` seconds have passed;
