@@ -306,8 +306,7 @@ ANSWERED_WITHOUT_TORCH = {  # argv -> exit code, the error line's text (None: no
     ("tune", "--gate", "topk", "--data", "nope"): (2, "unknown dataset 'nope'"),
     ("tune", "--gate", "topk", "--data", "movielens", "--tri", "3"): (2, "did you mean --trials?"),
     ("fit", "--gate", "comt+"): (2, "unknown gate 'comt+'; valid gates: comet, "),
-    ("fit", "--data", "movielens", "--gate=comt+"): (2, "(append '+' for permutation local search, e.g. comet+); "
-                                                      "did you mean comet+?"),
+    ("fit", "--data", "movielens", "--gate=comt+"): (2, "names a gate class of your own); did you mean comet+?"),
     ("fit", "--gate", "topk", "--data", "movielen"): (2, "unknown dataset 'movielen'; valid datasets: books, "),
     ("test", "--data=movielen", "--ckpt_path", "x.ckpt"): (2, "did you mean movielens?"),
     ("validate", "--gate"): (2, "--gate needs a value"),
