@@ -20,12 +20,13 @@ import sys
 from argparse import ArgumentError
 
 from mtmoe import interrupts
+from mtmoe.arguments import check_arguments
 from mtmoe.data import DATASETS
 from mtmoe.errors import OneLineParser, TrainingDiverged, UsageError
 from mtmoe.gate_names import split_gate_name
 
 # Each command imports what it needs when it runs: help and the listings import neither Lightning nor Optuna's
-# storages, and the listing of datasets not even torch.
+# storages, the listing of datasets not even torch, and a fit's mistyped names (mtmoe.arguments) neither.
 
 COMMANDS = {
     "fit": "train a gate on a dataset to early stopping; val and test results of the best epoch's weights",
@@ -155,6 +156,7 @@ def main(argv: list[str] | None = None) -> None:
                                 help="the data root to look in (default: $MTMOE_DATA, else ~/.cache/mtmoe/data)")
             print_datasets(parser.parse_args(args).root)
         elif command in ("fit", "validate", "test"):
+            check_arguments(args)  # a mistyped name is answered before torch and Lightning are imported
             from mtmoe.run import run_lightning
 
             run_lightning(argv)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import sys
 from collections.abc import Iterable
 
 
@@ -16,11 +17,25 @@ class TrainingDiverged(RuntimeError):
 
 class OneLineParser(argparse.ArgumentParser):
     """An argparse parser of the command line's argparse commands: every parse error (a missing required flag too,
-    which ``exit_on_error=False`` does not cover before Python 3.12) is a one-line :class:`UsageError`, and an
-    abbreviated option (``--max`` for ``--max-budget``) is refused, not expanded."""
+    which ``exit_on_error=False`` does not cover before Python 3.12) is a one-line :class:`UsageError`, an
+    abbreviated option (``--max`` for ``--max-budget``) is refused, not expanded, and ``--max_budget`` is
+    ``--max-budget``."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **{"exit_on_error": False, "allow_abbrev": False, **kwargs})
+
+    def parse_known_args(self, args=None, namespace=None):
+        """Both spellings of an option: ``--study_name`` (the style of ``fit``'s ``--trainer.max_epochs``) is
+        ``--study-name``; help shows the hyphen."""
+        args = sys.argv[1:] if args is None else args
+        return super().parse_known_args([self._canonical(arg) for arg in args], namespace)
+
+    def _canonical(self, arg: str) -> str:
+        flag, eq, value = arg.partition("=")
+        hyphens = "--" + flag[2:].replace("_", "-")
+        if flag.startswith("--") and flag not in self._option_string_actions and hyphens in self._option_string_actions:
+            return hyphens + eq + value
+        return arg
 
     def error(self, message: str):
         raise UsageError(f"{self.prog.removeprefix('python -m mtmoe ')}: {message}")
@@ -36,3 +51,10 @@ def did_you_mean(given: str, options: Iterable[str]) -> str:
     if not close:
         return ""
     return f": did you mean {close[0]}?" + (" (options are not abbreviated)" if close[0].startswith(given) else "")
+
+
+def suggestion(given: str, names: Iterable[str], suffix: str = "") -> str:
+    """``; did you mean NAME?`` for a mistyped name ``given`` close to one of ``names`` (gates, datasets), else
+    ``""``; ``suffix`` is appended to the name (a gate's "+")."""
+    close = difflib.get_close_matches(given, list(names), n=1)
+    return f"; did you mean {close[0]}{suffix}?" if close else ""

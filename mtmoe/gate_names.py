@@ -9,9 +9,11 @@ from collections.abc import Collection
 from functools import cache
 
 from mtmoe.discovery import registered
-from mtmoe.errors import UsageError
+from mtmoe.errors import UsageError, suggestion
 
 PLUS = "+"
+#: E_perm of a "+" gate unless one is given: Table 1's value.
+PLUS_PERM_EPOCHS = 5
 
 
 def split_gate_name(name: str) -> tuple[str, bool]:
@@ -38,4 +40,5 @@ def check_gate_name(name: str, gates: Collection[str] | None = None, plus: bool 
     base, has_plus = split_gate_name(name)
     if (has_plus and not plus) or (base not in gates and ":" not in base):
         raise UsageError(f"unknown gate {name!r}; valid gates: {', '.join(sorted(gates))} (append '+' for "
-                         "permutation local search, e.g. comet+; module:Class names a gate class of your own)")
+                         "permutation local search, e.g. comet+; module:Class names a gate class of your own)"
+                         f"{suggestion(base, gates, PLUS if has_plus and plus else '')}")

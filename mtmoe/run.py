@@ -43,12 +43,14 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from mtmoe.data import DATASETS, dataset_path
+from mtmoe.arguments import UNSUPPORTED_TRAINER_SETTINGS, translate_shortcuts
+from mtmoe.data import DATASETS
 from mtmoe.data.base import InMemoryDataModule
+from mtmoe.data.layout import data_root
 from mtmoe.dataset_info import DatasetInfo
 from mtmoe.errors import TrainingDiverged, UsageError, did_you_mean
 from mtmoe.files import write_atomic
-from mtmoe.gates import PLUS_PERM_EPOCHS, gate_class, list_gates, parse_gate_name
+from mtmoe.gates import gate_class, list_gates
 from mtmoe.interrupts import Interrupted
 from mtmoe.lit.module import MultiTaskMoE
 from mtmoe.lit.outputs import AtomicCheckpointIO, RunCheckpoint, RunLogger, run_checkpoints
@@ -59,6 +61,8 @@ from mtmoe.run_settings import (
 )
 
 LIGHTNING_COMMANDS = ("fit", "validate", "test")
+USAGE = {"fit": "--gate NAME --data NAME [--ckpt_path PATH]", "validate": "--ckpt_path PATH [--data NAME]",
+         "test": "--ckpt_path PATH [--data NAME]"}
 #: The splits of ``--trainer.limit_{split}_batches``, typed integer first (the signature's ``Optional[Union[int,
 #: float]]`` reaches jsonargparse float first, where ``1`` would parse as ``1.0``, all batches).
 BATCH_LIMITS = ("train", "val", "test", "predict")
@@ -129,6 +133,11 @@ class MTMoECLI(LightningCLI):
             f"NAME: a registered dataset, one of {', '.join(sorted(DATASETS))} (python -m mtmoe datasets); or a "
             "DataModule's class path, or a config. Its arguments: --data.ARG VALUE.")
 
+    def _add_subcommands(self, parser: LightningArgumentParser, **kwargs: Any) -> None:
+        super()._add_subcommands(parser, **kwargs)
+        for subparser in parser._subcommands_action._name_parser_map.values():
+            honoured_help(subparser)
+
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         self.named = {arg[2:].partition("=")[0] for arg in args if arg.startswith("--")}
         try:
@@ -162,7 +171,8 @@ class MTMoECLI(LightningCLI):
             flags = {flag: True for flag in self.print_config.split(",") if flag}
             if set(flags) - {"skip_default", "skip_unset"}:
                 raise UsageError(f"--print_config takes skip_default, skip_unset, got {self.print_config!r}")
-            sys.stdout.write(self._parser(self.subcommand).dump(config, **{"skip_unset": False, **flags}))
+            sys.stdout.write(self._parser(self.subcommand).dump(shown_config(config), **{"skip_unset": False,
+                                                                                         **flags}))
             sys.exit(0)
         check_run_settings(config, self.subcommand)
 
@@ -216,6 +226,28 @@ class MTMoECLI(LightningCLI):
             self.trainer.fit(model, datamodule=datamodule, **kwargs)
             self.trainer.test(model, datamodule=datamodule, verbose=False)
             self.report(model, datamodule, self.fit_summary(model))
+            self.log_settings(self.results)
+
+    def log_settings(self, results: dict[str, Any]) -> None:
+        """The run's settings (as ``--print_config`` shows them) as every logger's hyperparameters (its
+        ``hparams.yaml``); TensorBoard also gets the final validation and test results as the metrics of its HPARAMS
+        tab (``hparams/val/loss``, ``hparams/test/loss``, ...)."""
+        from lightning.fabric.loggers import TensorBoardLogger
+        from lightning.pytorch.core.saving import save_hparams_to_yaml
+
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        settings = yaml.safe_load(self._parser(self.subcommand).dump(shown_config(config)))
+        params = {"gate": results["gate"], "dataset": results["dataset"], **settings}
+        metrics = {f"hparams/{split}/{key}": value for split in ("val", "test")
+                   for key, value in results.get(split, {}).items() if isinstance(value, float)}
+        for logger in self.trainer.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                logger.log_hyperparams(params, metrics)
+            else:
+                logger.log_hyperparams(params)
+            logger.finalize("success")  # write them: the loggers were finalised when the test ended
+            if isinstance(logger, TensorBoardLogger):  # its save() keeps the hparams.yaml written then, empty
+                save_hparams_to_yaml(Path(logger.log_dir) / "hparams.yaml", logger.hparams)
 
     def validate(self, model: MultiTaskMoE, datamodule: InMemoryDataModule, **kwargs: Any) -> None:
         self.evaluate(self.trainer.validate, model, datamodule, **kwargs)
@@ -299,6 +331,17 @@ class MTMoECLI(LightningCLI):
                 print(f"{which} checkpoint: {checkpoint} ({meaning[which]})")
 
 
+def shown_config(config: Namespace) -> Namespace:
+    """The configuration as ``--print_config`` shows it: a data root left unset (``$MTMOE_DATA``, else the user's
+    cache) as the folder in force. The run's own ``config.yaml`` keeps it unset, to follow ``$MTMOE_DATA`` where it
+    runs again."""
+    shown = copy.deepcopy(config)
+    data = shown.get("data")
+    if data is not None and "root" in data.get("init_args", Namespace()) and data.init_args.root is None:
+        data.init_args.root = str(data_root())
+    return shown
+
+
 def weights_evaluated(results: dict[str, Any]) -> str:
     """Which weights the results are of, in words."""
     if "checkpoint" in results:
@@ -320,6 +363,29 @@ def format_results(results: dict[str, Any]) -> str:
         cells = [f"{results[s][key]:>10.4f}" if key in results[s] else f"{'':>10}" for s in splits]
         lines.append(f"{key:<{width}}  " + "  ".join(cells))
     return "\n".join(lines)
+
+
+def honoured_help(parser: LightningArgumentParser) -> None:
+    """``--help`` lists what a run honours, the shortcuts first: the trainer settings the engine does not honour
+    (refused unless left at the honoured value), the dataset description the data links to the model and
+    ``--verbose`` (the results table replaces Lightning's) are not shown; the trainer's group comes last."""
+    hidden = ("--model.info", "--verbose", *(f"--trainer.{key}" for key in UNSUPPORTED_TRAINER_SETTINGS))
+    for option, action in parser._option_string_actions.items():
+        if option.removesuffix("+").removesuffix(".help") in hidden:
+            action.help = argparse.SUPPRESS
+    checkpoint = parser._option_string_actions["--ckpt_path"]
+    checkpoint.help = ("the checkpoint to evaluate (validate, test) or to resume a fit from "
+                       "(runs/lightning_logs/version_N/checkpoints/best.ckpt or last.ckpt)")
+    parser._option_string_actions["--weights_only"].help = ("torch.load's weights_only for --ckpt_path (mtmoe's "
+                                                            "checkpoints load with true)")
+    groups = parser._action_groups
+    shortcuts = next(group for group in groups if group.title == "shortcuts")
+    checkpoint_group = next(group for group in groups if checkpoint in group._group_actions)
+    checkpoint_group.title = "checkpoint"
+    trainer = next(group for group in groups if any(a.dest.startswith("trainer.") for a in group._group_actions))
+    trainer.title = "trainer: Lightning's settings that a run honours"
+    rest = [group for group in groups if group not in (shortcuts, checkpoint_group, trainer)]
+    groups[:] = [shortcuts, checkpoint_group, *rest, trainer]
 
 
 class Shortcut(argparse.Action):
@@ -419,37 +485,6 @@ def checkpoint_dataset(args: list[str]) -> list[str]:
     return args if dataset not in DATASETS else [args[0], f"--data={DATASETS[dataset]}", *args[1:]]
 
 
-def translate_shortcuts(argv: list[str]) -> list[str]:
-    """``--gate NAME`` -> ``--model.gate CLASS``, ``--data NAME`` -> ``--data CLASS``; unknown names fail here, and
-    so does ``--model.perm_epochs`` with a gate named without "+" (it would make the "+" variant)."""
-    out: list[str] = []
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        flag, eq, value = arg.partition("=")
-        if flag in ("--gate", "--data") and not eq:
-            if i + 1 >= len(argv):
-                raise UsageError(f"{flag} needs a value")
-            value, i = argv[i + 1], i + 1
-        if flag == "--gate":  # "NAME+": the gate with local search (E_perm = 5 unless --model.perm_epochs is given)
-            cls, plus = parse_gate_name(value)
-            out.append(f"--model.gate={cls.__module__}.{cls.__qualname__}")
-            perm_epochs = any(a.startswith("--model.perm_epochs") for a in argv)
-            if perm_epochs and not plus:
-                raise UsageError(f"--model.perm_epochs adds local search to {value}: pass --gate {value}+ for that, "
-                                 f"or drop --model.perm_epochs")
-            if plus and not perm_epochs:
-                out.append(f"--model.perm_epochs={PLUS_PERM_EPOCHS}")
-        elif flag == "--data" and "." not in value:
-            out.append(f"--data={dataset_path(value)}")
-        elif flag == "--data":
-            out.append(f"--data={value}")
-        else:
-            out.append(arg)
-        i += 1
-    return out
-
-
 def _cli(argv: list[str], run: bool) -> MTMoECLI:
     """The ``MTMoECLI`` of ``argv`` (shortcuts allowed); ``run=True`` runs its subcommand, ``False`` only builds."""
     quiet_lightning()
@@ -474,8 +509,10 @@ def _cli(argv: list[str], run: bool) -> MTMoECLI:
             },
             save_config_kwargs={"overwrite": True},
             parser_kwargs={"exit_on_error": False, "allow_abbrev": False, "prog": "python -m mtmoe",
-                           **{c: {"exit_on_error": False, "allow_abbrev": False, "description": DESCRIPTIONS[c]}
-                              for c in LIGHTNING_COMMANDS}},
+                           **{c: {"exit_on_error": False, "allow_abbrev": False, "description": DESCRIPTIONS[c],
+                                  "usage": f"python -m mtmoe {c} {USAGE[c]} [-c CONFIG] [--print_config]\n       [--model.* ...] "
+                                           "[--data.* ...] [--early_stopping.* ...] [--trainer.* ...] "
+                                           "[--seed_everything N]"} for c in LIGHTNING_COMMANDS}},
             auto_configure_optimizers=False,
         )
     finally:

@@ -5,7 +5,8 @@
 * :func:`read_checkpoint`, :func:`given_model_settings` and :func:`disagreements`: ``--ckpt_path``'s checkpoint
   decides the model; the settings a user gave must agree with it;
 * :func:`check_run_settings`: settings Lightning accepts that make a command meaningless, and the trainer settings
-  the training engine does not honour (:data:`UNSUPPORTED_TRAINER_SETTINGS`; the same list for ``fit`` and ``tune``).
+  the training engine does not honour (:data:`mtmoe.arguments.UNSUPPORTED_TRAINER_SETTINGS`; the same list for
+  ``fit`` and ``tune``).
 * :func:`check_loggers`: a logger whose package is not installed (TensorBoard: mtmoe's ``tensorboard`` extra).
 
 Each problem is a :class:`~mtmoe.errors.UsageError`: one line, exit code 2 at the command line.
@@ -22,29 +23,13 @@ from typing import Any
 import torch
 from jsonargparse import Namespace
 
+from mtmoe.arguments import UNSUPPORTED_TRAINER_SETTINGS, unsupported_setting
 from mtmoe.dataset_info import DatasetInfo
 from mtmoe.errors import UsageError
 from mtmoe.losses import task_weights
 
 #: Model settings whose ``None`` stands for the dataset's value (Supplement S1.2; ``mtmoe.mmoe.build_mmoe``).
 DATASET_SETTINGS = ("n_experts", "embedding_dim", "expert_units", "tower_units", "expert_dropout")
-#: Trainer settings the training engine (``mtmoe.pack.engine``, for ``fit`` and every packed trial alike) does not
-#: honour, with the value that is honoured and why: each is refused in one line unless it has that value. Every other
-#: ``--trainer.*`` setting is honoured (the loop is Lightning's).
-UNSUPPORTED_TRAINER_SETTINGS = {
-    "fast_dev_run": (False, "use --trainer.limit_train_batches, limit_val_batches and limit_test_batches"),
-    "min_epochs": (None, "each trial stops by its own early stopping"),
-    "max_steps": (-1, "a trial's budget is --trainer.max_epochs"),
-    "min_steps": (None, "each trial stops by its own early stopping"),
-    "max_time": (None, "a trial's budget is --trainer.max_epochs"),
-    "overfit_batches": (0.0, "use --trainer.limit_train_batches"),
-    "val_check_interval": (None, "trials are validated at the end of epochs (--trainer.check_val_every_n_epoch)"),
-    "accumulate_grad_batches": (1, "the engine's step is one batch, one update (use --data.batch_size)"),
-    "gradient_clip_val": (None, "the paper's Adam has no clipping"),
-    "gradient_clip_algorithm": (None, "the paper's Adam has no clipping"),
-    "reload_dataloaders_every_n_epochs": (0, "the splits stay on the device"),
-    "plugins": (None, "the engine trains in precision 32 or bf16-mixed on one device"),
-}
 ENGINE_PRECISIONS = ("32", "32-true", "bf16-mixed")
 TENSORBOARD_EXTRA = "pip install 'mtmoe[tensorboard]'"
 
@@ -152,10 +137,10 @@ def warn_about_precision(trainer: Namespace) -> None:
 
 def check_trainer_settings(trainer: Namespace) -> None:
     """The trainer settings the training engine cannot honour: one line naming the setting."""
-    for key, (honoured, why) in UNSUPPORTED_TRAINER_SETTINGS.items():
-        value = trainer.get(key, honoured)
-        if value != honoured and not (key == "val_check_interval" and value == 1.0):
-            raise UsageError(f"--trainer.{key} {value} is not supported by mtmoe's training engine: {why}")
+    for key in UNSUPPORTED_TRAINER_SETTINGS:
+        problem = unsupported_setting(key, trainer[key]) if key in trainer else None
+        if problem:
+            raise UsageError(problem)
     if str(trainer.precision) not in (*ENGINE_PRECISIONS, "None"):
         raise UsageError(f"--trainer.precision {trainer.precision} is not supported by mtmoe's training engine: "
                          f"train in {' or '.join(ENGINE_PRECISIONS)}")

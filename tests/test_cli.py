@@ -19,6 +19,7 @@ from torchvision.datasets import MNIST, SVHN
 from conftest import run_cli
 from image_fixtures import write_mnist
 
+from mtmoe.arguments import UNSUPPORTED_TRAINER_SETTINGS
 from mtmoe.data import DATASETS
 from mtmoe.data.layout import MNIST_SOURCES, SVHN as SVHN_FILES
 from mtmoe.errors import UsageError
@@ -129,6 +130,39 @@ def test_print_config_shows_the_values_in_force(tiny_root: Path, capsys) -> None
     assert model["alpha"] == 0.9 and model["n_experts"] == 16 and model["gate"]["init_args"]["k"] == 2
     assert (model["embedding_dim"], model["expert_units"], model["expert_dropout"]) == (128, 256, 0.5)
     assert not Path("runs").exists()
+
+
+def test_print_config_shows_the_data_root_in_force(tiny_root: Path, monkeypatch, capsys) -> None:
+    """Before: ``data.root: null`` with $MTMOE_DATA set. The run's config.yaml keeps it unset (it follows
+    $MTMOE_DATA where it runs again)."""
+    monkeypatch.setenv("MTMOE_DATA", str(tiny_root))
+    argv = [arg for arg in fit(tiny_root) if not arg.startswith("--data.root")]
+    assert run_cli([*argv, "--print_config"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["data"]["init_args"]["root"] == str(tiny_root)
+    monkeypatch.delenv("MTMOE_DATA")
+    monkeypatch.setenv("HOME", str(tiny_root.parent))
+    assert run_cli([*argv, "--print_config"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["data"]["init_args"]["root"] == str(
+        tiny_root.parent / ".cache" / "mtmoe" / "data")
+    assert run_cli([*fit(tiny_root), "--print_config"]) == 0  # --data.root as given
+    assert yaml.safe_load(capsys.readouterr().out)["data"]["init_args"]["root"] == str(tiny_root)
+
+
+def test_options_take_either_spelling(tiny_root: Path, capsys) -> None:
+    """fit's keys are Python names (--trainer.max_epochs), tune's/report's/bootstrap's own options hyphenated
+    (--study-name): each command takes the other spelling too."""
+    from mtmoe.tuning.bootstrap_report import parse_bootstrap_args
+    from mtmoe.tuning.study import parse_tune_args
+
+    assert run_cli([*fit(tiny_root), "--trainer.max-epochs=3", "--early-stopping.patience", "4", "--print_config"]) == 0
+    config = yaml.safe_load(capsys.readouterr().out)
+    assert config["trainer"]["max_epochs"] == 3 and config["early_stopping"]["patience"] == 4
+    args, overrides = parse_tune_args(["--gate", "topk", "--data", "movielens", "--study_name", "s", "--log_dir=d",
+                                       "--trainer.max_epochs=2"])
+    assert (args.study_name, args.log_dir, overrides) == ("s", "d", ["--trainer.max_epochs=2"])
+    assert parse_bootstrap_args(["--data", "movielens", "--max_budget", "7"])[0].max_budget == 7
+    with pytest.raises(UsageError, match="did you mean --max-budget"):
+        parse_bootstrap_args(["--data", "movielens", "--max_budgets", "7"])
 
 
 def test_perm_epochs_on_a_gate_without_plus_names_the_plus_gate(tiny_root: Path, capsys) -> None:
@@ -271,6 +305,15 @@ ANSWERED_WITHOUT_TORCH = {  # argv -> exit code, the error line's text (None: no
     ("tune", "--gate", "nope", "--data", "movielens"): (2, "unknown gate 'nope'; valid gates: comet, "),
     ("tune", "--gate", "topk", "--data", "nope"): (2, "unknown dataset 'nope'"),
     ("tune", "--gate", "topk", "--data", "movielens", "--tri", "3"): (2, "did you mean --trials?"),
+    ("fit", "--gate", "comt+"): (2, "unknown gate 'comt+'; valid gates: comet, "),
+    ("fit", "--data", "movielens", "--gate=comt+"): (2, "names a gate class of your own); did you mean comet+?"),
+    ("fit", "--gate", "topk", "--data", "movielen"): (2, "unknown dataset 'movielen'; valid datasets: books, "),
+    ("test", "--data=movielen", "--ckpt_path", "x.ckpt"): (2, "did you mean movielens?"),
+    ("validate", "--gate"): (2, "--gate needs a value"),
+    ("fit", "--gate", "topk", "--model.perm_epochs", "3"): (2, "--model.perm_epochs adds local search to topk"),
+    ("fit", "--gate", "topk", "--trainer.max_steps", "5"): (2, "--trainer.max_steps 5 is not supported by mtmoe's "
+                                                              "training engine: a trial's budget is"),
+    ("fit", "--gate", "topk", "--trainer.gradient_clip_val=1"): (2, "--trainer.gradient_clip_val 1 is not supported"),
 }
 
 
@@ -348,6 +391,19 @@ def test_datasets_lists_the_files_each_datamodule_reads(tmp_path: Path, capsys) 
         assert f"missing {root / first}:" in str(error.value), (name, rows[name])
     assert [Path(name).stem for name, _ in MNIST.resources] == list(MNIST_SOURCES["MNIST"].files)  # torchvision's
     assert [SVHN.split_list[part][1] for part in ("train", "test", "extra")] == list(SVHN_FILES.files)
+
+
+@pytest.mark.parametrize("command", ["fit", "validate", "test"])
+def test_run_help_lists_what_a_run_honours_shortcuts_first(command: str, capsys) -> None:
+    assert run_cli([command, "--help"]) == 0
+    out = capsys.readouterr().out
+    groups = re.findall(r"^(\S.*):\n  -", out, re.MULTILINE)  # a group's title, then its first option
+    assert groups[0] == "shortcuts" and groups[-1] == "trainer: Lightning's settings that a run honours"
+    for key in UNSUPPORTED_TRAINER_SETTINGS:  # refused by the engine: not offered
+        assert f"--trainer.{key}" not in out, key
+    assert "--model.info" not in out and "registry:model-name" not in out and "--trainer.max_epochs" in out
+    assert out.startswith(f"usage: python -m mtmoe {command} ") and len(out.splitlines()[0]) < 100
+    assert len(out.splitlines()) < 450
 
 
 def test_fit_help_lists_the_shortcuts_with_their_choices(capsys) -> None:

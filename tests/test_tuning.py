@@ -323,9 +323,10 @@ def test_sqlite_study_resume_reproducible_and_report(tiny_root: Path, tmp_path: 
     url, logs = f"sqlite:///{tmp_path / 's.db'}", tmp_path / "runs"
     args = tune_args(url, tiny_root, logs, "--trainer.max_epochs=2", *TINY[1:], trials=3)
     assert run_cli(args) == 0
-    out = capsys.readouterr().out
-    assert re.search(r"^\[movielens-100k/topk\] 3/3 done, 0 failed, best \d+\.\d+, ETA \S+ \(0 running in a pack of [123], "
-                     r"pack epoch \d+, \S+\)$", out, re.M), out
+    out, err = capsys.readouterr()
+    assert "%|" not in err and "\r" not in out + err  # not a terminal: plain lines, no bar
+    assert re.search(r"^\[movielens-100k/topk\] 3/3 done, 0 failed, best \d+\.\d+, 0 running in a pack of [123], pack epoch \d+ done, "
+                     r"elapsed \S+, ETA \S+$", out, re.M), out
     trials = trials_of(url, "movielens-100k/topk")
     assert len(trials) == 3
     assert_each_config_once(trials, 3)
@@ -368,6 +369,7 @@ def test_sqlite_study_resume_reproducible_and_report(tiny_root: Path, tmp_path: 
     assert table7["watch AUC mean"] == pytest.approx(100 * best.user_attrs["test/watch/auroc"])
     assert table7["rating MSE mean"] == pytest.approx(best.user_attrs["test/rating/mse"])
     assert f"{100 * best.user_attrs['test_loss']:.2f} ± n/a" in printed
+    assert "Test loss ×10⁻², as the paper writes it: in hundredths" in printed and "(×100)" not in printed
     assert (tmp_path / "rep" / "report.md").read_text() in printed
 
 
@@ -419,7 +421,8 @@ def test_diverged_trial_is_failed_with_reason_and_not_retried(tiny_root: Path, t
     url = f"sqlite:///{tmp_path / 'nan.db'}"
     args = tune_args(url, tiny_root, tmp_path / "runs", *TINY, "--space", str(space_path), "--seed", str(seed))
     assert run_cli(args) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert "%|" not in err and "\r" not in out + err  # not a terminal: plain lines, no bar
     assert re.search(r"^\[movielens-100k/topk\] 3/3 done, 1 failed, best \d", out, re.M), out
     trials = trials_of(url, "movielens-100k/topk")
     diverged = [t for t in trials if t.state == TrialState.FAIL]
@@ -571,8 +574,9 @@ def test_three_workers_on_postgres_evaluate_each_configuration_once(pg_study) ->
     assert len(planned) == 6  # no second evaluation of any configuration, no failure
     out = (tmp / "workers.out").read_text()
     assert "3 worker(s)" in out and re.search(r"\[three-workers\] 6/6 done, 0 failed", out), out
-    done = [int(n) for n in re.findall(r"^\[three-workers\] (\d)/6 done", out, re.M)]
-    # each worker prints when its trials end (a pack's may end together; three processes may repeat a count)
+    done = [int(n) for n in re.findall(r"^\[three-workers\] (\d)/6 done, .*, pack epoch \d+ done, ", out, re.M)]
+    # each worker prints when its trials end (a pack's may end together; three processes may repeat a count), and
+    # as its first pack epoch starts (0/6 done, ..., pack epoch 1 0%)
     assert len(done) >= 3 and max(done) == 6 and min(done) >= 1
     err = (tmp / "workers.err").read_text()
     assert "Traceback" not in err and "GPU available" not in err  # spawned workers are as quiet as one

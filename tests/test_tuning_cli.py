@@ -113,14 +113,17 @@ def test_help_documents_every_option(capsys, command: str, expected: list[str]) 
 # ---------------------------------------------------------------------------------------------------- 6: noise
 
 
-def test_tune_prints_progress_and_results_only(tiny_root: Path, tmp_path: Path) -> None:
-    """At a terminal (a pseudo-terminal here, where colours would show): before, Optuna's "A new study created in
-    memory with name: no-name-..." and a coloured "Trial N finished" line per trial, and Lightning's LeafSpec
-    deprecation warning once per trial, came between the progress lines."""
-    args = tune_args(f"sqlite:///{tmp_path / 's.db'}", tiny_root, tmp_path / "runs", *TINY, trials=2)
+def test_tune_at_a_terminal_shows_a_bar_within_the_first_pack_epoch(tiny_root: Path, tmp_path: Path) -> None:
+    """At a terminal (a pseudo-terminal here, where colours would show): a packed tune shows a progress bar, first
+    drawn when the first pack epoch starts, and the libraries' chatter stays away. Before: Optuna's "A new study
+    created in memory with name: no-name-..." and a coloured "Trial N finished" line per trial, and Lightning's
+    LeafSpec deprecation warning once per trial, came between the progress lines; then 4 lines in 665 s."""
+    args = tune_args(f"sqlite:///{tmp_path / 's.db'}", tiny_root, tmp_path / "runs", "--trainer.max_epochs=2",
+                     "--trainer.limit_val_batches=2", "--trainer.limit_test_batches=2", "--data.batch_size=8",
+                     "--pack", "2", trials=2)  # epochs of ~60 steps: the bar is redrawn within them
     leader, follower = pty.openpty()
     proc = subprocess.Popen([sys.executable, "-m", "mtmoe", *args], cwd=tmp_path, stdout=follower, stderr=follower,
-                            env=subprocess_env(tmp_path, tiny_root, TERM="xterm-256color"))
+                            env=subprocess_env(tmp_path, tiny_root, TERM="xterm-256color", COLUMNS="160"))
     os.close(follower)
     output = b""
     while True:
@@ -133,12 +136,16 @@ def test_tune_prints_progress_and_results_only(tiny_root: Path, tmp_path: Path) 
         output += chunk
     os.close(leader)
     assert proc.wait(timeout=120) == 0, output.decode()[-3000:]
-    lines = output.decode().replace("\r\n", "\n").strip().splitlines()
-    assert lines[0].startswith("study 'movielens-100k/topk': 2 configurations, settings: data.batch_size=64, ")
-    assert re.fullmatch(r"--pack auto: packs of [12] \(\d+\.\d trial-steps/s measured on cpu\)", lines[1]), lines
-    progress = [re.sub(r"best \S+, ETA \S+ \(.*\)", "best B, ETA E (pack P)", line) for line in lines[2:]]
-    assert progress[-2:] == [
-        "[movielens-100k/topk] 2/2 done, 0 failed, best B, ETA E (pack P)",
-        "study 'movielens-100k/topk': 2 complete, 0 failed, 0 waiting",
-    ], lines
+    screens = [line.strip() for line in re.split(r"[\r\n]+", output.decode()) if line.strip()]
+    assert screens[0].startswith("study 'movielens-100k/topk': 2 configurations, settings: data.batch_size=8, ")
+    bars = [line for line in screens if line.startswith("[movielens-100k/topk]") and "%|" in line]
+    assert bars, screens
+    first = next(line for line in bars if "pack epoch" in line)  # drawn as the first pack epoch starts
+    assert re.fullmatch(r"\[movielens-100k/topk\]   0%\| {10}\| 00:0\d<\?, 0/2 done, 0 failed, best n/a, 2 running "
+                        r"in a pack of 2, pack epoch 1 0%", first), first  # and it moves within that epoch:
+    assert any(re.search(r"\| 00:\d\d<\d\d:\d\d, 0/2 done, .* pack epoch 1 [1-9]\d%$", line) for line in bars), bars
+    assert re.fullmatch(r"\[movielens-100k/topk\] 100%\|█{10}\| \d\d:\d\d<00:00, 2/2 done, 0 failed, best \d\.\d+, "
+                        r"0 running in a pack of 2, pack epoch 2 done", bars[-1]), bars[-1]
+    assert screens[-1] == "study 'movielens-100k/topk': 2 complete, 0 failed, 0 waiting", screens
+    assert not [line for line in screens if line not in bars and line.startswith("[movielens-100k/topk]")]
     assert "\x1b[" not in output.decode()  # no colour codes

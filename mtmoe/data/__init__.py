@@ -20,11 +20,12 @@ def dataset_paths() -> dict[str, str]:
 
 def dataset_path(name: str) -> str:
     """The import path of dataset ``name``'s DataModule; an unknown name is a one-line UsageError."""
-    from mtmoe.errors import UsageError
+    from mtmoe.errors import UsageError, suggestion
 
     paths = dataset_paths()
     if name not in paths:
-        raise UsageError(f"unknown dataset {name!r}; valid datasets: {', '.join(sorted(paths))}")
+        raise UsageError(f"unknown dataset {name!r}; valid datasets: {', '.join(sorted(paths))}"
+                         f"{suggestion(name, paths)}")
     return paths[name]
 
 

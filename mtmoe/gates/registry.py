@@ -12,12 +12,11 @@ from typing import Any
 
 from mtmoe.discovery import import_object
 from mtmoe.errors import UsageError
+from mtmoe.gate_names import PLUS_PERM_EPOCHS  # noqa: F401  (mtmoe.gates exports it from here)
 from mtmoe.gate_names import check_gate_name, gate_paths, plus_variant, split_gate_name
 from mtmoe.gates.base import Gate, GateDims, no_plus_variant
 
 _GATES: dict[str, type[Gate]] = {}  # the gates registered in this process (their modules imported)
-#: E_perm of a "+" gate unless one is given: Table 1's value.
-PLUS_PERM_EPOCHS = 5
 
 
 def register_gate(name: str):

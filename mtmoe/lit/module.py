@@ -351,8 +351,8 @@ class EvalBatches:
 class PackModule(EngineModule):
     """``tune --pack P``: trains the trials ``next_trial`` gives, P at a time, each slot refilled at the end of the
     epoch its trial ended in; ``finished`` receives every trial's result (its test results those of its best
-    weights, on ``limit_test_batches`` of the test split), ``on_epoch`` the module after each epoch (progress).
-    ``next_trial`` is asked at every epoch's end for every free slot (a trial a dead worker left may have come
+    weights, on ``limit_test_batches`` of the test split), ``on_epoch`` the module after each epoch, its free slots
+    refilled (progress). ``next_trial`` is asked at every epoch's end for every free slot (a trial a dead worker left may have come
     back); when it has none and a quarter of the slots stand empty, the pack shrinks to its running trials (each
     shrink captures the step's CUDA graphs again), and the fit stops when no trial is left.
 
@@ -414,9 +414,9 @@ class PackModule(EngineModule):
         ended = self.engine.end_epoch(self.val_results)
         for result in self.engine.finish(ended, self.test_batches()) if ended else []:
             self.finished(result)
+        self._refill()
         if self.on_epoch is not None:
             self.on_epoch(self)
-        self._refill()
         if not self.engine.running:
             self.trainer.should_stop = True
         elif 4 * len(self.engine.free_slots()) >= self.engine.capacity:

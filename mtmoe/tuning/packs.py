@@ -29,17 +29,22 @@ import json
 import math
 import os
 import queue
+import shutil
 import socket
+import sys
 import threading
 import time
 from functools import partial
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import optuna
 import torch
 from jsonargparse import Namespace
+from lightning.pytorch.callbacks import Callback
 from optuna.trial import TrialState
+from tqdm import tqdm
 
 from mtmoe.errors import UsageError
 from mtmoe.files import write_atomic
@@ -129,10 +134,10 @@ class PackWorker:
     """Claims, packs, trains and reports the waiting trials of one study, one structure at a time."""
 
     def __init__(self, study: optuna.Study, space: SearchSpace, overrides: list[str], seed: int, log_dir: Path,
-                 capacity: int | str, configurations: list[dict[str, Any]], reclaim=None) -> None:
+                 capacity: int | str, configurations: list[dict[str, Any]], reclaim=None, bar: bool = False) -> None:
         self.study, self.space, self.overrides, self.seed, self.log_dir = study, space, overrides, seed, log_dir
         self.capacity, self.reclaim = capacity, reclaim
-        self.progress = PackProgress(study, space.trials)
+        self.progress = PackProgress(study, space.trials, bar)
         self.keys = {config_id: pack_key(space, params) for config_id, params in enumerate(configurations)}
         self.heartbeats = Heartbeats(study._storage)
         self.running: dict[int, optuna.Trial] = {}  # trial id -> trial, claimed and not yet told
@@ -174,6 +179,7 @@ class PackWorker:
                              "trials run again when tune runs again") from None
         finally:
             self.heartbeats.stop()
+            self.progress.close()
 
     def _start(self, factory: TrialFactory, trial: optuna.Trial, params: dict[str, Any], config_id: int) -> Trial:
         """The trial of a claimed configuration, its configuration written as ``config-NNNN/config.yaml`` first
@@ -198,6 +204,7 @@ class PackWorker:
                                 run.config.model.cuda_graphs, run.config.model.fused_adam)
             # the structure's configuration (config.yaml) goes with the trials' logs, not into the working directory
             trainer = run.cli.instantiate_trainer(**PACK_TRAINER, default_root_dir=str(self.log_dir))
+            trainer.callbacks.append(self.progress)
             trainer.fit(module)
 
     def _release(self) -> None:
@@ -242,8 +249,8 @@ class PackWorker:
             self._report(trial, history[-1])  # its last epoch (the earlier ones were reported as they ended)
         objective = record_result(trial, seed, result.wall_time_s, result.results, result.diverged)
         if math.isnan(objective):
-            print(f"[{self.study.study_name}] trial {trial.number} (config_id {config_id}) failed: "
-                  f"{trial.user_attrs['fail_reason']}", flush=True)
+            self.progress.write(f"[{self.study.study_name}] trial {trial.number} (config_id {config_id}) failed: "
+                                f"{trial.user_attrs['fail_reason']}")
             self._tell(trial, state=TrialState.FAIL)
         else:
             self._tell(trial, values=objective)
@@ -305,32 +312,103 @@ class PackWorker:
         self.running.pop(trial._trial_id, None)
 
 
-class PackProgress:
-    """One line per pack epoch at most every ``every`` seconds, and whenever trials end: trials done / total, those
-    running in this pack and its epochs, failed, best so far, and an ETA from this worker's rate of finishing trials."""
+class PackProgress(Callback):
+    """``tune``'s progress, read at batch and epoch boundaries from host-side counters (nothing in a training step
+    waits for it): trials done / failed / running of N, the pack's epoch and how far into it, the best objective so
+    far, elapsed time and ETA. On a terminal (``bar``) a tqdm bar on stderr, refreshed as batches end; elsewhere a
+    plain line on stdout at most every ``every`` seconds and whenever trials end.
 
-    def __init__(self, study: optuna.Study, total: int, every: float = 10.0) -> None:
-        self.study, self.total, self.every = study, total, every
+    The bar counts trials, a running one by the share of its ``max_epochs`` it has trained (none if it runs until
+    early stopping), so it moves within the first pack epoch; the ETA is the rest at the average rate so far (an
+    upper bound where trials stop early). Done, failed and best are the study's, read at each epoch's end.
+    """
+
+    def __init__(self, study: optuna.Study, total: int, bar: bool, every: float = 10.0) -> None:
+        self.study, self.total, self.every, self.use_bar = study, total, every, bar
         self.start = self.last = time.perf_counter()
         self.finished, self.reported, self.epochs = 0, 0, 0
+        self.module: PackModule | None = None
+        self.batch, self.batches = 0, 1
+        self.done, self.failed, self.best = self._counts()
+        self.initial = self.done
+        self.bar: tqdm | None = None  # made when the first epoch starts (after --pack auto's line)
+
+    def _counts(self) -> tuple[int, int, float | None]:
+        self.counted = time.perf_counter()
+        counts = study_counts(self.study)
+        best = min((t.value for t in counts["complete"]), default=None)
+        return len(counts["complete"]) + len(counts["failed"]), len(counts["failed"]), best
+
+    def progress(self) -> float:
+        """Trials done, plus each running trial's trained share of its ``max_epochs``."""
+        running = self.module.engine.running if self.module is not None and self.module.engine is not None else []
+        share = sum(min(1.0, (trial.epochs_run + self.batch / self.batches) / trial.max_epochs)
+                    for _, trial in running if trial.max_epochs)
+        return min(self.total, self.done + share)
+
+    def status(self) -> str:
+        engine = self.module.engine if self.module is not None else None
+        running = f"{len(engine.running)} running in a pack of {engine.capacity}" if engine is not None else "0 running"
+        best = "n/a" if self.best is None else f"{self.best:.5g}"
+        epoch = (f"pack epoch {self.epochs} done" if self.epochs and not self.batch else
+                 f"pack epoch {self.epochs + 1} {100 * self.batch // self.batches}%")
+        return f"{self.done}/{self.total} done, {self.failed} failed, best {best}, {running}, {epoch}"
+
+    def show(self, force: bool = False) -> None:
+        """Refresh the bar (at most every tenth of a second), or print a line if ``every`` seconds have passed;
+        ``force``: now."""
+        now = time.perf_counter()
+        if not force and now - self.last < (0.1 if self.bar is not None else self.every):
+            return
+        self.last = now
+        progress = self.progress()
+        if self.bar is not None:
+            self.bar.n = progress
+            self.bar.set_postfix_str(self.status(), refresh=False)
+            self.bar.refresh()
+            return
+        rate = (progress - self.initial) / (now - self.start)
+        eta = time.strftime("%Hh%Mm%Ss", time.gmtime((self.total - progress) / rate)) if rate > 0 else "?"
+        elapsed = time.strftime("%Hh%Mm%Ss", time.gmtime(now - self.start))
+        print(f"[{self.study.study_name}] {self.status()}, elapsed {elapsed}, ETA {eta}", flush=True)
+
+    def write(self, line: str) -> None:
+        """A line of its own (a failed trial), above the bar if there is one."""
+        if self.bar is not None:
+            tqdm.write(line, file=sys.stdout)
+        else:
+            print(line, flush=True)
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, module: PackModule) -> None:
+        self.module, self.batch, self.batches = module, 0, max(1, int(trainer.num_training_batches))
+        if self.use_bar and self.bar is None:
+            size = shutil.get_terminal_size()  # 80x24 where the terminal does not say (tqdm would draw nothing)
+            self.bar = tqdm(total=self.total, initial=self.done, file=sys.stderr, ncols=size.columns,
+                            nrows=size.lines, smoothing=0, desc=f"[{self.study.study_name}]",
+                            bar_format="{desc} {percentage:3.0f}%|{bar:10}| {elapsed}<{remaining}{postfix}")
+        self.show(force=self.epochs == 0)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: PackModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self.batch = batch_idx + 1
+        self.show()
 
     def __call__(self, module: PackModule) -> None:
+        """The end of a pack epoch (its trials that ended already told): the study's counts read again when trials
+        ended here, else at most every ``every`` seconds (other workers' trials; a storage query)."""
         self.epochs += 1
-        now = time.perf_counter()
-        if now - self.last < self.every and self.finished == self.reported:
-            return
-        self.last, self.reported = now, self.finished
-        counts = study_counts(self.study)
-        done = len(counts["complete"]) + len(counts["failed"])
-        best = min((t.value for t in counts["complete"]), default=None)
-        rate = self.finished / (now - self.start)
-        eta = time.strftime("%Hh%Mm%Ss", time.gmtime((self.total - done) / rate)) if rate > 0 else "?"
-        engine = module.engine
-        elapsed = time.strftime("%Hh%Mm%Ss", time.gmtime(now - self.start))
-        print(f"[{self.study.study_name}] {done}/{self.total} done, {len(counts['failed'])} failed, best "
-              f"{'none complete yet' if best is None else f'{best:.5g}'}, ETA {eta} "
-              f"({len(engine.running)} running in a pack of {engine.capacity}, pack epoch {self.epochs}, {elapsed})",
-              flush=True)
+        self.batch = 0
+        if self.finished != self.reported or time.perf_counter() - self.counted >= self.every:
+            self.done, self.failed, self.best = self._counts()
+        self.show(force=self.finished != self.reported)
+        self.reported = self.finished
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.done, self.failed, self.best = self._counts()
+            self.bar.n = self.done
+            self.bar.set_postfix_str(self.status(), refresh=False)
+            self.bar.close()
 
 
 #: On a CPU, ``--pack auto`` measures packs of at most this many trials (a CPU's matmuls are saturated long before).

@@ -9,7 +9,7 @@ name, so ``.../alpha=0.1`` and ``.../alpha=0.9`` are separate rows, compared wit
   crash or an interrupt (failed without a reason, re-run on resume) and duplicates are not configurations and are
   ignored; each ``config_id`` counts once.
 * **Tables 2-3**: mean ± standard error (``s / sqrt(m)``, ``ddof=1``) of the selected trials' test loss, shown
-  ×10⁻² as in the paper (i.e. multiplied by 100), and of n/s (experts per sample, averaged over the task gates).
+  ×10⁻² as in the paper (in hundredths: 51.36 is a loss of 0.5136), and of n/s (experts per sample, averaged over the task gates).
 * **Significance**: one-sided unpaired Welch t-test ``scipy.stats.ttest_ind(a, b, alternative="less",
   equal_var=False)`` of each study's selected test losses against those of the best non-"+" baseline of the same
   dataset and alpha (lowest mean test loss among the other non-"+" gates); an asterisk when p < 0.05. The paper does
@@ -142,7 +142,8 @@ def markdown(data: str, url: str, trials: pd.DataFrame, table: pd.DataFrame, tab
         f"# Tuning report: {data}",
         "",
         f"Storage: `{display_url(url)}`. Top 5% of trials by validation objective (ceil(0.05 n), at least 1; failed "
-        "trials count with objective +inf). Mean ± standard error over the selected trials. Test loss ×10⁻² (×100). "
+        "trials count with objective +inf). Mean ± standard error over the selected trials. Test loss ×10⁻², as the "
+        "paper writes it: in hundredths (51.36 is a loss of 0.5136). "
         "`*`: one-sided unpaired Welch t-test (`scipy.stats.ttest_ind(alternative='less', equal_var=False)`) against "
         "the baseline, the best non-'+' gate of the same alpha, p < 0.05. n/s: experts per sample, mean over tasks.",
         "",

@@ -178,7 +178,8 @@ def run_worker(url: str, study_name: str, space: SearchSpace, overrides: list[st
         reclaim_lost_trials(study)
         enqueue_missing(study, space, configurations)
 
-    PackWorker(study, space, overrides, seed, log_dir, pack, configurations, reclaim).run()
+    bar = workers == 1 and sys.stderr.isatty()  # a progress bar at a terminal; N workers' bars would fight over it
+    PackWorker(study, space, overrides, seed, log_dir, pack, configurations, reclaim, bar).run()
 
 
 def _worker_process(*args: Any) -> None:
