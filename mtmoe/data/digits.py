@@ -44,8 +44,8 @@ N_MNIST = 70_000
 def read_svhn(path: Path) -> tuple[Tensor, Tensor]:
     """One SVHN ``*_32x32.mat``: uint8 images ``[N, 3, 32, 32]`` and int64 digits 0-9 (label 10 is digit 0)."""
     try:
-        mat = scipy.io.loadmat(str(path))
-    except (scipy.io.matlab.MatReadError, ValueError, OSError, TypeError) as error:
+        mat = scipy.io.loadmat(str(path))  # a short text file: ValueError, or IndexError on scipy 1.13
+    except (scipy.io.matlab.MatReadError, ValueError, OSError, TypeError, IndexError) as error:
         raise UsageError(f"{path} is not a MATLAB file ({' '.join(str(error).split())[:120]})") from None
     images, labels = mat.get("X"), mat.get("y")
     if images is None or labels is None or images.ndim != 4 or images.shape[:3] != (32, 32, 3):
