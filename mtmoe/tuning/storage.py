@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import fcntl
 import importlib.util
+import json
 import os
+import sys
 import threading
 import time
 import urllib.parse
@@ -141,17 +143,126 @@ def rdb_url(url: str) -> str:
 
 
 def _storage_error(url: str, error: BaseException) -> UsageError:
-    """A driver's or the filesystem's error as one line naming the storage, passwords masked."""
+    """A driver's or the filesystem's error as one line naming the storage, passwords masked, saying what to do: a
+    damaged database (SQLite's "database disk image is malformed") is restored, an unreachable one checked."""
+    import sqlalchemy.exc
+
+    while error.__cause__ is not None and isinstance(error, optuna.exceptions.StorageInternalError):
+        error = error.__cause__  # Optuna's "An exception is raised during the commit" hides the driver's reason
+    damaged = isinstance(error, sqlalchemy.exc.DatabaseError) and not isinstance(error, sqlalchemy.exc.OperationalError)
+    if isinstance(error, sqlalchemy.exc.DBAPIError):
+        error = error.orig or error  # the driver's message, without SQLAlchemy's statement and link
     reason = display_url(url, " ".join(str(error).split()))[:300]
+    if damaged:
+        return UsageError(f"the study storage {display_url(url)!r} cannot be read ({reason}): it is damaged; restore "
+                          "it from a backup (a SQLite file: `sqlite3 FILE .recover`), or pass another --storage")
     return UsageError(f"cannot open the study storage {display_url(url)!r}: {reason}")
 
 
+@contextmanager
+def readable(url: str) -> Iterator[None]:
+    """Storage errors met while reading or writing an open storage (a damaged SQLite file, a lost server) as one
+    UsageError line (:func:`_storage_error`)."""
+    import sqlalchemy.exc
+
+    try:
+        yield
+    except (optuna.exceptions.StorageInternalError, sqlalchemy.exc.SQLAlchemyError) as error:
+        raise _storage_error(url, error) from None
+
+
+def check_url(url: str) -> None:
+    """``--storage`` checked before anything is opened or created: not empty, a URL SQLAlchemy can parse (or
+    ``journal:PATH``), a file's folder existing."""
+    from sqlalchemy.engine import make_url
+
+    if not url.strip():
+        raise UsageError("--storage is empty: pass postgresql://user@host/db, sqlite:///PATH or journal:PATH, or "
+                         "leave the flag out for the default studies/optuna.db")
+    if url.startswith("journal:"):
+        path = url.removeprefix("journal:")
+    else:
+        try:
+            parsed = make_url(url)
+        except Exception:  # ArgumentError, or ValueError for a port that is no number
+            raise UsageError(f"--storage {display_url(url)!r} is not a storage URL: write sqlite:///PATH (relative) "
+                             "or sqlite:////PATH (absolute), postgresql://user@host/db, or journal:PATH") from None
+        path = _sqlite_file(url) if parsed.drivername.startswith("sqlite") else None
+    if path is not None and not Path(path).absolute().parent.is_dir():
+        raise UsageError(f"--storage {display_url(url)!r}: there is no folder {Path(path).absolute().parent} for "
+                         "its file; create it, or pass another --storage")
+
+
+def repair_journal(path: str) -> None:
+    """Cut a journal file back to its last whole record when its last record is torn (a crash mid-append leaves a
+    line without its end, or one that is no JSON), as a log-structured store recovers: the records after it would
+    otherwise join the torn line and the file could not be read. Done under Optuna's append lock; one warning
+    line."""
+    from optuna.storages.journal import JournalFileSymlinkLock
+
+    if _torn_tail(path) is None:
+        return
+    lock = JournalFileSymlinkLock(path)  # the lock JournalFileBackend appends under: no append is in flight
+    lock.acquire()
+    try:
+        if (start := _torn_tail(path)) is None:
+            return
+        size = os.path.getsize(path)
+        try:
+            os.truncate(path, start)
+            done = "cut off"
+        except OSError:  # a read-only file: Optuna's reader skips the torn line too
+            done = "skipped"
+        print(f"warning: journal {path}: its last record is torn (a crash while writing it); its {size - start} "
+              f"bytes {done}, the {start} bytes of records before it kept", file=sys.stderr, flush=True)
+    finally:
+        lock.release()
+
+
+def _torn_tail(path: str) -> int | None:
+    """Where the torn last record of the journal ``path`` starts, or ``None`` (whole, empty or missing)."""
+    try:
+        with open(path, "rb") as file:
+            end = file.seek(0, os.SEEK_END)
+            if end == 0:
+                return None
+            file.seek(end - 1)
+            whole = file.read(1) == b"\n"
+            start = _line_start(file, end - whole)
+            file.seek(start)
+            last = file.read(end - start)
+    except OSError:
+        return None
+    if whole:
+        try:
+            json.loads(last)
+        except ValueError:
+            return start
+        return None
+    return start
+
+
+def _line_start(file: Any, end: int) -> int:
+    """The offset just after the last newline before ``end`` in ``file`` (0: none)."""
+    position = end
+    while position > 0:
+        step = min(65536, position)
+        position -= step
+        file.seek(position)
+        found = file.read(step).rfind(b"\n")
+        if found >= 0:
+            return position + found + 1
+    return 0
+
+
 def storage_for(url: str):
-    """An Optuna storage: RDB URL (with heartbeats), ``journal:PATH``; unreachable -> one-line UsageError."""
+    """An Optuna storage: RDB URL (with heartbeats), ``journal:PATH`` (a torn last record cut off first,
+    :func:`repair_journal`); unreachable -> one-line UsageError."""
     try:
         if url.startswith("journal:"):
             from optuna.storages.journal import JournalFileBackend
 
+            repair_journal(url.removeprefix("journal:"))
             return optuna.storages.JournalStorage(JournalFileBackend(url.removeprefix("journal:")))
         interval, grace = heartbeat_settings()
         with warnings.catch_warnings():  # heartbeats are "experimental": not worth a warning on every command
@@ -216,7 +327,8 @@ def _sqlite_file(url: str) -> str | None:
 def open_storage(url: str | None):
     """(URL, storage) of an existing storage, read-only in spirit: a missing SQLite or journal file is an error,
     never created. ``None``: the default storage."""
-    url = url or default_storage_url()
+    url = default_storage_url() if url is None else url
+    check_url(url)
     if url.startswith("sqlite:///"):
         path = Path(url.removeprefix("sqlite:///"))
         if not path.is_file():

@@ -54,10 +54,12 @@ from mtmoe.interrupts import Interrupted, handle_sigterm
 from mtmoe.tuning.space import SearchSpace, load_space
 from mtmoe.tuning.storage import (
     STUDIES_DIR,
+    check_url,
     default_storage_url,
     display_url,
     fail_stale_trials,
     heartbeat_settings,
+    readable,
     setup_lock,
     storage_for,
 )
@@ -75,6 +77,10 @@ from mtmoe.tuning.trials import describe_settings
 
 #: Attempts of a configuration that may end without a result (worker killed or crashed) before it is failed.
 MAX_LOST_ATTEMPTS = 3
+#: The most configurations a study plans (all are drawn and enqueued at its start; the paper's are 100-500).
+MAX_TRIALS = 100_000
+#: The longest study name, in bytes: it names a folder (Linux's NAME_MAX).
+MAX_NAME_BYTES = 255
 #: Settings that change where a trial reads and writes, or what it displays, not what it computes: no part of a
 #: study's identity (a key counts as neutral with everything under it).
 NEUTRAL_SETTINGS = (
@@ -466,21 +472,39 @@ def tune(argv: list[str]) -> None:
                           "resumes the study)") from None
 
 
+def check_study_name(name: str) -> None:
+    """``--study-name``: not empty (that is no name), and short enough to name its trials' log folder under
+    ``--log-dir`` (a file name: at most :data:`MAX_NAME_BYTES` bytes, which also fits Optuna's 512 characters)."""
+    if not name.strip():
+        raise UsageError("--study-name is empty: pass a name, or leave the flag out for the default <data>/<gate>")
+    size = len(name.replace("/", "_").encode())
+    if size > MAX_NAME_BYTES:
+        raise UsageError(f"--study-name is {size} bytes long, more than the {MAX_NAME_BYTES} that can name the "
+                         "folder of its trials' logs: pass a shorter name")
+
+
 def _tune(argv: list[str]) -> None:
     args, overrides = parse_tune_args(argv)
+    if args.study_name is not None:
+        check_study_name(args.study_name)
+    if args.storage is not None:
+        check_url(args.storage)
+    heartbeat_settings()  # a bad MTMOE_HEARTBEAT_* is refused before the storage is created
     dataset_path(args.data)  # unknown names fail here, before torch is imported and the storage touched
     check_gate_name(args.gate)
     space = load_space(args.data, args.gate, args.space)
     quiet_libraries()
     trials = space.trials if args.trials is None else args.trials
-    if trials < 1:
-        raise UsageError(f"--trials must be >= 1, got {trials}")
+    if not 1 <= trials <= MAX_TRIALS:
+        raise UsageError(f"--trials must be between 1 and {MAX_TRIALS} (the plan of every configuration is drawn and "
+                         f"enqueued when the study starts), got {trials}; split a larger search into studies of "
+                         "other --seed values")
     if args.workers < 1:
         raise UsageError(f"--workers must be >= 1, got {args.workers}")
     space = SearchSpace(space.data, space.gate, trials, space.fixed, space.distributions)
     if args.storage is None:
         STUDIES_DIR.mkdir(exist_ok=True)
-    url = args.storage or default_storage_url()
+    url = default_storage_url() if args.storage is None else args.storage
     if url.startswith("sqlite") and args.workers > 1:
         raise UsageError("SQLite serialises writers: use --storage postgresql://... or journal:PATH for --workers > 1")
     given_alpha = _option_value(overrides, "model.alpha")
@@ -490,7 +514,7 @@ def _tune(argv: list[str]) -> None:
     pack = pack_size(args.pack)
     settings, alpha = check_overrides(space, configurations, overrides, args.seed, pack)
     settings = {**settings, **pinned}  # a tuned setting given a value: part of the study's identity
-    with setup_lock(url):
+    with setup_lock(url), readable(url):
         prepare_study(url, study_name, space, args.seed, configurations, settings, alpha)
     print(f"study {study_name!r}: {trials} configurations, settings: {describe_settings(settings)}; storage "
           f"{display_url(url)}, {args.workers} worker(s)", flush=True)

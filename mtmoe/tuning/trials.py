@@ -26,9 +26,9 @@ from optuna.trial import TrialState
 
 from mtmoe.data import DATASETS
 from mtmoe.errors import OneLineParser, UsageError, did_you_mean
-from mtmoe.files import write_atomic
+from mtmoe.files import remove_orphans, write_atomic
 from mtmoe.gate_names import split_gate_name
-from mtmoe.tuning.storage import STUDIES_DIR, display_url, open_storage
+from mtmoe.tuning.storage import STUDIES_DIR, display_url, open_storage, readable
 
 #: Per-task test metrics as the reports show them: (label, scale); AUC and accuracy x100, MSE as is (Table 7).
 TASK_METRICS = {"auroc": ("AUC", 100.0), "accuracy": ("accuracy", 100.0), "mse": ("MSE", 1.0)}
@@ -76,7 +76,9 @@ def output_dir(out: str | None, name: str) -> Path:
 
 
 def write_outputs(out: Path, files: dict[str, str | bytes]) -> None:
-    """Write each ``{name: content}`` into ``out`` atomically; a filesystem error is one UsageError line."""
+    """Write each ``{name: content}`` into ``out`` atomically, after removing the temporary files a writer killed
+    there left (:func:`mtmoe.files.remove_orphans`); a filesystem error is one UsageError line."""
+    remove_orphans(out)
     try:
         for name, content in files.items():
             write_atomic(content, out / name)
@@ -192,12 +194,15 @@ def collect(url: str | None, data: str | None = None, study: str | None = None) 
     url, storage = open_storage(url)
     rows: list[dict[str, Any]] = []
     names = []
-    for summary in optuna.get_all_study_summaries(storage, include_best_trial=False):
+    with readable(url):
+        summaries = optuna.get_all_study_summaries(storage, include_best_trial=False)
+    for summary in summaries:
         attrs = summary.user_attrs
         if "gate" not in attrs or data not in (None, attrs.get("data")) or study not in (None, summary.study_name):
             continue
         names.append(summary.study_name)
-        trials = optuna.load_study(study_name=summary.study_name, storage=storage).get_trials(deepcopy=False)
+        with readable(url):
+            trials = optuna.load_study(study_name=summary.study_name, storage=storage).get_trials(deepcopy=False)
         alpha = default_alpha(attrs.get("data"))
         rows += [{**row, "data": attrs.get("data")} for row in trial_rows(summary.study_name, attrs, trials, alpha)]
     where = display_url(url)
