@@ -171,6 +171,10 @@ class PackEngine:
         trial.started = time.perf_counter()
         self.slots[slot] = trial
 
+    def drop(self, slot: int) -> None:
+        """Free ``slot`` without a result (its trial was taken over elsewhere); the slot is refilled by :meth:`load`."""
+        self.slots[slot] = None
+
     def set_steps_per_epoch(self, steps: int) -> None:
         self.steps_per_epoch = steps
         if self.search is not None:  # the slots' windows are their own buffers, set with each trial's own E_perm

@@ -15,6 +15,10 @@ from optuna.trial import TrialState
 from mtmoe.tuning.space import SearchSpace
 
 
+#: User attribute of a configuration enqueued again after lost attempts (their number): workers claim it first.
+LOST_ATTEMPTS = "lost_attempts"
+
+
 class TrialInterrupted(KeyboardInterrupt):
     """Ctrl-C or SIGTERM inside a trial (Lightning turns them into ``SystemExit``): the trial is failed, re-run on
     resume."""

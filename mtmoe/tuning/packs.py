@@ -15,16 +15,22 @@ tells each trial its own result. ``--pack 1`` trains one at a time, with the sam
 * **Structure.** Trials share a pack only if they agree on everything but per-trial settings (learning rate, Adam's
   epsilon, alpha, E_perm, zeta, epochs, early stopping and a gate's ``scalar_names``): :func:`pack_key`. A worker
   packs the structure of the first waiting trial, then the next structure, and so on.
-* **Refill.** A finished trial's slot takes the next waiting trial of the structure at the end of that epoch; at
-  each epoch the worker also fails the trials of workers that died or went silent (the heartbeat grace period) and
-  claims their configurations again, so a dead worker's trials come back within an epoch of a free slot.
+* **Refill.** A finished trial's slot takes the next waiting trial of the structure at the end of that epoch.
+* **Dead workers.** Every heartbeat interval, however long a pack epoch is, a thread of the worker
+  (:class:`~mtmoe.tuning.storage.Periodic`) fails the trials of workers that died (on this host: at once) or went
+  silent for the grace period (anywhere) and enqueues their configurations again: a dead worker's trial is failed
+  within grace + one interval, and its configuration takes the next free slot of any live worker of its structure
+  before the rest of the plan.
 * **Faults.** Every running trial of the pack has its heartbeat recorded (every storage) and the worker's pid as
   ``worker``: a worker killed mid-pack leaves trials that the next ``tune`` (or a live worker) fails and re-runs.
-  Ctrl-C or SIGTERM fails the pack's running trials as interrupted (re-run on resume) and stops the worker.
+  A worker frozen past the grace period (SIGSTOP, a paused VM) finds at its next epoch that its trials were failed
+  and taken over: it drops them, logs untouched, with one warning, and carries on. Ctrl-C or SIGTERM fails the
+  pack's running trials as interrupted (re-run on resume) and stops the worker; so does a full disk under the logs,
+  with one error line.
 """
 from __future__ import annotations
 
-import csv
+import errno
 import json
 import math
 import os
@@ -47,7 +53,7 @@ from optuna.trial import TrialState
 from tqdm import tqdm
 
 from mtmoe.errors import UsageError
-from mtmoe.files import write_atomic
+from mtmoe.files import write_atomic, write_csv_atomic
 from mtmoe.gate_names import split_gate_name
 from mtmoe.gates import gate_class
 from mtmoe.lit.module import PackModule, build_trial
@@ -56,9 +62,17 @@ from mtmoe.pack.memory import memory_per_trial
 from mtmoe.pack.precision import matmul_precision
 from mtmoe.run import Run, build_run
 from mtmoe.run_settings import import_class
-from mtmoe.tuning.objective import TrialInterrupted, cli_args, duplicate_of, record_result, study_counts, suggest
+from mtmoe.tuning.objective import (
+    LOST_ATTEMPTS,
+    TrialInterrupted,
+    cli_args,
+    duplicate_of,
+    record_result,
+    study_counts,
+    suggest,
+)
 from mtmoe.tuning.space import SearchSpace
-from mtmoe.tuning.storage import Heartbeats, heartbeat_settings
+from mtmoe.tuning.storage import Heartbeats, Periodic, heartbeat_settings
 
 #: Settings each trial of a pack may have its own value of (besides a gate's ``scalar_names``).
 PER_TRIAL_KEYS = frozenset({"model.lr", "model.adam_eps", "model.alpha", "model.perm_epochs", "model.zeta",
@@ -136,13 +150,14 @@ class PackWorker:
     def __init__(self, study: optuna.Study, space: SearchSpace, overrides: list[str], seed: int, log_dir: Path,
                  capacity: int | str, configurations: list[dict[str, Any]], reclaim=None, bar: bool = False) -> None:
         self.study, self.space, self.overrides, self.seed, self.log_dir = study, space, overrides, seed, log_dir
-        self.capacity, self.reclaim = capacity, reclaim
+        self.capacity = capacity
         self.progress = PackProgress(study, space.trials, bar)
         self.keys = {config_id: pack_key(space, params) for config_id, params in enumerate(configurations)}
         self.heartbeats = Heartbeats(study._storage)
+        self.reclaimer = Periodic(partial(reclaim, study)) if reclaim is not None else None
         self.running: dict[int, optuna.Trial] = {}  # trial id -> trial, claimed and not yet told
+        self.dropped: list[optuna.Trial] = []  # taken over by another worker since the last epoch's end
         self.worker = f"{socket.gethostname()}:{os.getpid()}"
-        self.last_reclaim = time.monotonic()
         self.reports: queue.Queue = queue.Queue()
         threading.Thread(target=self._write_reports, daemon=True).start()
 
@@ -177,8 +192,17 @@ class PackWorker:
             self._release()  # the pack size's fault, not the configurations': no lost attempt
             raise UsageError(f"the pack ran out of device memory: pass a smaller --pack (now {self.capacity}); its "
                              "trials run again when tune runs again") from None
+        except OSError as error:
+            if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            self._release()  # the disk's fault, not the configurations': no lost attempt
+            raise UsageError(f"cannot write the trials' logs under {self.log_dir} ({error.strerror}): free some space "
+                             "there (or pass another --log-dir), then run the same tune command again: it resumes "
+                             "the study, the trials in flight run again") from None
         finally:
             self.heartbeats.stop()
+            if self.reclaimer is not None:
+                self.reclaimer.stop()
             self.progress.close()
 
     def _start(self, factory: TrialFactory, trial: optuna.Trial, params: dict[str, Any], config_id: int) -> Trial:
@@ -217,12 +241,10 @@ class PackWorker:
 
     def _claim(self, key: str | None) -> tuple[optuna.Trial, dict[str, Any], int] | None:
         """The next waiting planned trial of structure ``key`` (any, for ``None``), RUNNING, with its planned values
-        and config_id; stale trials of dead workers are failed and re-enqueued first (at most every heartbeat)."""
-        if self.reclaim is not None and time.monotonic() - self.last_reclaim >= heartbeat_settings()[0]:
-            self.last_reclaim = time.monotonic()
-            self.reclaim(self.study)
+        and config_id: the configurations of dead workers' trials first, then the plan in order."""
         storage = self.study._storage
-        for waiting in self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
+        waiting_trials = self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+        for waiting in sorted(waiting_trials, key=lambda t: LOST_ATTEMPTS not in t.user_attrs):
             config_id = waiting.user_attrs.get("config_id")
             if config_id is None or (key is not None and self.keys.get(config_id) != key):
                 continue
@@ -243,18 +265,40 @@ class PackWorker:
 
     def _finished(self, result: TrialResult) -> None:
         trial, seed, config_id = result.key
+        if self._taken_over([trial]):
+            return
         self._write_log(config_id, result)
         history = result.results.get("history")
         if history:
             self._report(trial, history[-1])  # its last epoch (the earlier ones were reported as they ended)
-        objective = record_result(trial, seed, result.wall_time_s, result.results, result.diverged)
-        if math.isnan(objective):
-            self.progress.write(f"[{self.study.study_name}] trial {trial.number} (config_id {config_id}) failed: "
-                                f"{trial.user_attrs['fail_reason']}")
-            self._tell(trial, state=TrialState.FAIL)
-        else:
-            self._tell(trial, values=objective)
+        try:
+            objective = record_result(trial, seed, result.wall_time_s, result.results, result.diverged)
+            if math.isnan(objective):
+                self.progress.write(f"[{self.study.study_name}] trial {trial.number} (config_id {config_id}) failed: "
+                                    f"{trial.user_attrs['fail_reason']}")
+                self._tell(trial, state=TrialState.FAIL)
+            else:
+                self._tell(trial, values=objective)
+        except optuna.exceptions.UpdateFinishedTrialError:  # failed as stale since _taken_over looked
+            self._drop([trial])
+            return
         self.progress.finished += 1
+
+    def _taken_over(self, trials: list[optuna.Trial]) -> list[optuna.Trial]:
+        """Those of ``trials`` no longer RUNNING in the storage (this worker went silent past the grace period, e.g.
+        frozen, and another failed them and runs their configurations): dropped (:meth:`_drop`)."""
+        running = {t._trial_id for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
+        lost = [trial for trial in trials if trial._trial_id not in running]
+        if lost:
+            self._drop(lost)
+        return lost
+
+    def _drop(self, trials: list[optuna.Trial]) -> None:
+        """Forget ``trials`` (failed by another worker): no result, no log written; :meth:`_epoch` warns."""
+        for trial in trials:
+            self.heartbeats.remove(trial._trial_id)
+            self.running.pop(trial._trial_id, None)
+        self.dropped += trials
 
     def _write_log(self, config_id: int, result: TrialResult) -> None:
         """``config-NNNN/metrics.csv`` (one row per epoch, the columns Lightning's CSV logger writes for ``fit``) and
@@ -271,22 +315,28 @@ class PackWorker:
                     else:
                         row[f"{stage}/{name}"] = value
             rows.append(row)
-        columns = list(dict.fromkeys(column for row in rows for column in row))
-        folder.mkdir(parents=True, exist_ok=True)
         if rows:
-            with open(folder / "metrics.csv", "w", newline="") as file:
-                writer = csv.DictWriter(file, columns)
-                writer.writeheader()
-                writer.writerows(rows)
+            write_csv_atomic(rows, folder / "metrics.csv")
         results = {key: value for key, value in result.results.items() if key != "history"}
         write_atomic(json.dumps({**results, "diverged": result.diverged}, indent=2, default=str) + "\n",
                      folder / "results.json")
 
     def _epoch(self, module: PackModule) -> None:
-        """Each running trial's validation loss of this epoch as its intermediate value; the progress line."""
-        for _, trial in module.engine.running:
-            if trial.history:
+        """Each running trial's validation loss of this epoch as its intermediate value; the progress line. Trials
+        taken over by another worker meanwhile leave the pack (their slots are refilled)."""
+        taken = {trial._trial_id for trial in self._taken_over([trial.key[0] for _, trial in module.engine.running])}
+        for slot, trial in module.engine.running:
+            if trial.key[0]._trial_id in taken:
+                module.engine.drop(slot)
+            elif trial.history:
                 self._report(trial.key[0], trial.history[-1])
+        if self.dropped:  # one line for the epoch's (a frozen worker wakes up to all its trials taken over at once)
+            names = ", ".join(f"{t.number} (config_id {t.user_attrs.get('config_id')})" for t in self.dropped)
+            self.progress.write(f"warning: [{self.study.study_name}] trial(s) {names} were failed by another worker "
+                                f"while this one ({self.worker}) was silent past the {heartbeat_settings()[1]} s "
+                                "grace period (frozen or paused?) and run again there: dropped here, their logs left "
+                                "alone", warning=True)
+            self.dropped = []
         self.progress(module)
 
     def _report(self, trial: optuna.Trial, record: dict[str, Any]) -> None:
@@ -372,12 +422,13 @@ class PackProgress(Callback):
         elapsed = time.strftime("%Hh%Mm%Ss", time.gmtime(now - self.start))
         print(f"[{self.study.study_name}] {self.status()}, elapsed {elapsed}, ETA {eta}", flush=True)
 
-    def write(self, line: str) -> None:
-        """A line of its own (a failed trial), above the bar if there is one."""
+    def write(self, line: str, warning: bool = False) -> None:
+        """A line of its own (a failed trial; a ``warning`` goes to stderr), above the bar if there is one."""
+        file = sys.stderr if warning else sys.stdout
         if self.bar is not None:
-            tqdm.write(line, file=sys.stdout)
+            tqdm.write(line, file=file)
         else:
-            print(line, flush=True)
+            print(line, file=file, flush=True)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, module: PackModule) -> None:
         self.module, self.batch, self.batches = module, 0, max(1, int(trainer.num_training_batches))

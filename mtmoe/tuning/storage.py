@@ -353,16 +353,32 @@ def record_heartbeat(storage: Any, trial_id: int) -> None:
         storage.set_trial_user_attr(trial_id, HEARTBEAT_ATTR, time.time())
 
 
+class Periodic:
+    """Calls ``action()`` every heartbeat interval in a daemon thread until :meth:`stop`."""
+
+    def __init__(self, action: Callable[[], None]) -> None:
+        self.action, self.stopped = action, threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stopped.wait(heartbeat_settings()[0]):
+            self.action()
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.thread.join()
+
+
 class Heartbeats:
-    """Records a heartbeat for every trial in ``ids`` now and every interval (a daemon thread), in any storage
+    """Records a heartbeat for every trial in ``ids`` now and every interval (:class:`Periodic`), in any storage
     (:func:`record_heartbeat`): what ``optimize`` does for its one trial, for the several trials a pack runs at once;
     a trial failed as stale meanwhile is dropped."""
 
     def __init__(self, storage: Any) -> None:
         self.storage = storage
-        self.ids, self.lock, self.stopped = set(), threading.Lock(), threading.Event()
-        self.thread = threading.Thread(target=self._beat, daemon=True)
-        self.thread.start()
+        self.ids, self.lock = set(), threading.Lock()
+        self.ticker = Periodic(self._beat)
 
     def add(self, trial_id: int) -> None:
         with self.lock:
@@ -374,18 +390,16 @@ class Heartbeats:
             self.ids.discard(trial_id)
 
     def _beat(self) -> None:
-        while not self.stopped.wait(heartbeat_settings()[0]):
-            with self.lock:
-                ids = list(self.ids)
-            for trial_id in ids:
-                try:
-                    record_heartbeat(self.storage, trial_id)
-                except optuna.exceptions.UpdateFinishedTrialError:  # failed as stale meanwhile
-                    self.remove(trial_id)
+        with self.lock:
+            ids = list(self.ids)
+        for trial_id in ids:
+            try:
+                record_heartbeat(self.storage, trial_id)
+            except optuna.exceptions.UpdateFinishedTrialError:  # failed as stale meanwhile
+                self.remove(trial_id)
 
     def stop(self) -> None:
-        self.stopped.set()
-        self.thread.join()
+        self.ticker.stop()
 
 
 @contextmanager

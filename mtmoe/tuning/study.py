@@ -64,6 +64,7 @@ from mtmoe.tuning.storage import (
     storage_for,
 )
 from mtmoe.tuning.objective import (
+    LOST_ATTEMPTS,
     cli_args,
     config_hash,
     is_lost,
@@ -170,7 +171,7 @@ def quiet_libraries() -> None:
 def run_worker(url: str, study_name: str, space: SearchSpace, overrides: list[str], seed: int, workers: int,
                log_dir: Path | None = None, pack: int | str = 1) -> None:
     """One worker: pops enqueued configurations until none is left, ``pack`` at a time (:mod:`mtmoe.tuning.packs`);
-    between epochs it also takes back the trials of workers that died (:func:`reclaim_lost_trials`)."""
+    every heartbeat interval it also takes back the trials of workers that died (:func:`reclaim_lost_trials`)."""
     from mtmoe.tuning.packs import PackWorker
 
     quiet_libraries()
@@ -230,8 +231,12 @@ def run_workers(worker_args: tuple, workers: int) -> None:
 
 
 def enqueue_missing(study: optuna.Study, space: SearchSpace, configurations: list[dict]) -> int:
-    """Enqueue every configuration with no completed, failed, waiting or running trial; how many were. One lost
-    :data:`MAX_LOST_ATTEMPTS` times is failed with its reason instead (a trial of its own)."""
+    """Enqueue every configuration with no completed, failed, waiting or running trial; how many were. One with
+    lost attempts is marked (:data:`~mtmoe.tuning.objective.LOST_ATTEMPTS`: workers run it before the plan); one
+    lost :data:`MAX_LOST_ATTEMPTS` times is failed with its reason instead (a trial of its own).
+
+    Optuna's ``RetryFailedTrialCallback`` is not used: it serves RDB storages' stale trials only, not a journal's
+    nor the trials of a dead local worker failed at once, and it knows no configuration ids."""
     counts = study_counts(study)
     accounted = {t.user_attrs["config_id"] for t in counts["complete"] + counts["failed"]}
     accounted |= {t.user_attrs["config_id"] for t in counts["trials"]
@@ -253,7 +258,8 @@ def enqueue_missing(study: optuna.Study, space: SearchSpace, configurations: lis
                                                       distributions=space.distributions,
                                                       user_attrs={**attrs, "fail_reason": reason}))
         else:
-            study.enqueue_trial(params, user_attrs=attrs)
+            study.enqueue_trial(params, user_attrs={**attrs, LOST_ATTEMPTS: lost[config_id]} if config_id in lost
+                                else attrs)
             enqueued += 1
     return enqueued
 

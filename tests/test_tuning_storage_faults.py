@@ -1,0 +1,210 @@
+"""Issue 32's storage faults and bad input (items 5 and 6), each a test that failed on the code before its fix: a disk
+that fills during a study, a journal whose last record is torn, ``report`` on a damaged SQLite file, a study name
+too long for its log folder, storage URLs and trial counts that cannot be used, a bad heartbeat setting, and the
+temporary files of a ``report`` killed while writing. A bad input is one ``error:`` line and exit 2, nothing
+created; a fault leaves the study resumable.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from mtmoe.tuning.storage import storage_for
+
+from conftest import run_cli
+from test_tuning import (
+    TINY,
+    assert_each_config_once,
+    one_torch_thread,  # noqa: F401  (the autouse fixture)
+    run_tune,
+    synthetic_study,
+    trials_of,
+    tune_args,
+)
+
+
+def one_error_line(capsys, code: int) -> str:
+    """The command's stderr, checked: exit 2 and a single ``error:`` line."""
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and err.startswith("error: "), (code, err)
+    return err
+
+
+# ------------------------------------------------------------------------------------------- 5: a full disk
+
+
+@pytest.mark.integration
+def test_a_disk_full_under_the_logs_is_one_line_and_the_study_resumes(root_and_tmp) -> None:
+    """The trials' logs go to an 8 KiB tmpfs, full after a few files. Before: ``OSError: No space left on device``
+    in ``_write_log``, a traceback, exit 1, the trial left RUNNING. Now: one line saying what to do, exit 2, no trial
+    RUNNING; once there is room the same command resumes and completes every configuration once."""
+    root, tmp = root_and_tmp
+    logs = tmp / "small"
+    logs.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8k", "tmpfs", str(logs)]).returncode:
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        url = f"sqlite:///{tmp / 'full.db'}"
+        args = tune_args(url, root, logs, *TINY, trials=3, name="full")
+        code, out, err = run_tune(args, tmp, root, "full")
+        assert code == 2 and "Traceback" not in err, err[-3000:]
+        assert err.strip().splitlines() == [err.strip()] and "No space left on device" in err, err
+        assert "free some space there" in err
+        trials = trials_of(url, "full")
+        assert not [t for t in trials if t.state == TrialState.RUNNING]
+        assert len([t for t in trials if t.state == TrialState.COMPLETE]) < 3
+        subprocess.run(["mount", "-o", "remount,size=16m", str(logs)], check=True)
+        code, out, err = run_tune(args, tmp, root, "resumed")
+        assert code == 0, err[-3000:]
+        assert_each_config_once(trials_of(url, "full"), 3)
+    finally:
+        subprocess.run(["umount", str(logs)])
+
+
+# ------------------------------------------------------------------------------------ 5: a torn journal record
+
+
+@pytest.mark.integration
+def test_a_torn_last_journal_record_is_cut_off_with_one_warning_and_the_study_resumes(root_and_tmp) -> None:
+    """A crash mid-append leaves the journal's last record torn (here: its last 9 bytes gone). Before: the resumed
+    study appended after it, and the file could no longer be read (``JSONDecodeError``). Now the torn record is cut
+    off with one ``warning:`` line, the records before it are kept, and the study completes every configuration."""
+    root, tmp = root_and_tmp
+    journal = tmp / "j.log"
+    url = f"journal:{journal}"
+    code, out, err = run_tune(tune_args(url, root, tmp / "runs", *TINY, trials=1, name="torn"), tmp, root, "first")
+    assert code == 0, err[-3000:]
+    whole = journal.read_bytes()
+    journal.write_bytes(whole[:-9])
+    code, out, err = run_tune(tune_args(url, root, tmp / "runs", *TINY, trials=2, name="torn"), tmp, root, "again")
+    assert code == 0 and "Traceback" not in err, err[-3000:]
+    warnings = [line for line in err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "last record is torn" in warnings[0], err
+    kept = whole[:whole.rindex(b"\n", 0, len(whole) - 1) + 1]
+    assert journal.read_bytes().startswith(kept)
+    assert_each_config_once(trials_of(storage_for(url), "torn"), 2)
+
+
+# ------------------------------------------------------------------------------------ 5: a damaged SQLite file
+
+
+def test_report_on_a_damaged_sqlite_file_is_one_line(tmp_path: Path, capsys) -> None:
+    """Every 4 KiB page of a study's SQLite file in turn overwritten with noise. Before: some pages gave
+    ``StorageInternalError: database disk image is malformed`` as a traceback. Now each damaged file is one line
+    saying what to do (or a report, where the page was not in use); ``bootstrap`` answers alike."""
+    clean = tmp_path / "clean.db"
+    synthetic_study(storage_for(f"sqlite:///{clean}"), "movielens-100k/topk", "topk", 12, 0.42,
+                    np.random.default_rng(0))
+    rng = np.random.default_rng(1)
+    damaged = tmp_path / "damaged.db"
+    codes = []
+    for page in range(1, clean.stat().st_size // 4096):
+        content = bytearray(clean.read_bytes())
+        content[page * 4096:(page + 1) * 4096] = rng.bytes(4096)
+        damaged.write_bytes(bytes(content))
+        code = run_cli(["report", "--data", "movielens-100k", "--storage", f"sqlite:///{damaged}", "--out",
+                        str(tmp_path / "out")])
+        codes.append(code)
+        if code == 0:
+            capsys.readouterr()
+            continue
+        assert "it is damaged; restore it from a backup" in one_error_line(capsys, code)
+        last_damaged = bytes(content)
+    assert 2 in codes, codes
+    damaged.write_bytes(last_damaged)
+    code = run_cli(["bootstrap", "--data", "movielens-100k", "--storage", f"sqlite:///{damaged}", "--out",
+                    str(tmp_path / "out")])
+    assert "it is damaged" in one_error_line(capsys, code)
+
+
+# --------------------------------------------------------------------------------- 5 and 6: bad tune input
+
+
+BAD_TUNE_INPUT = {
+    "a 600-character study name": (["--study-name", "s" * 600], "--study-name is 600 bytes long"),
+    "an empty study name": (["--study-name", ""], "--study-name is empty"),
+    "an empty storage": (["--storage", ""], "--storage is empty"),
+    "an unparsable sqlite URL": (["--storage", "sqlite:/nonexistent/dir/x.db"], "is not a storage URL"),
+    "a missing folder": (["--storage", "sqlite:////nonexistent/dir/x.db"], "there is no folder /nonexistent/dir"),
+    "a trillion trials": (["--trials", "1000000000000"], "--trials must be between 1 and 100000"),
+}
+
+
+@pytest.mark.parametrize("storage", ["sqlite", "postgresql"])
+@pytest.mark.parametrize("case", BAD_TUNE_INPUT)
+def test_bad_tune_input_is_one_line_before_the_storage_is_touched(request, tiny_root: Path, tmp_path: Path, capsys,
+                                                                  case: str, storage: str) -> None:
+    """Before: a 600-character name failed deep in PostgreSQL (varchar(512)) or in making its SQLite study's log
+    folder (file name too long), ``sqlite:/...`` with SQLAlchemy's 26-line ``ArgumentError``, ``--trials 10**12``
+    ran for minutes while its plan filled the memory, and an empty name or storage silently meant the default.
+    Now each is one line at once, and no storage or log folder is created."""
+    flags, message = BAD_TUNE_INPUT[case]
+    if storage == "postgresql" and "--storage" in flags:
+        pytest.skip("the case is its own storage")
+    url = request.getfixturevalue("postgres_url") if storage == "postgresql" else f"sqlite:///{tmp_path / 'x.db'}"
+    options = {"--storage": url, "--trials": "3", **dict(zip(flags[::2], flags[1::2]))}
+    argv = ["tune", "--gate", "topk", "--data", "movielens-100k", f"--data.root={tiny_root}", "--log-dir",
+            str(tmp_path / "runs"), *TINY, *(item for option in options.items() for item in option)]
+    start = time.monotonic()
+    code = run_cli(argv)
+    assert message in one_error_line(capsys, code)
+    assert time.monotonic() - start < 30
+    assert not (tmp_path / "x.db").exists() and not (tmp_path / "runs").exists() and not (tmp_path / "studies").exists()
+    if storage == "postgresql":
+        assert not [name for name in optuna.get_all_study_names(storage_for(url)) if name.startswith("sss")]
+
+
+def test_a_bad_heartbeat_setting_creates_no_database(tiny_root: Path, tmp_path: Path, capsys, monkeypatch) -> None:
+    """Before: ``MTMOE_HEARTBEAT_INTERVAL=x`` was refused after ``studies/optuna.db`` was created, empty. Now
+    nothing is created."""
+    monkeypatch.setenv("MTMOE_HEARTBEAT_INTERVAL", "x")
+    code = run_cli(["tune", "--gate", "topk", "--data", "movielens-100k", "--trials", "1", f"--data.root={tiny_root}"])
+    assert "MTMOE_HEARTBEAT_INTERVAL" in one_error_line(capsys, code)
+    assert not (tmp_path / "studies").exists()
+
+
+# ------------------------------------------------------------------------ 6: a report killed while writing
+
+
+ORPHAN = """
+import sys, time
+from mtmoe.files import atomic_path
+with atomic_path(sys.argv[1]) as tmp:
+    tmp.write_text("half a report")
+    print(tmp, flush=True)
+    time.sleep(600)
+"""
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("command", ["report", "bootstrap"])
+def test_temporary_files_of_a_killed_writer_are_removed_by_the_next_run(tmp_path: Path, capsys, command: str) -> None:
+    """A writer SIGKILLed while writing ``report.md`` leaves its hidden ``.report.md.*.tmp``. Before: no later run
+    removed it. Now the next ``report`` or ``bootstrap`` into that folder does (a file still being written by a live
+    writer is kept)."""
+    url = f"journal:{tmp_path / 'j.log'}"
+    synthetic_study(storage_for(url), "movielens-100k/topk", "topk", 12, 0.42, np.random.default_rng(0))
+    out = tmp_path / "out"
+    out.mkdir()
+    writers = [subprocess.Popen([sys.executable, "-c", ORPHAN, str(out / "report.md")], stdout=subprocess.PIPE,
+                                text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+               for _ in range(2)]
+    killed, live = (Path(writer.stdout.readline().strip()) for writer in writers)
+    try:
+        os.kill(writers[0].pid, signal.SIGKILL)
+        writers[0].wait(timeout=30)
+        assert killed.exists()
+        assert run_cli([command, "--data", "movielens-100k", "--storage", url, "--out", str(out)]) == 0
+        assert not killed.exists() and live.exists()
+    finally:
+        writers[1].kill()
+        writers[1].wait()
