@@ -133,11 +133,11 @@ def pack_of_six_running(url: str, name: str, first: str, second: str, root: Path
     one = start_in(host, args, tmp, root, first, **heartbeat)
     wait_for_running(url, name, one, tmp, first, min_age=0.5)
     two = start_tune(args, tmp, root, second, **heartbeat)
-    deadline = time.monotonic() + 120
-    while len([t for t in (trials := trials_of(url, name)) if t.state == TrialState.RUNNING]) < 6:
+    deadline = time.monotonic() + 300  # a loaded host takes minutes to start a tune
+    while len([t for t in trials_of(url, name) if t.state == TrialState.RUNNING]) < 6:
         assert time.monotonic() < deadline and one.poll() is None and two.poll() is None
         time.sleep(0.2)
-    return one, two, trials
+    return one, two, trials_of(url, name)
 
 
 @pytest.mark.integration

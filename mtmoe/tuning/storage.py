@@ -15,6 +15,10 @@ JournalStorage: no server, many workers and machines sharing the file).
   own; JournalStorage: the trial's ``heartbeat`` user attribute, :func:`beating`); a RUNNING trial silent for the
   grace period, on any host, is stale and failed by :func:`fail_stale_trials` (``MTMOE_HEARTBEAT_INTERVAL`` /
   ``MTMOE_HEARTBEAT_GRACE`` seconds, default 10/30).
+* **Faults.** A ``--storage`` that cannot be used (empty, unparsable, a file in a missing folder) is refused before
+  anything is created (:func:`check_url`); a damaged database is one line saying to restore it (:func:`readable`); a
+  journal whose last record a crash tore is cut back to its last whole record, with a warning
+  (:func:`repair_journal`).
 * **First start.** :func:`setup_lock` serialises what processes starting together on one storage do first (creating
   the tables, the study, enqueuing its plan): PostgreSQL with an advisory lock, SQLite and journal files with a file
   lock.
@@ -328,13 +332,14 @@ def open_storage(url: str | None):
     """(URL, storage) of an existing storage, read-only in spirit: a missing SQLite or journal file is an error,
     never created. ``None``: the default storage."""
     url = default_storage_url() if url is None else url
-    check_url(url)
     if url.startswith("sqlite:///"):
         path = Path(url.removeprefix("sqlite:///"))
         if not path.is_file():
             raise UsageError(f"no study storage at {path} (run `python -m mtmoe tune` first, or pass --storage)")
     elif url.startswith("journal:") and not Path(url.removeprefix("journal:")).is_file():
         raise UsageError(f"no journal file {url.removeprefix('journal:')} (run tune first, or pass --storage)")
+    else:
+        check_url(url)
     return url, storage_for(url)
 
 
