@@ -157,6 +157,7 @@ class PackWorker:
         self.reclaimer = Periodic(partial(reclaim, study)) if reclaim is not None else None
         self.running: dict[int, optuna.Trial] = {}  # trial id -> trial, claimed and not yet told
         self.dropped: list[optuna.Trial] = []  # taken over by another worker since the last epoch's end
+        self.still_running: set[int] | None = None  # the storage's RUNNING trials at this epoch's end
         self.worker = f"{socket.gethostname()}:{os.getpid()}"
         self.reports: queue.Queue = queue.Queue()
         threading.Thread(target=self._write_reports, daemon=True).start()
@@ -286,9 +287,12 @@ class PackWorker:
 
     def _taken_over(self, trials: list[optuna.Trial]) -> list[optuna.Trial]:
         """Those of ``trials`` no longer RUNNING in the storage (this worker went silent past the grace period, e.g.
-        frozen, and another failed them and runs their configurations): dropped (:meth:`_drop`)."""
-        running = {t._trial_id for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
-        lost = [trial for trial in trials if trial._trial_id not in running]
+        frozen, and another failed them and runs their configurations): dropped (:meth:`_drop`). The storage is
+        read once an epoch end (:meth:`_epoch` forgets it), not once a finished trial."""
+        if self.still_running is None:
+            self.still_running = {t._trial_id for t in self.study.get_trials(deepcopy=False,
+                                                                             states=(TrialState.RUNNING,))}
+        lost = [trial for trial in trials if trial._trial_id not in self.still_running]
         if lost:
             self._drop(lost)
         return lost
@@ -337,6 +341,7 @@ class PackWorker:
                                 "grace period (frozen or paused?) and run again there: dropped here, their logs left "
                                 "alone", warning=True)
             self.dropped = []
+        self.still_running = None
         self.progress(module)
 
     def _report(self, trial: optuna.Trial, record: dict[str, Any]) -> None:
