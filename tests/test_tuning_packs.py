@@ -218,7 +218,7 @@ def test_a_worker_frozen_past_the_grace_drops_its_taken_over_trials_and_carries_
     assert codes == (0, 0) and "Traceback" not in err, err[-3000:]
     warnings = [line for line in err.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and "dropped here, their logs left alone" in warnings[0], err[-3000:]
-    assert sorted(p.name for p in logs) == ["metrics.csv"] * 3 + ["results.json"] * 3
+    assert sorted(p.name for p in logs) == ["config.yaml"] * 3 + ["metrics.csv"] * 3 + ["results.json"] * 3
     for path, stat in logs.items():  # not rewritten: same file (atomic writes replace it), same time
         assert (path.stat().st_ino, path.stat().st_mtime_ns) == (stat.st_ino, stat.st_mtime_ns), path
     trials = trials_of(postgres_url, name)
