@@ -255,6 +255,8 @@ class PackWorker:
             trial.set_user_attr("worker", self.worker)
             self.heartbeats.add(trial._trial_id)
             self.running[trial._trial_id] = trial
+            if self.still_running is not None:  # claimed after this epoch end read the storage (a refill)
+                self.still_running.add(trial._trial_id)
             params = {name: suggest(trial, name, dist) for name, dist in self.space.distributions.items()}
             duplicate = duplicate_of(self.study, trial.number, config_id)
             if duplicate is not None:  # enqueued twice: run once
