@@ -2,13 +2,14 @@
 real MovieLens-100K, dropout off and on, a short budget, seed 0).
 
 The runs that draw no random number in training (dropout off; SparseMixer samples) are checked against the record of
-the training loop before the engine (commit 46207d7): the engine reproduces them to float32 rounding. The others
+the training loop before the engine (commit 46207d7): the engine reproduces them (to float32 rounding on the recording host). The others
 draw from the per-trial random streams since issue 25 and are checked against the engine's own record.
 
-Tolerances: losses and MSE to 1e-5 relative (float32 rounding through 48 Adam steps; measured worst 2.6e-6); AUC to
-1e-4 and accuracy to two rows of the 512 evaluated (a prediction at a tie or at the 0.5 threshold may round the other
-way; measured worst AUC 6.6e-5); the routing statistics to 1e-5; epochs, best epoch and the rounded permutation
-exactly.
+Tolerances are those of another CPU. The records were made on an AMD EPYC; an Intel Xeon (both AVX-512, MKL) rounds
+float32 products differently and 48 Adam steps amplify it: measured there, losses and MSE within 2.5e-4 relative,
+AUC 1.4e-3, accuracy 5 rows of the 512 evaluated, the routing statistics 2e-3 (on the recording host: 2.6e-6, AUC
+6.6e-5). The tolerances are twice those; epochs, best epoch and the rounded permutation stay exact on both. The
+equivalence tests (a packed trial against its run alone, graphs against eager) are exact on any host.
 """
 from __future__ import annotations
 
@@ -27,12 +28,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(not (DATA / "ml-100k" / "u.da
 
 def tolerance(key: str) -> dict:
     if key.endswith("accuracy"):
-        return {"rel": 0, "abs": 2.5 / 512}
+        return {"rel": 0, "abs": 10 / 512}
     if key.endswith("auroc"):
-        return {"rel": 0, "abs": 1e-4}
+        return {"rel": 0, "abs": 3e-3}
     if "loss" in key or key.endswith("mse"):
-        return {"rel": 1e-5, "abs": 0}
-    return {"rel": 0, "abs": 1e-5}
+        return {"rel": 5e-4, "abs": 0}
+    return {"rel": 0, "abs": 4e-3}
 
 
 @pytest.mark.parametrize("dropout", ["off", "on"])

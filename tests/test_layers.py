@@ -7,8 +7,8 @@ Layers, bottom to top (a module may import its own layer and those below it, nev
 * the training engine (``mtmoe.pack``: the packed step, Adam, metrics, CUDA graphs), plain PyTorch too;
 * components: the DataModules (``mtmoe.data``) and the LightningModules over the engine and callbacks
   (``mtmoe.lit``);
-* the run builder (``mtmoe.run``, its settings checked in ``mtmoe.run_settings``): ``fit`` arguments -> DataModule,
-  LightningModule, Trainer;
+* the run builder (``mtmoe.run``, its settings checked in ``mtmoe.run_settings``, its command line's names checked
+  before torch loads in ``mtmoe.arguments``): ``fit`` arguments -> DataModule, LightningModule, Trainer;
 * recipes on runs: tuning (search spaces, the tune driver and its worker, storage, trial table, report, bootstrap);
 * the command line (``mtmoe.cli``, ``python -m mtmoe``).
 """
@@ -30,7 +30,7 @@ LAYERS = {  # module or package prefix -> layer (0 = bottom)
     "mtmoe.gates": 0, "mtmoe.experts": 0, "mtmoe.mmoe": 0, "mtmoe.permutation": 0, "mtmoe.sinkhorn": 0,
     "mtmoe.pack": 1,
     "mtmoe.data": 2, "mtmoe.lit": 2,
-    "mtmoe.run": 3, "mtmoe.run_settings": 3,
+    "mtmoe.run": 3, "mtmoe.run_settings": 3, "mtmoe.arguments": 3,
     "mtmoe.tuning": 4,
     "mtmoe.cli": 5, "mtmoe.__main__": 5, "mtmoe.api": 5,
 }

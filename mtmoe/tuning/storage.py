@@ -166,26 +166,29 @@ def _storage_error(url: str, error: BaseException) -> UsageError:
 @contextmanager
 def readable(url: str) -> Iterator[None]:
     """Storage errors met while reading or writing an open storage (a damaged SQLite file, a lost server) as one
-    UsageError line (:func:`_storage_error`)."""
-    import sqlalchemy.exc
+    UsageError line (:func:`_storage_error`). A journal needs no SQLAlchemy (a lent GPU's image has none)."""
+    errors: tuple[type[Exception], ...] = (optuna.exceptions.StorageInternalError,)
+    if not url.startswith("journal:"):
+        import sqlalchemy.exc
 
+        errors += (sqlalchemy.exc.SQLAlchemyError,)
     try:
         yield
-    except (optuna.exceptions.StorageInternalError, sqlalchemy.exc.SQLAlchemyError) as error:
+    except errors as error:
         raise _storage_error(url, error) from None
 
 
 def check_url(url: str) -> None:
     """``--storage`` checked before anything is opened or created: not empty, a URL SQLAlchemy can parse (or
-    ``journal:PATH``), a file's folder existing."""
-    from sqlalchemy.engine import make_url
-
+    ``journal:PATH``, which needs no SQLAlchemy), a file's folder existing."""
     if not url.strip():
         raise UsageError("--storage is empty: pass postgresql://user@host/db, sqlite:///PATH or journal:PATH, or "
                          "leave the flag out for the default studies/optuna.db")
     if url.startswith("journal:"):
         path = url.removeprefix("journal:")
     else:
+        from sqlalchemy.engine import make_url
+
         try:
             parsed = make_url(url)
         except Exception:  # ArgumentError, or ValueError for a port that is no number
