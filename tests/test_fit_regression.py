@@ -3,7 +3,8 @@ real MovieLens-100K, dropout off and on, a short budget, seed 0).
 
 The runs that draw no random number in training (dropout off; SparseMixer samples) are checked against the record of
 the training loop before the engine (commit 46207d7): the engine reproduces them (to float32 rounding on the
-recording host). The others draw from the per-trial random streams since issue 25 and are checked against the engine's own record.
+recording host). The others draw from the per-trial random streams since issue 25 and are checked against the
+engine's own record.
 
 Tolerances are those of another CPU. The records were made on an AMD EPYC; an Intel Xeon (both AVX-512, MKL) rounds
 float32 products differently and 48 Adam steps amplify it: measured there, losses and MSE within 2.5e-4 relative,
