@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[1] / "studies" / "ablation_local_search.py"
 
 
@@ -21,6 +23,7 @@ def runs(out: Path) -> list[dict]:
         return list(csv.DictReader(handle))
 
 
+@pytest.mark.integration
 def test_tiny_ablation_writes_runs_and_table_and_resumes(tiny_root: Path, tmp_path: Path) -> None:
     out = tmp_path / "ablation"
     first = subprocess.run(ablation(tiny_root, out, "--seeds", "2"), capture_output=True, text=True, timeout=600)
@@ -34,6 +37,7 @@ def test_tiny_ablation_writes_runs_and_table_and_resumes(tiny_root: Path, tmp_pa
     assert len(runs(out)) == 6 and again.stdout.count(": test loss") == 2 and "[2/2] hash+ seed 2" in again.stdout
 
 
+@pytest.mark.integration
 def test_sigterm_stops_the_workers_and_keeps_finished_runs(tiny_root: Path, tmp_path: Path) -> None:
     out = tmp_path / "ablation"
     process = subprocess.Popen(ablation(tiny_root, out, "--seeds", "200"), stdout=subprocess.PIPE,

@@ -543,6 +543,7 @@ def paper_scale(tmp_path_factory) -> str:
     return url
 
 
+@pytest.mark.slow
 def test_the_figure_at_paper_scale_tells_every_gate_apart(paper_scale: str) -> None:
     """Before: a gate and its "+" in one colour, six translucent bands in one panel, no word on what dashed means, raw
     losses on the y axis, no alpha in the title of the default alpha's panel."""
@@ -574,6 +575,7 @@ def test_the_figure_at_paper_scale_tells_every_gate_apart(paper_scale: str) -> N
     assert 'solid: with local search ("+")' in legend
 
 
+@pytest.mark.slow
 def test_reports_at_paper_scale_come_in_the_papers_order_with_alpha(paper_scale: str, tmp_path: Path,
                                                                     capsys) -> None:
     """Rows by dataset, alpha, then the paper's gate order, the default alpha shown (before: alphabetical, comet+

@@ -566,6 +566,7 @@ def pg_study(postgres_url: str, tmp_path_factory) -> tuple[str, str, Path]:
     return postgres_url, name, tmp
 
 
+@pytest.mark.integration
 def test_three_workers_on_postgres_evaluate_each_configuration_once(pg_study) -> None:
     url, name, tmp = pg_study
     trials = trials_of(url, name)

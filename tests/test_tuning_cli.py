@@ -113,6 +113,7 @@ def test_help_documents_every_option(capsys, command: str, expected: list[str]) 
 # ---------------------------------------------------------------------------------------------------- 6: noise
 
 
+@pytest.mark.integration
 def test_tune_at_a_terminal_shows_a_bar_within_the_first_pack_epoch(tiny_root: Path, tmp_path: Path) -> None:
     """At a terminal (a pseudo-terminal here, where colours would show): a packed tune shows a progress bar, first
     drawn when the first pack epoch starts, and the libraries' chatter stays away. Before: Optuna's "A new study

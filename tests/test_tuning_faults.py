@@ -64,6 +64,7 @@ def finish(procs: list, tmp: Path, logs: list[str], timeout: int = 400) -> list[
 # ------------------------------------------------------------------------------ 5: simultaneous first start
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("kind, gates", [("postgresql", ["topk"] * 3), ("sqlite", ["topk", "hash"])])
 def test_tune_processes_started_together_on_a_fresh_storage_all_work(request, root_and_tmp, kind: str,
                                                                      gates: list[str]) -> None:
@@ -128,6 +129,7 @@ def test_first_starts_released_together_set_the_storage_up_once(request, tmp_pat
 
 # ------------------------------------------------------------------------ 6: a configuration that kills its worker
 
+@pytest.mark.integration
 def test_a_configuration_that_kills_its_worker_is_failed_after_bounded_attempts(postgres_url: str, root_and_tmp,
                                                                                 capsys) -> None:
     """Every attempt at one configuration SIGKILLs its worker (as an out-of-memory kill would). Before: it was
@@ -172,6 +174,7 @@ def test_a_configuration_that_kills_its_worker_is_failed_after_bounded_attempts(
 # --------------------------------------------------------------------- 7 and 12: dead and remote journal workers
 
 
+@pytest.mark.integration
 def test_journal_trials_of_workers_dead_before_recording_or_on_another_host_are_rerun(root_and_tmp) -> None:
     """Before: a journal trial whose worker died between taking it and recording itself, or that ran on another
     host, stayed RUNNING forever and every ``tune`` exited 1. Now journal workers record heartbeats too: a trial
@@ -215,6 +218,7 @@ def test_a_journal_trial_with_a_recent_heartbeat_elsewhere_is_kept(tmp_path: Pat
     assert states == {alive.number: TrialState.RUNNING, silent.number: TrialState.FAIL}
 
 
+@pytest.mark.integration
 def test_a_journal_tune_whose_own_worker_dies_reruns_its_trial(root_and_tmp) -> None:
     """Before: the parent said the dead worker's trial was RUNNING "in other workers" and exited 1. Now it fails
     its own dead worker's trial at once and runs the configuration again."""
@@ -252,6 +256,7 @@ def password_url() -> str:
         yield url.replace("postgresql+psycopg2://", "postgresql://")  # as README writes it
 
 
+@pytest.mark.integration
 def test_the_password_is_never_shown_and_may_come_from_the_environment(password_url: str, root_and_tmp, capsys,
                                                                        monkeypatch) -> None:
     """Before: ``tune``'s output, storage errors, report.md, bootstrap.md and bootstrap.html showed the password.

@@ -228,6 +228,7 @@ def test_a_worker_frozen_past_the_grace_drops_its_taken_over_trials_and_carries_
     assert len(taken) == 3 and all(t.state == TrialState.FAIL and "test_loss" not in t.user_attrs for t in taken)
 
 
+@pytest.mark.integration
 def test_two_packing_workers_on_postgres_evaluate_each_configuration_once(postgres_url: str, root_and_tmp) -> None:
     root, tmp = root_and_tmp
     name = "two-packs"
