@@ -1,8 +1,11 @@
 """The reference the engine's metrics (``mtmoe.pack.metrics.PackMetrics``) are tested against: one trial's epoch
 results computed as ``MultiTaskMoE`` computed them before the training engine (commit 46207d7), with torchmetrics
 (``BinaryAUROC(thresholds=None)``, ``BinaryAccuracy``, ``MeanSquaredError``, ``MulticlassAccuracy``, ``MeanMetric``)
-and the routing statistics of the paper and the official code (``RoutingStats``)."""
+and the routing statistics of the paper and the official code (``RoutingStats``); the routing behaviour of issue 35
+(``RoutingBehaviour``: entropy, Jaccard overlap, load, selections changed) one sample at a time."""
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -54,6 +57,57 @@ class RoutingStats(Metric):
         return stats
 
 
+def selected_set(row: Tensor, selection: str, k: int) -> frozenset[int]:
+    """The experts one gate row selects (``mtmoe.pack.metrics``' definitions), one weight at a time."""
+    values = row.tolist()
+    if selection == "nonzero":
+        return frozenset(i for i, w in enumerate(values) if w > 0)
+    if selection == "above_uniform":
+        return frozenset(i for i, w in enumerate(values) if w > 1 / len(values))
+    return frozenset(sorted(range(len(values)), key=lambda i: -values[i])[:k])
+
+
+class RoutingBehaviour:
+    """One trial's routing behaviour per task gate, sample by sample in Python floats: the mean entropy of the row
+    scaled to sum 1, the mean Jaccard index with the other gates' selected sets (1 for two empty sets), each
+    expert's share of the selections and, given the previous pass's selections per sample (``previous``), the share
+    of samples whose selected set changed; :attr:`sets` holds this pass's."""
+
+    def __init__(self, n_tasks: int, n_experts: int, selection: str, k: int,
+                 previous: list[tuple[frozenset[int], ...]] | None = None) -> None:
+        self.n_tasks, self.selection, self.k, self.previous = n_tasks, selection, k, previous
+        self.entropy, self.overlap, self.changed = [0.0] * n_tasks, [0.0] * n_tasks, [0] * n_tasks
+        self.load = [[0] * n_experts for _ in range(n_tasks)]
+        self.sets: list[tuple[frozenset[int], ...]] = []
+
+    def update(self, gate_weights: list[Tensor]) -> None:
+        for b in range(gate_weights[0].shape[0]):
+            rows = [weights[b].double() for weights in gate_weights]
+            sets = tuple(selected_set(row, self.selection, self.k) for row in rows)
+            for t, row in enumerate(rows):
+                total = sum(row.tolist())
+                self.entropy[t] -= sum(w / total * math.log(w / total) for w in row.tolist() if w > 0)
+                for i in sets[t]:
+                    self.load[t][i] += 1
+                others = [len(sets[t] & s) / len(sets[t] | s) if sets[t] | s else 1.0
+                          for u, s in enumerate(sets) if u != t]
+                self.overlap[t] += sum(others) / max(len(others), 1)
+                if self.previous is not None:
+                    self.changed[t] += sets[t] != self.previous[len(self.sets)][t]
+            self.sets.append(sets)
+
+    def results(self, t: int) -> dict[str, float | list[float]]:
+        n = len(self.sets)
+        chosen = sum(self.load[t])
+        out = {"routing_entropy": self.entropy[t] / n}
+        if self.n_tasks > 1:
+            out["expert_overlap"] = self.overlap[t] / n
+        out["expert_load"] = [count / chosen if chosen else 0.0 for count in self.load[t]]
+        if self.previous is not None:
+            out["selection_changed"] = self.changed[t] / n
+        return out
+
+
 def task_metrics(task: TaskSpec) -> MetricCollection:
     if task.kind == "binary":
         return MetricCollection({"auroc": BinaryAUROC(thresholds=None), "accuracy": BinaryAccuracy()})
@@ -66,8 +120,9 @@ class TrialMetrics:
     """One trial's metrics of one stage, updated per batch from its predictions and gate weights."""
 
     def __init__(self, tasks: tuple[TaskSpec, ...], weights: list[float], n_experts: int, simplex: bool,
-                 stage: str) -> None:
+                 stage: str, selection: str = "nonzero", k: int = 1) -> None:
         self.tasks, self.weights, self.stage = tasks, weights, stage
+        self.behaviour = None if stage == "train" else RoutingBehaviour(len(tasks), n_experts, selection, k)
         self.collections = {task.name: MetricCollection({**task_metrics(task), "loss": MeanMetric(),
                                                          "routing": RoutingStats(n_experts, simplex)},
                                                         compute_groups=False) for task in tasks}
@@ -87,6 +142,8 @@ class TrialMetrics:
                     if name not in ("loss", "routing") and target.shape[0] > 0:
                         metric.update(prediction.detach(), target)
         self.batch_loss.update(loss.detach(), next(iter(batch.values())).shape[0])
+        if self.behaviour is not None:
+            self.behaviour.update(gate_weights)
 
     def results(self) -> dict[str, float | list[float]]:
         results: dict[str, float | list[float]] = {"loss": float(self.batch_loss.compute())}
@@ -97,5 +154,8 @@ class TrialMetrics:
                 value = metric.compute()
                 for key, v in (value if isinstance(value, dict) else {name: value}).items():
                     results[f"{task.name}/{key}"] = v.tolist() if v.numel() > 1 else float(v)
+            if self.behaviour is not None:
+                t = self.tasks.index(task)
+                results.update({f"{task.name}/{key}": v for key, v in self.behaviour.results(t).items()})
         results["loss_dataset"] = sum(w * results[f"{t.name}/loss"] for w, t in zip(self.weights, self.tasks))
         return results

@@ -19,16 +19,18 @@ from mtmoe.gates import gate_class
 from mtmoe.gates.base import GateOutput
 from mtmoe.losses import multitask_loss, task_weights
 from mtmoe.mmoe import MMoEOutput
-from mtmoe.pack.metrics import PackMetrics, binary_auroc
-from metrics_reference import TrialMetrics
+from mtmoe.pack.metrics import BEHAVIOUR_KEYS, PackMetrics, binary_auroc, pack_bits
+from metrics_reference import RoutingBehaviour, TrialMetrics
 
 RECSYS = (TaskSpec("watch", "binary"), TaskSpec("rating", "regression", masked=True))  # MovieLens' shape
 IMAGES = (TaskSpec("left", "multiclass", 10), TaskSpec("right", "multiclass", 10))  # MultiMNIST's shape
 P, N_EXPERTS, SIZES = 3, 6, (16, 16, 16, 5)  # 53 rows: a shorter last batch
 ALPHAS = (0.1, 0.5, 0.9)
 #: Values that differ from torchmetrics' by float32 rounding (module docstring); every other value is equal.
-#: Measured worst cases: mse 1.5e-7, utilisation 8e-8, auroc 1e-7 (1.3e-7 on 200000 rows), loss_dataset 2.5e-8.
-RELATIVE_TOLERANCES = {"mse": 1e-6, "utilisation": 1e-6, "auroc": 1e-6, "loss_dataset": 1e-7}
+#: Measured worst cases: mse 1.5e-7, utilisation 8e-8, auroc 1e-7 (1.3e-7 on 200000 rows), loss_dataset 2.5e-8;
+#: the float64 entropies and Jaccard indices of ``RoutingBehaviour`` summed in another order, 2e-16.
+RELATIVE_TOLERANCES = {"mse": 1e-6, "utilisation": 1e-6, "auroc": 1e-6, "loss_dataset": 1e-7,
+                       "routing_entropy": 1e-13, "expert_overlap": 1e-13}
 
 Batch = dict[str, Tensor]
 
@@ -43,10 +45,13 @@ def alphas(tasks: tuple[TaskSpec, ...]) -> tuple[float | None, ...]:
     return ALPHAS if tasks == RECSYS else (None,) * P
 
 
-def module_results(tasks, gate: str, alpha, batches: list[Batch], outputs: list[MMoEOutput], stage: str) -> dict:
-    """What one trial alone reported (torchmetrics, ``RoutingStats``) for network outputs ``outputs`` on ``batches``."""
+def module_results(tasks, gate: str, alpha, batches: list[Batch], outputs: list[MMoEOutput], stage: str,
+                   selection: str = "nonzero", k: int = 1) -> dict:
+    """What one trial alone reported (torchmetrics, ``RoutingStats``) for network outputs ``outputs`` on ``batches``,
+    and its routing behaviour one sample at a time (``RoutingBehaviour``)."""
     info = dataset(tasks)
-    reference = TrialMetrics(tasks, task_weights(info, alpha), N_EXPERTS, gate_class(gate).simplex, stage)
+    reference = TrialMetrics(tasks, task_weights(info, alpha), N_EXPERTS, gate_class(gate).simplex, stage, selection,
+                             k)
     for batch, output in zip(batches, outputs):
         reference.update(batch, output.predictions, [g.weights for g in output.gates])
     return reference.results()
@@ -114,9 +119,9 @@ def pack_inputs(tasks, trial_batches: list[Batch], outputs: list[MMoEOutput], sh
     return predictions, task_losses, counts, batch_loss, batch, gate_weights
 
 
-def new_metrics(tasks, gate: str) -> PackMetrics:
-    weights = torch.tensor([task_weights(dataset(tasks), alpha) for alpha in alphas(tasks)])
-    return PackMetrics(tasks, N_EXPERTS, gate_class(gate).simplex, P, "cpu", weights)
+def new_metrics(tasks, gate: str, selection: str = "nonzero", k: int = 1, capacity: int = P) -> PackMetrics:
+    weights = torch.tensor([task_weights(dataset(tasks), alpha) for alpha in alphas(tasks)])[:capacity]
+    return PackMetrics(tasks, N_EXPERTS, gate_class(gate).simplex, capacity, "cpu", weights, selection, k)
 
 
 def assert_same(ours: dict, expected: dict) -> None:
@@ -129,15 +134,16 @@ def assert_same(ours: dict, expected: dict) -> None:
                                    rtol=tolerance, atol=0.0, equal_nan=True, msg=lambda m: f"{key}: {m}")
 
 
-def check_epoch(tasks, gate: str, data, shared: bool, stage: str = "val") -> list[dict]:
+def check_epoch(tasks, gate: str, data, shared: bool, stage: str = "val", selection: str = "nonzero",
+                k: int = 1) -> list[dict]:
     """Pack the epoch's batches, compare each trial with the module alone; the pack's results."""
-    metrics = new_metrics(tasks, gate)
+    metrics = new_metrics(tasks, gate, selection, k)
     for trial_batches, outputs in data:
         metrics.update(*pack_inputs(tasks, trial_batches, outputs, shared), prediction_metrics=stage != "train")
     results = metrics.results()
     for p, alpha in enumerate(alphas(tasks)):
         batches, outputs = [b[p] for b, _ in data], [o[p] for _, o in data]
-        assert_same(results[p], module_results(tasks, gate, alpha, batches, outputs, stage))
+        assert_same(results[p], module_results(tasks, gate, alpha, batches, outputs, stage, selection, k))
     assert metrics.loss.tolist() == [trial["loss"] for trial in results]
     return results
 
@@ -208,6 +214,87 @@ def test_inactive_trials_and_a_task_without_rows():
     assert list(results[2]) == ["loss", "loss_dataset"] and all(v != v for v in results[2].values())
 
 
+def dense(data) -> None:
+    """The epoch's gate rows made dense (a softmax of random logits, Softmax's), in place."""
+    g = torch.Generator().manual_seed(8)
+    for _, outputs in data:
+        for output in outputs:
+            for gate in output.gates:
+                gate.weights = torch.randn(gate.weights.shape, generator=g).softmax(-1)
+
+
+@pytest.mark.parametrize("selection, k", [("topk", 2), ("above_uniform", 1)])
+def test_a_dense_gate_selects_its_top_k_or_its_weights_above_uniform(selection, k):
+    data = epoch(RECSYS, shared=True, seed=9)
+    dense(data)
+    results = check_epoch(RECSYS, "softmax", data, shared=True, selection=selection, k=k)
+    if selection == "topk":  # k of the n experts: a top-2 gate's loads sum to 1 over its experts
+        assert all(abs(sum(trial["watch/expert_load"]) - 1) < 1e-12 for trial in results)
+    assert 0 < results[0]["watch/routing_entropy"] < torch.log(torch.tensor(float(N_EXPERTS)))
+    assert 0 < results[0]["watch/expert_overlap"] < 1
+
+
+def routing_of(results: dict) -> dict:
+    return {key: value for key, value in results.items() if key.split("/")[-1] in BEHAVIOUR_KEYS}
+
+
+def pass_through(metrics: PackMetrics, data, slots: list[int]) -> list[dict]:
+    """One tracked evaluation pass of the trials in ``slots`` over ``data``'s batches; their routing results."""
+    metrics.reset()
+    metrics.tracking = True
+    for trial_batches, outputs in data:
+        predictions, task_losses, counts, batch_loss, batch, weights = pack_inputs(RECSYS, trial_batches, outputs, True)
+        metrics.update([p[slots] for p in predictions], task_losses[slots], counts[slots], batch_loss[slots], batch,
+                       weights[slots])
+    return [routing_of(trial) for trial in metrics.results()]
+
+
+def test_selections_changed_since_the_previous_pass_packed_and_alone():
+    """Three validation passes: the second keeps the first's gate rows in batches 0 and 2 and draws new ones in
+    batches 1 and 3, the third repeats the second; slot 1 gets a new trial before the second pass (``forget``) and
+    has no ``selection_changed`` until the third. Each trial's values equal a per-sample reference and its values
+    alone (a pack of one)."""
+    first, fresh = epoch(RECSYS, shared=True, seed=10), epoch(RECSYS, shared=True, seed=11)
+    second = [first[0], fresh[1], first[2], fresh[3]]
+    passes = [first, second, second]
+    packed = new_metrics(RECSYS, "topk")
+    alone = [new_metrics(RECSYS, "topk", capacity=1) for _ in range(P)]
+    for i, data in enumerate(passes):
+        if i == 1:
+            packed.forget([1])
+            alone[1].forget()
+        ours = pass_through(packed, data, list(range(P)))
+        for p in range(P):
+            assert ours[p] == pass_through(alone[p], data, [p])[0]
+            previous = None
+            if i > 0 and not (i == 1 and p == 1):
+                previous = RoutingBehaviour(len(RECSYS), N_EXPERTS, "nonzero", 1)
+                for _, outputs in passes[i - 1]:
+                    previous.update([gate.weights for gate in outputs[p].gates])
+            reference = RoutingBehaviour(len(RECSYS), N_EXPERTS, "nonzero", 1, previous and previous.sets)
+            for _, outputs in data:
+                reference.update([gate.weights for gate in outputs[p].gates])
+            expected = {f"{task.name}/{key}": value for t, task in enumerate(RECSYS)
+                        for key, value in reference.results(t).items()}
+            assert list(ours[p]) == list(expected)
+            for key, value in expected.items():
+                torch.testing.assert_close(torch.tensor(ours[p][key], dtype=torch.float64),
+                                           torch.tensor(value, dtype=torch.float64), rtol=1e-13, atol=0.0, msg=lambda m: f"pass {i} trial {p} {key}: {m}")
+        changed = [trial.get("watch/selection_changed") for trial in ours]
+        if i == 1:
+            assert changed[1] is None and 0.3 < changed[0] < 1  # batches 1 and 3 changed (21 of 53 rows), some not
+        if i == 2:
+            assert changed == [0.0] * P
+
+
+def test_selections_are_packed_one_bit_per_expert():
+    mask = torch.rand(3, 5, 2, 11, generator=torch.Generator().manual_seed(12)) < 0.5
+    bits = pack_bits(mask)
+    assert bits.dtype == torch.uint8 and bits.shape == (3, 5, 2, 2)
+    unpacked = (bits.unsqueeze(-1).int() >> torch.arange(8)) & 1
+    assert torch.equal(unpacked.flatten(-2)[..., :11].bool(), mask)
+
+
 def test_auroc_of_a_large_split_with_ties():
     """``binary_auroc`` against torchmetrics' on 20000 rows of few distinct scores, unseen rows weighted 0."""
     g = torch.Generator().manual_seed(6)
@@ -239,8 +326,9 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def update_ops(tasks, gate: str, shared: bool, n_trials: int, active: bool) -> Counter:
-    """The operations of ``update`` for a pack of ``n_trials`` copies of one trial."""
+def update_ops(tasks, gate: str, shared: bool, n_trials: int, active: bool, tracking: bool = False) -> Counter:
+    """The operations of ``update`` for a pack of ``n_trials`` copies of one trial (``tracking``: in the second
+    tracked pass, which compares with the first's selections)."""
     trial_batches, outputs = epoch(tasks, shared, seed=7, sizes=(8,))[0]
     predictions, task_losses, counts, batch_loss, batch, weights = pack_inputs(tasks, trial_batches, outputs, shared)
     copies = lambda x: x[:1].repeat(n_trials, *(1,) * (x.ndim - 1))  # noqa: E731
@@ -249,15 +337,21 @@ def update_ops(tasks, gate: str, shared: bool, n_trials: int, active: bool) -> C
     arguments = ([copies(p) for p in predictions], copies(task_losses), copies(counts), copies(batch_loss),
                  batch if shared else {k: copies(v) for k, v in batch.items()}, copies(weights))
     live = torch.ones(n_trials, dtype=torch.bool) if active else None
+    metrics.tracking = tracking
+    if tracking:
+        metrics.update(*arguments, active=live)
+        metrics.reset()
     with OpCounter() as counter:
         metrics.update(*arguments, active=live)
     return counter.ops
 
 
-@pytest.mark.parametrize("tasks, gate, shared, active", [(RECSYS, "topk", True, False), (RECSYS, "topk", False, True),
-                                                         (IMAGES, "expertchoice", True, True)])
-def test_update_ops_do_not_depend_on_the_pack_size(tasks, gate, shared, active):
-    one, many = (update_ops(tasks, gate, shared, n, active) for n in (1, 16))
+@pytest.mark.parametrize("tasks, gate, shared, active, tracking", [
+    (RECSYS, "topk", True, False, False), (RECSYS, "topk", False, True, False),
+    (IMAGES, "expertchoice", True, True, False),
+    (RECSYS, "topk", True, True, True), (IMAGES, "softmax", True, False, True)])
+def test_update_ops_do_not_depend_on_the_pack_size(tasks, gate, shared, active, tracking):
+    one, many = (update_ops(tasks, gate, shared, n, active, tracking) for n in (1, 16))
     assert one == many and sum(one.values()) > 10
     assert not HOST_READS & set(one)
 

@@ -21,7 +21,7 @@ losses are pure task losses, and ``loss`` is the official code's batch-size-weig
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -99,11 +99,17 @@ class EngineModule(pl.LightningModule):
         self.val_results = None
 
     def on_validation_epoch_start(self) -> None:
-        self.engine.eval_metrics.reset()
-        self.engine.prepare_evaluation()
+        self._start_evaluation(track=not self.trainer.sanity_checking)
 
     def on_test_epoch_start(self) -> None:
-        self.on_validation_epoch_start()
+        self._start_evaluation(track=False)
+
+    def _start_evaluation(self, track: bool) -> None:
+        """A validation pass compares each sample's selected experts with the previous validation's and records
+        them (``selection_changed``); the sanity check's and a test pass's do neither."""
+        self.engine.eval_metrics.reset()
+        self.engine.eval_metrics.tracking = track
+        self.engine.prepare_evaluation()
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         self.engine.eval_step(batch)
@@ -153,6 +159,10 @@ class MultiTaskMoE(EngineModule):
         matmul_precision: float32 matmuls in float32 (``highest``) or, on Ampere and later GPUs, in TensorFloat-32
             (``high``: TensorFlow's default there, so the official code's behaviour); applied to the whole run
             (:mod:`mtmoe.pack.precision`), and part of a study's identity.
+        dense_selection: the experts a dense gate (Softmax) counts as selected in the routing statistics
+            (``routing_entropy`` aside): ``topk``, its ``k`` largest weights with ``k`` the dataset's cardinality,
+            or ``above_uniform``, the weights above ``1/n`` (:mod:`mtmoe.pack.metrics`). Sparse gates select their
+            nonzero weights.
     """
 
     def __init__(
@@ -175,6 +185,7 @@ class MultiTaskMoE(EngineModule):
         cuda_graphs: bool = True,
         fused_adam: bool = True,
         matmul_precision: MatmulPrecision = "highest",
+        dense_selection: Literal["topk", "above_uniform"] = "topk",
     ) -> None:
         super().__init__()
         if info is None:
@@ -183,7 +194,7 @@ class MultiTaskMoE(EngineModule):
         # ``MultiTaskMoE.load_from_checkpoint(path, info=datamodule.info)`` rebuilds the model.
         self.save_hyperparameters(ignore=["info"], logger=False)
         self.info, self.cuda_graphs, self.fused_adam = info, cuda_graphs, fused_adam
-        self.matmul_precision = matmul_precision
+        self.matmul_precision, self.dense_selection = matmul_precision, dense_selection
         self.trial = build_trial(info, None, gate=gate, lr=lr, alpha=alpha, n_experts=n_experts,
                                  embedding_dim=embedding_dim, expert_units=expert_units, tower_units=tower_units,
                                  expert_dropout=expert_dropout, keras_init=keras_init, adam_eps=adam_eps,
@@ -213,7 +224,8 @@ class MultiTaskMoE(EngineModule):
         max_epochs = self.trainer.max_epochs
         self.trial.max_epochs = max_epochs if max_epochs is not None and max_epochs > 0 else None
         self.trial.patience, self.trial.min_delta = self.stopping.patience, self.stopping.min_delta
-        self.engine = PackEngine(self.net, self.info.tasks, 1, self.device, self.cuda_graphs, self.fused_adam)
+        self.engine = PackEngine(self.net, self.info.tasks, 1, self.device, self.cuda_graphs, self.fused_adam,
+                                 self.dense_selection)
         self.engine.load(0, self.trial)
         if self._engine_state is not None:
             self.engine.load_state_dict(self._engine_state)
@@ -362,18 +374,18 @@ class PackModule(EngineModule):
         batch_size, eval_batch_size: as the DataModule's (shared by the pack).
         capacity: P.
         next_trial: the next trial to train (built on the CPU), or ``None`` when there is none.
-        cuda_graphs, fused_adam: as :class:`MultiTaskMoE`'s.
+        cuda_graphs, fused_adam, dense_selection: as :class:`MultiTaskMoE`'s.
     """
 
     def __init__(self, info: DatasetInfo, splits: dict[str, dict[str, Tensor]], batch_size: int,
                  eval_batch_size: int, capacity: int, next_trial: Callable[[], Trial | None],
                  finished: Callable[[TrialResult], None], on_epoch: Callable[[PackModule], None] | None = None,
-                 cuda_graphs: bool = True, fused_adam: bool = True) -> None:
+                 cuda_graphs: bool = True, fused_adam: bool = True, dense_selection: str = "topk") -> None:
         super().__init__()
         self.info, self.splits, self.capacity = info, splits, capacity
         self.batch_size, self.eval_batch_size = batch_size, eval_batch_size
         self.next_trial, self.finished, self.on_epoch = next_trial, finished, on_epoch
-        self.cuda_graphs, self.fused_adam = cuda_graphs, fused_adam
+        self.cuda_graphs, self.fused_adam, self.dense_selection = cuda_graphs, fused_adam, dense_selection
         self.n_train = len(next(iter(splits["train"].values())))
 
     def train_dataloader(self) -> PackBatches:
@@ -396,7 +408,7 @@ class PackModule(EngineModule):
             self.trainer.should_stop = True
             return
         self.engine = PackEngine(first.net, self.info.tasks, self.capacity, self.device, self.cuda_graphs,
-                                 self.fused_adam)
+                                 self.fused_adam, self.dense_selection)
         self.engine.load(0, first)
         self._refill()
 

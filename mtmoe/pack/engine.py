@@ -121,6 +121,11 @@ class PackEngine:
         cuda_graphs: on a GPU, capture the training step in CUDA graphs (default) or run it eagerly.
         fused_adam: Adam in one kernel for all trials (default), or in element-wise torch operations
             (:class:`~mtmoe.pack.adam.PackedAdam`).
+        dense_selection: the experts a dense gate's routing statistics count as selected, ``topk`` (its ``k``
+            largest weights) or ``above_uniform`` (weights above ``1/n``): :mod:`mtmoe.pack.metrics`.
+
+    :attr:`eval_metrics` tracks the selections from one evaluation pass to the next (``selection_changed``) unless
+    its ``tracking`` is turned off (a test pass).
 
     The training batches per epoch (local search's windows and the gates' warm-ups count in them) are set with
     :meth:`set_steps_per_epoch` before the first training step.
@@ -130,7 +135,7 @@ class PackEngine:
                       "rounded_at")
 
     def __init__(self, example: MMoE, tasks: tuple[TaskSpec, ...], capacity: int, device: torch.device | str,
-                 cuda_graphs: bool = True, fused_adam: bool = True) -> None:
+                 cuda_graphs: bool = True, fused_adam: bool = True, dense_selection: str = "topk") -> None:
         self.tasks, self.capacity, self.steps_per_epoch = tasks, capacity, None
         self.device = torch.device(device)
         if self.device.type == "cpu":  # a step's large activations reuse freed memory instead of faulting in pages
@@ -140,15 +145,21 @@ class PackEngine:
         self.template = copy.deepcopy(example).to("meta")
         self.search = self.template.local_search
         self.task_weights = torch.zeros(capacity, len(tasks), device=self.device)
-        gate = example.gates[0]
-        n_experts = example.experts.n_experts
-        self.train_metrics = PackMetrics(tasks, n_experts, gate.simplex, capacity, self.device, self.task_weights)
-        self.eval_metrics = PackMetrics(tasks, n_experts, gate.simplex, capacity, self.device, self.task_weights)
+        self.dense_selection = dense_selection
+        self.train_metrics = self._metrics(capacity, self.task_weights)
+        self.eval_metrics = self._metrics(capacity, self.task_weights)
+        self.eval_metrics.tracking = True
         self.aux_sum = torch.zeros(capacity, device=self.device)
         self.slots: list[Trial | None] = [None] * capacity
         self.best: dict[str, Tensor] | None = None
         self.captured = CapturedStep(self._train_step) if cuda_graphs and self.device.type == "cuda" else None
         self._forward = vmap(self._trial_losses, in_dims=(0, 0, 0, None), randomness="error")
+
+    def _metrics(self, capacity: int, task_weights: Tensor) -> PackMetrics:
+        gate = self.template.gates[0]
+        selection = "nonzero" if gate.sparse else self.dense_selection
+        return PackMetrics(self.tasks, self.template.experts.n_experts, gate.simplex, capacity, self.device,
+                           task_weights, selection, min(gate.dims.k, gate.n_experts))
 
     # ----------------------------------------------------------------------------------------------- slots
     @property
@@ -168,6 +179,7 @@ class PackEngine:
         self.stack.load(slot, net)
         self.adam.reset(slot, trial.lr, trial.adam_eps)
         self.task_weights[slot] = torch.tensor(trial.task_weights, dtype=self.task_weights.dtype)
+        self.eval_metrics.forget([slot])
         trial.started = time.perf_counter()
         self.slots[slot] = trial
 
@@ -198,10 +210,11 @@ class PackEngine:
         keep = [slot for slot, _ in self.running]
         trials = [self.slots[slot] for slot in keep]
         smaller = PackEngine(trials[0].net, self.tasks, len(keep), self.device, self.captured is not None,
-                             self.adam.fused)
+                             self.adam.fused, self.dense_selection)
         smaller.steps_per_epoch = self.steps_per_epoch
         smaller.stack.take(self.stack, keep)
         smaller.adam.take(self.adam, keep)
+        smaller.eval_metrics.take(self.eval_metrics, keep)
         smaller.task_weights.copy_(self.task_weights[keep])
         index = torch.tensor(keep, device=self.device)
         smaller.best = None if self.best is None else {name: t[index] for name, t in self.best.items()}
@@ -269,9 +282,7 @@ class PackEngine:
         index = torch.tensor(slots, device=self.device)
         tensors = {name: tensor[index] for name, tensor in state.items()}
         task_weights = self.task_weights[index]
-        gate = self.template.gates[0]
-        metrics = PackMetrics(self.tasks, self.template.experts.n_experts, gate.simplex, len(slots), self.device,
-                              task_weights)
+        metrics = self._metrics(len(slots), task_weights)
         if self.search is not None:  # the snapshot's rounding is that of its epoch's validation
             self.search.may_search = not self.search.eval_rounded
         self.template.eval()
@@ -343,14 +354,16 @@ class PackEngine:
 
     # ----------------------------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """What a resumed run needs beside the nets' own state and Adam's (:attr:`adam`): each trial's progress and
-        the best weights (``fit`` saves it in its checkpoints)."""
-        return {"best": self.best,
+        """What a resumed run needs beside the nets' own state and Adam's (:attr:`adam`): each trial's progress, the
+        best weights and the recorded selections (``fit`` saves it in its checkpoints)."""
+        return {"best": self.best, "selections": (self.eval_metrics.previous, self.eval_metrics.recorded),
                 "trials": [None if trial is None else {name: getattr(trial, name) for name in self.TRIAL_PROGRESS}
                            for trial in self.slots]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.best = None if state["best"] is None else {name: t.to(self.device) for name, t in state["best"].items()}
+        if "selections" in state:  # a checkpoint written before the routing statistics has none
+            self.eval_metrics.previous, self.eval_metrics.recorded = (t.to(self.device) for t in state["selections"])
         for trial, progress in zip(self.slots, state["trials"]):
             if trial is not None and progress is not None:
                 for name, value in progress.items():

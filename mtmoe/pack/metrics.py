@@ -20,6 +20,23 @@ How the values relate to torchmetrics' on the same per-batch inputs (finite pred
 * ``loss_dataset``: today's formula with the weights as ``task_weights`` holds them (0.9 in float32 is 0.89999998).
 
 ``tests/test_pack_metrics.py`` checks these against torchmetrics and ``RoutingStats`` with the tolerances it names.
+
+Evaluation passes (``prediction_metrics``) also measure how each task gate routes (issue 35, item 3), on the experts
+it *selects*: a sparse gate's nonzero weights; for a dense gate (``Gate.sparse`` False, Softmax) the ``k`` largest
+weights, ``k`` the gate's cardinality ``GateDims.k`` (``selection="topk"``), or with ``selection="above_uniform"``
+(``--model.dense_selection above_uniform``) the weights above ``1/n``:
+
+* ``routing_entropy``: the mean over samples of the entropy (nats) of the gate's row scaled to sum 1 (0 for an
+  all-zero row), at most ``log n``;
+* ``expert_overlap``: the mean over samples and over the other task gates of the Jaccard index of the two gates'
+  selected sets (1 when both are empty); left out for a one-task dataset;
+* ``expert_load``: per expert, its share of the gate's selections (sums to 1);
+* ``selection_changed``: with :attr:`PackMetrics.tracking` on (validation), the share of samples whose selected
+  set differs from the one the same trial selected for the same sample in the previous tracked pass; left out when
+  no sample has one. The previous selections stay on the device, one bit per expert (``[P, N, T, ceil(n/8)]``
+  bytes), filled in as the passes go (the validation batches come in the same order every epoch).
+
+The tests check them against a per-sample computation and a packed trial's against the trial's alone.
 """
 from __future__ import annotations
 
@@ -32,6 +49,27 @@ SIMPLEX_TOLERANCE = 1e-5  # a simplex gate's row summing further from 1 counts a
 BINARY_THRESHOLD = 0.5  # BinaryAccuracy's default threshold on the probability
 ROUTING_KEYS = ("experts_per_sample", "utilisation", "selection_rate", "unused_experts", "zero_expert_fraction",
                 "simplex_violations")  # RoutingStats' order
+BEHAVIOUR_KEYS = ("routing_entropy", "expert_overlap", "expert_load", "selection_changed")  # evaluation passes only
+SELECTIONS = ("nonzero", "topk", "above_uniform")  # what a gate selects (module docstring)
+BITS = torch.tensor([1 << b for b in range(8)], dtype=torch.uint8)
+
+
+def selected_experts(weights: Tensor, selection: str, k: int) -> Tensor:
+    """The experts each row of ``weights [..., n]`` selects, as a bool mask (module docstring)."""
+    if selection == "nonzero":
+        return weights > 0
+    if selection == "above_uniform":
+        return weights > 1.0 / weights.shape[-1]
+    top = weights.topk(k, dim=-1).indices
+    return torch.zeros_like(weights, dtype=torch.bool).scatter_(-1, top, True)
+
+
+def pack_bits(mask: Tensor) -> Tensor:
+    """A bool mask ``[..., n]`` as ``ceil(n/8)`` bytes per row, expert ``i`` in bit ``i % 8`` of byte ``i // 8``."""
+    n = mask.shape[-1]
+    padded = torch.nn.functional.pad(mask.to(torch.uint8), (0, -n % 8))
+    grouped = padded.view(*mask.shape[:-1], -1, 8)
+    return (grouped * BITS.to(mask.device)).sum(-1, dtype=torch.uint8)
 
 
 def binary_auroc(scores: Tensor, positive: Tensor, seen: Tensor) -> Tensor:
@@ -64,13 +102,20 @@ class PackMetrics:
         device: where the sums accumulate.
         task_weights: ``[P, T]``, each trial's task weights (for ``loss_dataset``); read at ``results()``, so a slot
             refilled in place reports with its new weights.
+        selection: what a gate selects, one of :data:`SELECTIONS` (module docstring).
+        k: the experts a ``topk`` selection takes.
+
+    :attr:`tracking` (off unless set) makes a pass count ``selection_changed`` and keep its selections for the next.
     """
 
     def __init__(self, tasks: tuple[TaskSpec, ...], n_experts: int, simplex: bool, capacity: int,
-                 device: torch.device | str, task_weights: Tensor) -> None:
+                 device: torch.device | str, task_weights: Tensor, selection: str = "nonzero", k: int = 1) -> None:
         if tuple(task_weights.shape) != (capacity, len(tasks)):
             raise ValueError(f"task_weights must be [{capacity}, {len(tasks)}], got {list(task_weights.shape)}")
+        if selection not in SELECTIONS:
+            raise ValueError(f"selection must be one of {SELECTIONS}, got {selection!r}")
         self.tasks, self.n_experts, self.simplex, self.capacity = tasks, n_experts, simplex, capacity
+        self.selection, self.k, self.tracking = selection, k, False
         self.device = torch.device(device)
         self.task_weights = task_weights
         self._every_trial = torch.ones(capacity, dtype=torch.bool, device=self.device)
@@ -90,6 +135,14 @@ class PackMetrics:
         self.weight_sum, self.selected = zeros(P, T, n, dtype=torch.float64), zeros(P, T, n, dtype=torch.float64)
         self.violations, self.empty = zeros(P, T, dtype=torch.float64), zeros(P, T, dtype=torch.float64)
         self.routed_rows = zeros(P, dtype=torch.float64)
+        # routing behaviour (evaluation): float64 sums of entropies and Jaccard indices, selections, changed rows
+        self.entropy, self.overlap = zeros(P, T, dtype=torch.float64), zeros(P, T, dtype=torch.float64)
+        self.chosen, self.evaluated_rows = zeros(P, T, n, dtype=torch.float64), zeros(P, dtype=torch.float64)
+        self.changed, self.compared_rows = zeros(P, T, dtype=torch.float64), zeros(P, dtype=torch.float64)
+        # the latest tracked selection of each trial and sample (packed bits), and whether it was recorded
+        self.offset = 0  # the pass's next sample
+        self.previous = zeros(P, 0, T, -(-n // 8), dtype=torch.uint8)
+        self.recorded = zeros(P, 0, dtype=torch.bool)
         # per binary task, per batch: sigmoid probabilities [P, B], positive targets [B] or [P, B], rows seen [P, B]
         self.scored: dict[int, list[tuple[Tensor, Tensor, Tensor]]] = {
             t: [] for t, task in enumerate(tasks) if task.kind == "binary"}
@@ -98,14 +151,28 @@ class PackMetrics:
     def _sums(self) -> tuple[Tensor, ...]:
         return (self.batch_loss_sum, self.batch_loss_weight, self.task_loss_sum, self.task_loss_weight, self.updates,
                 self.rows, self.correct, self.squared_error, self.weight_sum, self.selected, self.violations,
-                self.empty, self.routed_rows)
+                self.empty, self.routed_rows, self.entropy, self.overlap, self.chosen, self.evaluated_rows,
+                self.changed, self.compared_rows)
 
     def reset(self) -> None:
-        """Forget everything accumulated (a new epoch)."""
+        """Forget everything accumulated (a new epoch); the recorded selections stay, for the next tracked pass."""
         for tensor in self._sums:
             tensor.zero_()
         for batches in self.scored.values():
             batches.clear()
+        self.offset = 0
+
+    def forget(self, slots: list[int] | None = None) -> None:
+        """Drop the recorded selections of ``slots`` (``None``: every slot), e.g. when a slot gets a new trial."""
+        if slots is None:
+            self.recorded.zero_()
+        elif slots:
+            self.recorded[torch.tensor(slots, device=self.device)] = False
+
+    def take(self, other: PackMetrics, slots: list[int]) -> None:
+        """The recorded selections of ``other``'s ``slots``, in that order (a compacted pack keeps them)."""
+        index = torch.tensor(slots, device=self.device)
+        self.previous, self.recorded = other.previous[index], other.recorded[index]
 
     @property
     def loss(self) -> Tensor:
@@ -137,6 +204,10 @@ class PackMetrics:
         self.updates += live
         self._add_routing(weights, live)
         if prediction_metrics:
+            selected = selected_experts(weights, self.selection, self.k)
+            self._add_behaviour(weights, selected, live)
+            if self.tracking:
+                self._add_changes(selected, live)
             for t, (task, prediction) in enumerate(zip(self.tasks, predictions)):
                 seen = live.unsqueeze(1).repeat(1, batch_size)
                 if task.masked:
@@ -163,6 +234,40 @@ class PackMetrics:
         self.empty += ((~routed.any(-1)).sum(1) * live_rows).double()
         self.routed_rows += live * weights.shape[1]
 
+    def _add_behaviour(self, weights: Tensor, selected: Tensor, live: Tensor) -> None:
+        """Entropy, Jaccard overlap and selections of every task gate of every live trial (module docstring)."""
+        live_rows = live.view(-1, 1)
+        rows = weights.double()
+        total = rows.sum(-1, keepdim=True)
+        shares = torch.where(total > 0, rows / torch.where(total > 0, total, 1.0), 0.0)
+        entropy = -torch.special.xlogy(shares, shares).sum(-1)  # [P, B, T]
+        self.entropy += torch.where(live_rows, entropy.sum(1), 0.0)  # a diverged trial's NaN rows stay out
+        chosen = selected.double()
+        common = torch.einsum("pbtn,pbun->pbtu", chosen, chosen)
+        sizes = chosen.sum(-1)
+        union = sizes.unsqueeze(-1) + sizes.unsqueeze(-2) - common
+        jaccard = torch.where(union > 0, common / union.clamp_min(1), 1.0)
+        others = max(len(self.tasks) - 1, 1)
+        self.overlap += (jaccard.sum(-1) - 1).sum(1) / others * live_rows  # the diagonal's Jaccard is 1
+        self.chosen += chosen.sum(1) * live.view(-1, 1, 1)
+        self.evaluated_rows += live * weights.shape[1]
+
+    def _add_changes(self, selected: Tensor, live: Tensor) -> None:
+        """Count the live trials' samples whose selection differs from the one recorded, and record the new one."""
+        start, end = self.offset, self.offset + selected.shape[1]
+        self.offset = end
+        if end > self.recorded.shape[1]:  # the first passes fill the buffer in; it grows by doubling
+            grow = max(end, 2 * self.recorded.shape[1]) - self.recorded.shape[1]
+            self.previous = torch.cat([self.previous, self.previous.new_zeros(
+                self.capacity, grow, *self.previous.shape[2:])], dim=1)
+            self.recorded = torch.cat([self.recorded, self.recorded.new_zeros(self.capacity, grow)], dim=1)
+        bits, old = pack_bits(selected), self.previous[:, start:end]
+        known = self.recorded[:, start:end] & live.view(-1, 1)
+        self.changed += ((bits != old).any(-1) & known.unsqueeze(-1)).sum(1).double()
+        self.compared_rows += known.sum(1).double()
+        self.previous[:, start:end] = torch.where(live.view(-1, 1, 1, 1), bits, old)
+        self.recorded[:, start:end] |= live.view(-1, 1)
+
     def _add_predictions(self, t: int, task: TaskSpec, prediction: Tensor, target: Tensor, seen: Tensor) -> None:
         """Task ``t``'s metric sums over the rows ``seen [P, B]``; a binary task's probabilities kept for AUROC."""
         if task.kind == "regression":
@@ -188,9 +293,11 @@ class PackMetrics:
 
     def _columns(self) -> tuple[list[tuple[str, Tensor, int | None]], Tensor]:
         """Every result as ``(key, [P, width] values, presence column or None)`` in ``epoch_results``' order, and
-        the presence columns ``[P, 1 + T]``: a trial counted a batch; task t's metrics saw a row."""
+        the presence columns ``[P, 3 + T]``: a trial counted a batch; task t's metrics saw a row; an evaluation batch
+        measured its routing; a sample had a recorded selection to compare with."""
         count = self.routed_rows.clamp_min(1).view(-1, 1)
         rows = self.rows.float().clamp_min(1)
+        T, evaluated = len(self.tasks), self.evaluated_rows.clamp_min(1)
         columns: list[tuple[str, Tensor, int | None]] = [("loss", self.loss, None)]
         for t, task in enumerate(self.tasks):
             metrics = {"loss": (self.task_loss_sum[:, t] / self.task_loss_weight[:, t], 0)}
@@ -212,7 +319,17 @@ class PackMetrics:
             columns += [(f"{task.name}/{name}", *metrics[name]) for name in sorted(metrics)]  # MetricCollection's
             columns += [(f"{task.name}/{name}", routing[name], 0) for name in ROUTING_KEYS  # order; routing last
                         if self.simplex or name != "simplex_violations"]
-        presence = torch.cat([(self.updates > 0).unsqueeze(1), self.rows > 0], dim=1)
+            chosen = self.chosen[:, t]
+            behaviour = {
+                "routing_entropy": (self.entropy[:, t] / evaluated, T + 1),
+                "expert_overlap": (self.overlap[:, t] / evaluated, T + 1),
+                "expert_load": (chosen / chosen.sum(1, keepdim=True).clamp_min(1), T + 1),
+                "selection_changed": (self.changed[:, t] / self.compared_rows.clamp_min(1), T + 2),
+            }
+            columns += [(f"{task.name}/{name}", *behaviour[name]) for name in BEHAVIOUR_KEYS
+                        if T > 1 or name != "expert_overlap"]
+        presence = torch.cat([(self.updates > 0).unsqueeze(1), self.rows > 0, (self.evaluated_rows > 0).unsqueeze(1),
+                              (self.compared_rows > 0).unsqueeze(1)], dim=1)
         return columns, presence
 
     @torch.no_grad()

@@ -120,8 +120,8 @@ class TrialFactory:
 
     def trial(self, key: Any, config: Namespace) -> Trial:
         """The trial of a configuration of :meth:`config`."""
-        model = {name: value for name, value in config.model.as_dict().items()
-                 if name not in ("gate", "info", "cuda_graphs", "fused_adam", "matmul_precision")}  # the pack's
+        model = {name: value for name, value in config.model.as_dict().items()  # the pack's, not the trial's:
+                 if name not in ("gate", "info", "cuda_graphs", "fused_adam", "matmul_precision", "dense_selection")}
         gate_args = config.model.gate.get("init_args", Namespace()).as_dict()
         max_epochs, data_seed = config.trainer.max_epochs, config.data.get("init_args", Namespace()).get("seed")
         torch.manual_seed(config.seed_everything)
@@ -226,7 +226,8 @@ class PackWorker:
             capacity = resolve_capacity(self.capacity, run, waiting + 1)
             module = PackModule(datamodule.info, datamodule.splits, datamodule.batch_size,
                                 datamodule.eval_batch_size, capacity, next_trial, self._finished, self._epoch,
-                                run.config.model.cuda_graphs, run.config.model.fused_adam)
+                                run.config.model.cuda_graphs, run.config.model.fused_adam,
+                                run.config.model.dense_selection)
             # the structure's configuration (config.yaml) goes with the trials' logs, not into the working directory
             trainer = run.cli.instantiate_trainer(**PACK_TRAINER, default_root_dir=str(self.log_dir))
             trainer.callbacks.append(self.progress)
