@@ -55,6 +55,7 @@ from mtmoe.interrupts import Interrupted
 from mtmoe.lit.module import MultiTaskMoE
 from mtmoe.lit.outputs import AtomicCheckpointIO, RunCheckpoint, RunLogger, run_checkpoints
 from mtmoe.pack.engine import EarlyStopping
+from mtmoe.routing_names import routing_history
 from mtmoe.pack.precision import matmul_precision
 from mtmoe.run_settings import (
     check_run_settings, dataset_info, disagreements, given_model_settings, read_checkpoint, resolve_dataset_settings,
@@ -292,8 +293,10 @@ class MTMoECLI(LightningCLI):
 
     def fit_summary(self, model: MultiTaskMoE) -> dict[str, Any]:
         """What ``fit`` adds to the results: epochs, the best epoch (whose weights were tested, and validated at
-        that epoch), the checkpoints, and why it diverged if it did."""
+        that epoch), each validated epoch's routing statistics (``routing``), the checkpoints, and why it diverged
+        if it did."""
         summary = {key: value for key, value in model.engine.summary(0).items() if key != "val"}
+        summary["routing"] = routing_history(model.trial.history)
         paths = {c.kind: c.best_model_path for c in self.trainer.callbacks if isinstance(c, RunCheckpoint)}
         if any(paths.values()):
             summary["checkpoints"] = {kind: path for kind, path in paths.items() if path}

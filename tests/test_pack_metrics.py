@@ -19,7 +19,8 @@ from mtmoe.gates import gate_class
 from mtmoe.gates.base import GateOutput
 from mtmoe.losses import multitask_loss, task_weights
 from mtmoe.mmoe import MMoEOutput
-from mtmoe.pack.metrics import BEHAVIOUR_KEYS, PackMetrics, binary_auroc, pack_bits
+from mtmoe.pack.metrics import PackMetrics, binary_auroc, pack_bits
+from mtmoe.routing_names import routing_of
 from metrics_reference import RoutingBehaviour, TrialMetrics
 
 RECSYS = (TaskSpec("watch", "binary"), TaskSpec("rating", "regression", masked=True))  # MovieLens' shape
@@ -232,10 +233,6 @@ def test_a_dense_gate_selects_its_top_k_or_its_weights_above_uniform(selection, 
         assert all(abs(sum(trial["watch/expert_load"]) - 1) < 1e-12 for trial in results)
     assert 0 < results[0]["watch/routing_entropy"] < torch.log(torch.tensor(float(N_EXPERTS)))
     assert 0 < results[0]["watch/expert_overlap"] < 1
-
-
-def routing_of(results: dict) -> dict:
-    return {key: value for key, value in results.items() if key.split("/")[-1] in BEHAVIOUR_KEYS}
 
 
 def pass_through(metrics: PackMetrics, data, slots: list[int]) -> list[dict]:

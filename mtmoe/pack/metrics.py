@@ -44,12 +44,12 @@ import torch
 from torch import Tensor
 
 from mtmoe.dataset_info import TaskSpec
+from mtmoe.routing_names import BEHAVIOUR_KEYS
 
 SIMPLEX_TOLERANCE = 1e-5  # a simplex gate's row summing further from 1 counts as a violation
 BINARY_THRESHOLD = 0.5  # BinaryAccuracy's default threshold on the probability
 ROUTING_KEYS = ("experts_per_sample", "utilisation", "selection_rate", "unused_experts", "zero_expert_fraction",
                 "simplex_violations")  # RoutingStats' order
-BEHAVIOUR_KEYS = ("routing_entropy", "expert_overlap", "expert_load", "selection_changed")  # evaluation passes only
 SELECTIONS = ("nonzero", "topk", "above_uniform")  # what a gate selects (module docstring)
 BITS = torch.tensor([1 << b for b in range(8)], dtype=torch.uint8)
 

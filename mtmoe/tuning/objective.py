@@ -12,6 +12,7 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
+from mtmoe.routing_names import routing_of
 from mtmoe.tuning.space import SearchSpace
 
 
@@ -63,7 +64,8 @@ def suggest(trial: optuna.Trial, key: str, distribution: optuna.distributions.Ba
 
 def record_result(trial: optuna.Trial, seed: int, wall_time_s: float, results: dict, diverged: str | None) -> float:
     """Record a finished trial's results as its user attributes (seed, wall time, epochs, ``test/<key>`` for every
-    test metric, ``test_loss``; a ``fail_reason`` when it diverged) and return its objective: the best epoch's
+    test metric, ``val/<key>`` for the best epoch's routing statistics, ``test_loss``; a ``fail_reason`` when it
+    diverged) and return its objective: the best epoch's
     validation loss, or NaN for a diverged trial (Optuna records it FAILED; it counts among the N with +inf)."""
     trial.set_user_attr("seed", seed)
     trial.set_user_attr("wall_time_s", round(wall_time_s, 2))
@@ -71,6 +73,8 @@ def record_result(trial: optuna.Trial, seed: int, wall_time_s: float, results: d
     trial.set_user_attr("best_epoch", results.get("best_epoch"))
     for key, value in results.get("test", {}).items():
         trial.set_user_attr(f"test/{key}", value)
+    for key, value in routing_of(results.get("val", {})).items():
+        trial.set_user_attr(f"val/{key}", value)
     trial.set_user_attr("test_loss", results.get("test", {}).get("loss"))
     objective = results.get("best_val_loss", math.inf)
     if diverged is not None or not math.isfinite(objective):

@@ -60,6 +60,7 @@ from mtmoe.lit.module import PackModule, build_trial
 from mtmoe.pack.engine import EarlyStopping, Trial, TrialResult
 from mtmoe.pack.memory import memory_per_trial
 from mtmoe.pack.precision import matmul_precision
+from mtmoe.routing_names import routing_history
 from mtmoe.run import Run, build_run
 from mtmoe.run_settings import import_class
 from mtmoe.tuning.objective import (
@@ -309,7 +310,7 @@ class PackWorker:
 
     def _write_log(self, config_id: int, result: TrialResult) -> None:
         """``config-NNNN/metrics.csv`` (one row per epoch, the columns Lightning's CSV logger writes for ``fit``) and
-        ``results.json``, as ``fit`` writes them."""
+        ``results.json`` (with each validated epoch's routing statistics), as ``fit`` writes them."""
         folder = self.log_dir / f"config-{config_id:04d}"
         history = result.results.get("history", [])
         rows = []
@@ -325,6 +326,7 @@ class PackWorker:
         if rows:
             write_csv_atomic(rows, folder / "metrics.csv")
         results = {key: value for key, value in result.results.items() if key != "history"}
+        results["routing"] = routing_history(history)
         write_atomic(json.dumps({**results, "diverged": result.diverged}, indent=2, default=str) + "\n",
                      folder / "results.json")
 

@@ -15,12 +15,15 @@ name, so ``.../alpha=0.1`` and ``.../alpha=0.9`` are separate rows, compared wit
   dataset and alpha (lowest mean test loss among the other non-"+" gates); an asterisk when p < 0.05. The paper does
   not say Student or Welch: Welch is used and stated.
 * **Table 7**: per-task test metrics of the same selected trials, mean ± SE: AUC and accuracy ×100, MSE as is.
+* **Routing**: how the selected trials' gates route at their best epoch on the validation split, per task: entropy,
+  Jaccard overlap, selections changed since the previous epoch, the busiest expert's load
+  (:mod:`mtmoe.tuning.routing_report`; studies tuned before these statistics have none).
 * **Studies**: each study's seed, settings (what ``tune``'s overrides changed) and failed configurations with their
   reasons (diverged, or lost too often). Rows by alpha, then the paper's gate order.
 
-Printed, and written atomically as Markdown (``report.md``) and CSV (``table_2_3.csv``, ``table_7.csv``) into
-``--out`` (default ``studies/reports/<data>/`` under the current directory). The storage URL is shown without its
-password.
+Printed, and written atomically as Markdown (``report.md``) and CSV (``table_2_3.csv``, ``table_7.csv``,
+``routing.csv``) into ``--out`` (default ``studies/reports/<data>/`` under the current directory). The storage URL is
+shown without its password.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ from typing import Any
 import pandas as pd
 
 from mtmoe.gate_names import split_gate_name
+from mtmoe.tuning.routing_report import routing_markdown, routing_table
 from mtmoe.tuning.storage import display_url
 from mtmoe.tuning.trials import (
     TASK_METRICS, as_text, collect, output_dir, paper_order, parse_strict, studies_parser, write_outputs,
@@ -180,8 +184,11 @@ def report(argv: list[str]) -> None:
     out = output_dir(args.out, args.data)
     url, trials = collect(args.storage, args.data)
     table, table7 = aggregate(trials)
-    text = markdown(args.data, url, trials, table, table7)
-    write_outputs(out, {"report.md": text, "table_2_3.csv": table.to_csv(index=False),
-                        "table_7.csv": table7.to_csv(index=False)})
+    routing = routing_table(trials, top_trials, mean_se)
+    text = markdown(args.data, url, trials, table, table7) + routing_markdown(routing, _pm)
+    files = {"report.md": text, "table_2_3.csv": table.to_csv(index=False), "table_7.csv": table7.to_csv(index=False)}
+    if not routing.empty:
+        files["routing.csv"] = routing.to_csv(index=False)
+    write_outputs(out, files)
     print(text, end="")
-    print(f"written to {out}/report.md, table_2_3.csv, table_7.csv")
+    print(f"written to {out}/" + ", ".join(files))

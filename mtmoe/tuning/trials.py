@@ -3,9 +3,10 @@
 
 Columns: ``study, gate, alpha, seed, settings, config_id, trial, failed, fail_reason, objective, test_loss, n_s``,
 ``epochs_run`` (the trial's), ``max_epochs`` (the study's ``trainer.max_epochs`` setting, NaN where it set none),
-``data`` and the per-task test metrics as ``<task>/<metric>``. A study is one row group per study name (user attributes
-``data`` and ``gate``, written by ``tune``), so ``.../alpha=0.1`` and ``.../alpha=0.9`` are separate studies; a
-study without an alpha of its own shows the dataset's default. A failed trial (failed with a ``fail_reason``:
+``data``, the per-task test metrics as ``<task>/<metric>`` and the routing statistics of the trial's best epoch
+(on the validation split) as ``routing.<task>.<key>`` (``expert_load`` a list). A study is one row group per study
+name (user attributes ``data`` and ``gate``, written by ``tune``), so ``.../alpha=0.1`` and ``.../alpha=0.9`` are
+separate studies; a study without an alpha of its own shows the dataset's default. A failed trial (failed with a ``fail_reason``:
 diverged, or lost too often) is a row with objective ``+inf`` and no test results; trials lost to a crash or an
 interrupt (failed without a reason, re-run), waiting or running ones and skipped duplicates are not results and
 have no row; each ``config_id`` counts once. Rows come in the paper's order (:func:`paper_order`).
@@ -28,6 +29,7 @@ from mtmoe.data import DATASETS
 from mtmoe.errors import OneLineParser, UsageError, did_you_mean
 from mtmoe.files import remove_orphans, write_atomic
 from mtmoe.gate_names import split_gate_name
+from mtmoe.routing_names import BEHAVIOUR_KEYS
 from mtmoe.tuning.storage import STUDIES_DIR, display_url, open_storage, readable
 
 #: Per-task test metrics as the reports show them: (label, scale); AUC and accuracy x100, MSE as is (Table 7).
@@ -153,6 +155,8 @@ def trial_rows(study_name: str, attrs: dict[str, Any], trials: list, alpha: str 
                 parts = key.split("/")
                 if len(parts) == 3 and parts[0] == "test" and parts[2] in TASK_METRICS:
                     row[f"{parts[1]}/{parts[2]}"] = _number(value)
+                elif len(parts) == 3 and parts[0] == "val" and parts[2] in BEHAVIOUR_KEYS:
+                    row[f"routing.{parts[1]}.{parts[2]}"] = value if isinstance(value, list) else _number(value)
         rows[config_id] = row
     return list(rows.values())
 
