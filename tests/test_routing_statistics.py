@@ -93,7 +93,8 @@ def test_fit_logs_the_routing_of_every_epoch_and_resumes_it(tiny_root: Path) -> 
     """A dense gate (Softmax, its top 2 of 16 experts selected), 3 epochs: every epoch's validation has the
     statistics, in ``metrics.csv`` and in ``results.json``'s ``routing``; the first has no ``selection_changed``
     (the sanity check is not a previous epoch), the test results none (a test pass is not a validation). A run
-    resumed after epoch 2 from its last checkpoint gives the uninterrupted run's epoch 3."""
+    resumed after epoch 2 from its last checkpoint gives the uninterrupted run's epoch 3; ``validate`` of that
+    checkpoint has no ``selection_changed``."""
     results = fit(tiny_root, "whole", "--trainer.max_epochs=3")
     routing = results["routing"]
     assert [epoch["epoch"] for epoch in routing] == [0, 1, 2]
@@ -114,6 +115,10 @@ def test_fit_logs_the_routing_of_every_epoch_and_resumes_it(tiny_root: Path) -> 
     last = next(Path("runs/first").rglob("last.ckpt"))
     resumed = fit(tiny_root, "resumed", "--trainer.max_epochs=3", f"--ckpt_path={last}")
     assert resumed["routing"] == routing
+    assert run_cli(["validate", "--gate", "softmax", "--data", "movielens-100k", f"--data.root={tiny_root}", *FAST,
+                    "--trainer.logger.init_args.name=validated", f"--ckpt_path={last}"]) == 0
+    validated = json.loads(next(Path("runs/validated").rglob("results.json")).read_text())["val"]
+    assert "watch/routing_entropy" in validated and "watch/selection_changed" not in validated  # not an epoch
 
 
 def test_dense_selection_above_uniform(tiny_root: Path) -> None:

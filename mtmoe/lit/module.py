@@ -99,14 +99,15 @@ class EngineModule(pl.LightningModule):
         self.val_results = None
 
     def on_validation_epoch_start(self) -> None:
-        self._start_evaluation(track=not self.trainer.sanity_checking)
+        fitting = self.trainer.state.fn == TrainerFn.FITTING
+        self._start_evaluation(track=fitting and not self.trainer.sanity_checking)
 
     def on_test_epoch_start(self) -> None:
         self._start_evaluation(track=False)
 
     def _start_evaluation(self, track: bool) -> None:
-        """A validation pass compares each sample's selected experts with the previous validation's and records
-        them (``selection_changed``); the sanity check's and a test pass's do neither."""
+        """A validation pass of ``fit`` compares each sample's selected experts with the previous validation's and
+        records them (``selection_changed``); the sanity check, ``validate`` and a test pass do neither."""
         self.engine.eval_metrics.reset()
         self.engine.eval_metrics.tracking = track
         self.engine.prepare_evaluation()

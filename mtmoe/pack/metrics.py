@@ -51,7 +51,6 @@ BINARY_THRESHOLD = 0.5  # BinaryAccuracy's default threshold on the probability
 ROUTING_KEYS = ("experts_per_sample", "utilisation", "selection_rate", "unused_experts", "zero_expert_fraction",
                 "simplex_violations")  # RoutingStats' order
 SELECTIONS = ("nonzero", "topk", "above_uniform")  # what a gate selects (module docstring)
-BITS = torch.tensor([1 << b for b in range(8)], dtype=torch.uint8)
 
 
 def selected_experts(weights: Tensor, selection: str, k: int) -> Tensor:
@@ -69,7 +68,7 @@ def pack_bits(mask: Tensor) -> Tensor:
     n = mask.shape[-1]
     padded = torch.nn.functional.pad(mask.to(torch.uint8), (0, -n % 8))
     grouped = padded.view(*mask.shape[:-1], -1, 8)
-    return (grouped * BITS.to(mask.device)).sum(-1, dtype=torch.uint8)
+    return (grouped << torch.arange(8, dtype=torch.uint8, device=mask.device)).sum(-1, dtype=torch.uint8)
 
 
 def binary_auroc(scores: Tensor, positive: Tensor, seen: Tensor) -> Tensor:
