@@ -8,7 +8,7 @@ engine's own record.
 
 Tolerances are those of another CPU. The records were made on an AMD EPYC; an Intel Xeon (both AVX-512, MKL) rounds
 float32 products differently and 48 Adam steps amplify it: measured there, losses and MSE within 2.5e-4 relative,
-AUC 1.4e-3, accuracy 5 rows of the 512 evaluated, the routing statistics 2e-3 (on the recording host: 2.6e-6, AUC
+AUC 1.4e-3, accuracy 5 rows of the 512 evaluated, other statistics 2e-3 (on the recording host: 2.6e-6, AUC
 6.6e-5). The tolerances are twice those; epochs, best epoch and the rounded permutation stay exact on both. The
 equivalence tests (a packed trial against its run alone, graphs against eager) are exact on any host.
 """
@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from mtmoe.routing_names import routing_of
 from fit_regression import RECORD, STREAMS_RECORD, draws_from_streams, fit_results, variants
 
 DATA = Path(os.environ.get("MTMOE_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
@@ -47,7 +48,11 @@ def test_fit_reproduces_its_recorded_results(gate: str, dropout: str, tmp_path: 
     assert (got["epochs_run"], got["best_epoch"]) == (expected["epochs_run"], expected["best_epoch"])
     assert got.get("permutation") == expected.get("permutation")
     assert got["best_val_loss"] == pytest.approx(expected["best_val_loss"], **tolerance("loss"))
+    # The routing statistics (issue 35) are newer than the records: present, not compared here (their packed-equals-
+    # alone and reference tests are in tests/test_routing_statistics.py and tests/test_pack_metrics.py).
+    assert routing_of(got["val"]), "fit recorded no routing statistics"
     for split in ("val", "test"):
+        got[split] = {key: value for key, value in got[split].items() if key not in routing_of(got[split])}
         assert set(got[split]) == set(expected[split]), split
         for key, value in expected[split].items():
             assert got[split][key] == pytest.approx(value, **tolerance(key)), (split, key)
