@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from mtmoe.data import MovieLens100KDataModule
+from mtmoe.gates import gate_class
 from mtmoe.gates.base import GateOutput, RoutingInput
 from mtmoe.gates.softmax import SoftmaxGate
 from mtmoe.lit.module import MultiTaskMoE, PackModule, build_trial
@@ -147,3 +148,35 @@ def test_the_learning_rate_scale_reaches_adam(tiny_root: Path, warmup: int) -> N
     scale = (1 / (warmup * BATCHES)) ** len(info.tasks)
     # the float32 difference of parameters of magnitude ~0.1-1 is exact to ~1e-4 of a step this small
     assert moved.tolist() == pytest.approx([LR * scale] * len(pack), rel=1e-3)
+
+
+def test_a_fit_resumed_inside_the_window_continues_its_schedules(tiny_root: Path, tmp_path: Path) -> None:
+    """A ``topk+`` fit (a window of 2 epochs) checkpointed after epoch 1 and resumed to epoch 3 trains as the fit
+    run straight through: the trial's step count comes back with the engine's state, so local search rounds at the
+    window's end, not at a step counted from the resume."""
+    data = data_module(tiny_root)
+
+    def model() -> MultiTaskMoE:
+        torch.manual_seed(0)
+        return MultiTaskMoE(gate=partial(gate_class("topk")), info=data.info, lr=LR, perm_epochs=2,
+                            cuda_graphs=False)
+
+    def run(epochs: int, net: MultiTaskMoE, ckpt_path: Path | None = None) -> pl.Trainer:
+        fitter = pl.Trainer(max_epochs=epochs, limit_train_batches=BATCHES, limit_val_batches=0, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            accelerator="cpu")
+        fitter.fit(net, datamodule=data, ckpt_path=ckpt_path, weights_only=False)  # hparams hold a partial
+        return fitter
+
+    straight = model()
+    run(3, straight)
+    first = model()
+    run(1, first).save_checkpoint(tmp_path / "epoch1.ckpt")
+    resumed = model()
+    run(3, resumed, tmp_path / "epoch1.ckpt")
+    assert resumed.trial.steps == straight.trial.steps == 3 * BATCHES
+    losses = [[record["train"]["loss"] for record in m.trial.history] for m in (straight, resumed)]
+    assert losses[1] == pytest.approx(losses[0], rel=0, abs=1e-6)
+    assert resumed.net.local_search.frozen
+    assert torch.equal(resumed.net.local_search.rounded, straight.net.local_search.rounded)
+    assert torch.equal(resumed.net.local_search.log_weights, straight.net.local_search.log_weights)
