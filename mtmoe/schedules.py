@@ -34,7 +34,8 @@ class Schedule:
 
     def plan(self, steps_per_epoch: int, total_steps: int | None) -> None:
         """On one trial's own module, on the host, before its first training step: the run's length in training
-        steps per epoch and in all (``None``: until early stopping), to fill the buffers that count in steps."""
+        steps per epoch and in all (``None``: until early stopping), to fill the buffers that count in steps. The
+        engine also calls it on the pack's template (meta tensors, ``total_steps`` ``None``) for its host flags."""
 
     def flags(self) -> tuple:
         """The host-side settings the training step's computation depends on (a CUDA graph is captured per value)."""
