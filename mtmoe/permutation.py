@@ -18,9 +18,9 @@ State (step counter, window length, last soft matrix, rounded matrix) lives in d
 checkpointed, and a training step reads nothing on the host: the schedule, the window test and the choice between
 the soft and the rounded matrix are tensor operations, so the step runs unchanged for a pack of trials each at its
 own point of its own window (``torch.func.vmap``) and inside a CUDA graph. The one host computation, the linear
-assignment, happens between steps: the training loop calls :meth:`LocalSearch.round_` (or
-:func:`round_to_permutations` on many trials' matrices at once) before the step that ends the window and before
-evaluating inside it (:meth:`LocalSearch.rounding_due` says when). The step counts training forward passes
+assignment, happens between steps: a plain training loop calls :meth:`LocalSearch.round_` before the step that
+ends the window and before evaluating inside it (:meth:`LocalSearch.rounding_due` says when); the training engine
+does the same for many trials at once through the :class:`~mtmoe.schedules.Schedule` hooks. The step counts training forward passes
 (micro-batches), as the official code does, and stops at the window's end.
 """
 from __future__ import annotations
@@ -34,6 +34,7 @@ from torch import Tensor, nn
 
 from mtmoe.errors import UsageError
 from mtmoe.scalars import ScalarSettings
+from mtmoe.schedules import Schedule, Trials
 from mtmoe.sinkhorn import sinkhorn_and_penalty
 
 TAU_START, TAU_END = 1e-3, 1e-7
@@ -78,7 +79,20 @@ def _refresh_rounded_index(search: LocalSearch, incompatible_keys) -> None:
     search.rounded_index.copy_(search.rounded.argmax(-2))
 
 
-class LocalSearch(ScalarSettings):
+def _round(state: dict[str, Tensor], index: Tensor | None = None) -> None:
+    """Round the latest soft matrices in ``state`` (a module's buffers, or trials' ``index`` of stacked ones) to
+    the permutations the next forward passes use (eq. 5, on the host)."""
+    rounded = state["rounded"] if index is None else state["rounded"][index]
+    rounded = round_to_permutations(state["soft"] if index is None else state["soft"][index], rounded)
+    if index is None:
+        state["rounded"].copy_(rounded)
+        state["rounded_index"].copy_(rounded.argmax(-2))
+    else:
+        state["rounded"][index] = rounded
+        state["rounded_index"][index] = rounded.argmax(-2)
+
+
+class LocalSearch(ScalarSettings, Schedule):
     """Learned expert permutation for ``n_tasks`` task gates (shared by default; ``per_task`` gives one each).
 
     Args:
@@ -92,9 +106,14 @@ class LocalSearch(ScalarSettings):
     ``may_search`` (default True) is a promise the training loop may make on the host: False says the window of
     every trial run through this module is over, and the forward pass is then the rounded matrix's gather alone
     (the same values, without computing the soft branch that the window test would discard).
+
+    As a :class:`~mtmoe.schedules.Schedule` the engine drives it: :meth:`plan` sets the window, :meth:`before_step`
+    and :meth:`before_evaluation` round the trials that are due and set ``may_search``, :meth:`frozen_parameters`
+    leaves ``U`` out of Adam's update once a trial's window is over.
     """
 
     scalar_names = ("zeta",)
+    host_attributes = frozenset({"may_search", "window_set", "epochs", "window_steps", "rounded_at"})
 
     def __init__(
         self,
@@ -113,6 +132,7 @@ class LocalSearch(ScalarSettings):
         self.n_experts, self.epochs = n_experts, epochs
         self.per_task, self.eval_rounded = per_task, eval_rounded
         self.may_search, self.window_set = True, False
+        self.window_steps, self.rounded_at = 0, -1  # host mirrors: the window in steps, the step last rounded at
         self.set_scalars(zeta=zeta)
         m = n_tasks if per_task else 1
         self.log_weights = nn.Parameter(torch.empty(m, n_experts, n_experts).uniform_(-0.05, 0.05))
@@ -125,8 +145,47 @@ class LocalSearch(ScalarSettings):
         self.register_load_state_dict_post_hook(_refresh_rounded_index)
 
     def set_window(self, steps_per_epoch: int) -> None:
-        self.window.fill_(self.epochs * steps_per_epoch)
+        self.window_steps = self.epochs * steps_per_epoch
+        self.window.fill_(self.window_steps)
         self.window_set = True
+
+    def plan(self, steps_per_epoch: int, total_steps: int | None) -> None:
+        self.set_window(steps_per_epoch)
+
+    def flags(self) -> tuple:
+        return (self.may_search,)
+
+    def before_step(self, state: dict[str, Tensor], trials: Trials) -> None:
+        """Round the trials whose next step ends their window; search only while some trial's window goes on."""
+        self._round_slots(state, trials, [slot for slot, (search, steps) in trials.items()
+                                          if steps + 1 == search.window_steps])
+        self.may_search = any(steps + 1 < search.window_steps for search, steps in trials.values())
+
+    def before_evaluation(self, state: dict[str, Tensor], trials: Trials | None) -> None:
+        """Inside their window, trials evaluate the rounding of their latest soft matrix (the official evaluation),
+        or with ``eval_rounded`` off the soft matrix; a snapshot keeps the rounding of its epoch's validation."""
+        if trials is None:
+            self.may_search = not self.eval_rounded
+            return
+        inside = [slot for slot, (search, steps) in trials.items() if 0 < steps < search.window_steps]
+        if self.eval_rounded:
+            due = [slot for slot in inside if trials[slot][0].rounded_at != trials[slot][1]]
+            self._round_slots(state, trials, due)
+        self.may_search = not self.eval_rounded and bool(inside)
+
+    @staticmethod
+    def _round_slots(state: dict[str, Tensor], trials: Trials, due: list[int]) -> None:
+        """:func:`_round` on ``due``'s trials of the stacked ``state`` (one transfer for all of them)."""
+        if not due:
+            return
+        _round(state, torch.tensor(due, device=state["soft"].device))
+        for slot in due:
+            search, steps = trials[slot]
+            search.rounded_at = steps
+
+    def frozen_parameters(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Past the window the step used the rounded matrix: ``U`` has no gradient, as alone."""
+        return {"log_weights": state["step"] >= state["window"]}
 
     @property
     def frozen(self) -> bool:
@@ -141,8 +200,7 @@ class LocalSearch(ScalarSettings):
 
     def round_(self) -> None:
         """Round the latest soft matrix to the permutation the next forward passes use (eq. 5, on the host)."""
-        self.rounded.copy_(round_to_permutations(self.soft, self.rounded))
-        self.rounded_index.copy_(self.rounded.argmax(-2))
+        _round(dict(self.named_buffers(recurse=False)))
 
     def forward(self, weights: Tensor) -> tuple[Tensor, Tensor | None]:
         """Permute all task gates' weights ``[B, T, n]`` at once: ``w P`` (per task ``w_t P_t`` with ``per_task``), and

@@ -28,6 +28,7 @@ LAYERS = {  # module or package prefix -> layer (0 = bottom)
     "mtmoe.losses": 0, "mtmoe.host_memory": 0, "mtmoe.host_threads": 0, "mtmoe.gate_names": 0, "mtmoe.interrupts": 0,
     "mtmoe.triton_support": 0, "mtmoe.discovery": 0, "mtmoe.kernel_traffic": 0, "mtmoe.routing_names": 0,
     "mtmoe.gates": 0, "mtmoe.experts": 0, "mtmoe.mmoe": 0, "mtmoe.permutation": 0, "mtmoe.sinkhorn": 0,
+    "mtmoe.schedules": 0,
     "mtmoe.pack": 1,
     "mtmoe.data": 2, "mtmoe.lit": 2,
     "mtmoe.run": 3, "mtmoe.run_settings": 3, "mtmoe.arguments": 3,

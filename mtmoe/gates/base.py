@@ -117,8 +117,9 @@ class Gate(ScalarSettings):
         return None
 
     def set_training_steps(self, total: int | None) -> None:
-        """Told by the training loop how many training forward passes the run plans (``None``: unbounded), for
-        gates with a schedule in fractions of the run (CompeteSMoE v2's warm-up)."""
+        """How many training forward passes the run plans (``None``: unbounded), for gates with a schedule in
+        fractions of the run (CompeteSMoE v2's warm-up, which the engine tells through
+        :meth:`mtmoe.schedules.Schedule.plan`)."""
 
     def forward(self, routing: RoutingInput) -> GateOutput:  # pragma: no cover - abstract
         raise NotImplementedError

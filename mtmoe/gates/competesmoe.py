@@ -43,8 +43,8 @@ Adaptations to per-sample routing with one gate per task [A] (routing-methods.md
   ``0.01 * alpha * L_R`` with alpha = 5. Here the task loss is unweighted and ``router_loss_coef`` (alpha') is the
   distillation weight, 0.05 by default (the code's effective 0.01 * 5).
 * CSv2's warm-up (plain Top-K for the first ``warmup`` fraction of the run, App. H) needs the run's length:
-  :meth:`set_training_steps` receives the planned number of training forward passes from the Lightning module; a
-  gate trained outside it has no warm-up.
+  :meth:`set_training_steps` receives the planned number of training forward passes from the training engine
+  (the gate is a :class:`~mtmoe.schedules.Schedule`); a gate trained outside it has no warm-up.
 * CSv2's diversity loss uses cosine similarity (the code) averaged over the K(K-1) off-diagonal entries (eq. (2);
   the code's mean over K x K is (K-1)/K of it); it is 0 for K = 1. The code-only balance loss on the competition
   policy is left out. Balance and z-loss are part of the papers' training setups for every method, SMoE included;
@@ -68,6 +68,7 @@ from mtmoe.gates.base import (
     Gate, GateDims, GateOutput, RoutingInput, check_non_negative, check_probability, resolve_k, topk_softmax,
 )
 from mtmoe.gates.losses import router_z_loss, switch_balance_loss
+from mtmoe.schedules import Schedule
 from mtmoe.gates.registry import register_gate
 from mtmoe.gates.softmax import keras_dense
 from mtmoe.scalars import cast
@@ -206,7 +207,7 @@ class CompeteSMoEGate(CompetitionGate):
 
 
 @register_gate("competesmoe-v2")
-class CompeteSMoEV2Gate(CompetitionGate):
+class CompeteSMoEV2Gate(CompetitionGate, Schedule):
     """CSv2: mean-softplus competition, linear winner weights, distillation eq. (1), diversity eq. (2), warm-up.
 
     Defaults are CSv2 Table 20 / §5.4 (omega 0.07, gamma 0.01, alpha 0.1, beta 0.005, warm-up 5%) and the LM
@@ -247,6 +248,10 @@ class CompeteSMoEV2Gate(CompetitionGate):
 
     def set_training_steps(self, total: int | None) -> None:
         self.warmup_steps.fill_(0 if total is None else round(self.warmup * total))
+
+    def plan(self, steps_per_epoch: int, total_steps: int | None) -> None:
+        """The warm-up is a fraction of the run: none for a run until early stopping (App. H)."""
+        self.set_training_steps(total_steps)
 
     def warming_up(self, step: Tensor) -> Tensor:
         return step < self.warmup_steps

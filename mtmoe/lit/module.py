@@ -245,7 +245,7 @@ class MultiTaskMoE(EngineModule):
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         self.train_step({key: tensor.unsqueeze(0) for key, tensor in batch.items()})
         search = self.net.local_search
-        if search is not None and not self._frozen_reported and self.trial.steps >= self.trial.window:
+        if search is not None and not self._frozen_reported and self.trial.steps >= search.window_steps:
             self._frozen_reported = True
             stats = search.statistics()
             rank_zero_info(f"local search: permutation frozen at step {self.trial.steps}, "

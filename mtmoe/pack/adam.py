@@ -185,13 +185,15 @@ class PackedAdam:
             tensor.copy_(state[name])
 
     @torch.no_grad()
-    def step(self, skip: dict[str, Tensor] | None = None) -> None:
+    def step(self, skip: dict[str, Tensor] | None = None, lr_scale: Tensor | None = None) -> None:
         """One Adam step of every trial from the gradients in ``stack.flat_grad``; ``skip[name]`` (``[P]`` bool)
-        names the trials that leave parameter ``name`` and its moments as they are."""
+        names the trials that leave parameter ``name`` and its moments as they are; ``lr_scale`` (``[P]``) scales
+        each trial's learning rate for this step (a schedule's)."""
         self.steps.add_(1.0)
         beta1, beta2 = BETAS
         dtype = self.stack.flat.dtype
-        step_size = (self.lr / (1 - torch.pow(beta1, self.steps))).to(dtype)  # [P, 1]: per-trial coefficients
+        lr = self.lr if lr_scale is None else self.lr * lr_scale.view(-1, 1).double()
+        step_size = (lr / (1 - torch.pow(beta1, self.steps))).to(dtype)  # [P, 1]: per-trial coefficients
         bias_correction2_sqrt = (1 - torch.pow(beta2, self.steps)).sqrt().to(dtype)
         eps = self.eps.to(dtype)
         skip = skip or {}

@@ -6,7 +6,8 @@ A step of the pack runs the plain modules' own code (:class:`mtmoe.mmoe.MMoE`, i
 :class:`~mtmoe.pack.stack.TrialStack`, then one backward pass and one :class:`~mtmoe.pack.adam.PackedAdam` update
 of every trial: each kernel is launched once per pack, whatever P. Nothing in a step reads a device value on the
 host: a trial's schedules are its own buffers (local search's window, CompeteSMoE's coin, the random stream's
-step), its losses and routing statistics accumulate on the device (:class:`~mtmoe.pack.metrics.PackMetrics`), and
+step), driven through one interface (:class:`mtmoe.schedules.Schedule`, found by walking the template's modules),
+its losses and routing statistics accumulate on the device (:class:`~mtmoe.pack.metrics.PackMetrics`), and
 on a GPU the whole step (forward, backward, Adam) is captured once per batch shape in a CUDA graph and replayed
 (:class:`~mtmoe.pack.graphs.CapturedStep`; ``cuda_graphs=False`` runs it eagerly). ``vmap`` runs with
 ``randomness="error"``: a trial's every random draw comes from its own counter-based stream (:mod:`mtmoe.random`),
@@ -18,8 +19,9 @@ the epoch's losses once and applies each trial's rules as ``fit`` does for one t
 ``EarlyStopping(patience, min_delta, restore_best_weights=True)``): a non-finite validation or training loss ends the
 trial as diverged; a validation loss below the best by more than ``min_delta`` is the new best (its weights and
 validation results kept on the device, in one snapshot for all trials); ``patience`` validations without one, or
-``max_epochs`` epochs, end it. The one host-side computation of a trial's model, local search's linear assignment
-(eq. 5 of the COMET paper), runs between steps, for the trials that need it (:meth:`_round_permutations`).
+``max_epochs`` epochs, end it. A schedule's host-side work (local search's linear assignment, eq. 5 of the COMET
+paper) runs between steps, in its :meth:`~mtmoe.schedules.Schedule.before_step` and
+:meth:`~mtmoe.schedules.Schedule.before_evaluation`.
 """
 from __future__ import annotations
 
@@ -42,9 +44,7 @@ from mtmoe.pack.adam import PackedAdam
 from mtmoe.pack.graphs import CapturedStep
 from mtmoe.pack.metrics import PackMetrics
 from mtmoe.pack.stack import TrialStack
-from mtmoe.permutation import round_to_permutations
-
-LOG_WEIGHTS = "local_search.log_weights"
+from mtmoe.schedules import Trials, local_state, schedules
 # a one-row parameter's gradient view has the stride of its row in the flat gradient, which the contract's check
 # does not expect; autograd still accumulates in place
 warnings.filterwarnings("ignore", message=".*grad and param do not obey the gradient layout contract.*")
@@ -84,8 +84,6 @@ class Trial:
     min_delta: float = 0.0
     epochs_run: int = 0
     steps: int = 0  # training forward passes so far (a host-side mirror of the trial's own counters)
-    window: int = 0  # local search's window in steps (0: no local search)
-    rounded_at: int = -1  # the step whose soft permutation was last rounded
     best_score: float = math.inf
     best_epoch: int = -1
     best_results: dict[str, Any] | None = None  # the best epoch's validation results
@@ -128,11 +126,12 @@ class PackEngine:
     its ``tracking`` is turned off (a test pass).
 
     The training batches per epoch (local search's windows and the gates' warm-ups count in them) are set with
-    :meth:`set_steps_per_epoch` before the first training step.
+    :meth:`set_steps_per_epoch` before the first training step. Every :class:`~mtmoe.schedules.Schedule` in the
+    net is driven through its hooks, each on its own stacked buffers (:meth:`schedule_state_dict`).
     """
 
-    TRIAL_PROGRESS = ("epochs_run", "best_score", "best_epoch", "best_results", "wait", "diverged", "history",
-                      "rounded_at")
+    TRIAL_PROGRESS = ("epochs_run", "steps", "best_score", "best_epoch", "best_results", "wait", "diverged",
+                      "history")
 
     def __init__(self, example: MMoE, tasks: tuple[TaskSpec, ...], capacity: int, device: torch.device | str,
                  cuda_graphs: bool = True, fused_adam: bool = True, dense_selection: str = "topk") -> None:
@@ -143,7 +142,8 @@ class PackEngine:
         self.stack = TrialStack(example, capacity, self.device)
         self.adam = PackedAdam(self.stack, fused_adam)
         self.template = copy.deepcopy(example).to("meta")
-        self.search = self.template.local_search
+        self.schedules = schedules(self.template)
+        self.schedule_states = [local_state(prefix, self.stack.buffers) for prefix, _ in self.schedules]
         self.task_weights = torch.zeros(capacity, len(tasks), device=self.device)
         self.dense_selection = dense_selection
         self.train_metrics = self._metrics(capacity, self.task_weights)
@@ -173,9 +173,7 @@ class PackEngine:
         """Put a trial into ``slot``: the stack takes its net's values (the net keeps views of them), Adam starts
         fresh with its learning rate and epsilon, its schedules learn the epoch's length."""
         net = trial.net.to(self.device)
-        if net.local_search is not None:
-            trial.steps = int(net.local_search.step)
-        self._schedule(trial)
+        self._plan(trial)
         self.stack.load(slot, net)
         self.adam.reset(slot, trial.lr, trial.adam_eps)
         self.task_weights[slot] = torch.tensor(trial.task_weights, dtype=self.task_weights.dtype)
@@ -189,20 +187,34 @@ class PackEngine:
 
     def set_steps_per_epoch(self, steps: int) -> None:
         self.steps_per_epoch = steps
-        if self.search is not None:  # the slots' windows are their own buffers, set with each trial's own E_perm
-            self.search.window_set = True
+        for _, schedule in self.schedules:  # the template's host flags (the slots' buffers are planned per trial)
+            schedule.plan(steps, None)
         for _, trial in self.running:
-            self._schedule(trial)
+            self._plan(trial)
 
-    def _schedule(self, trial: Trial) -> None:
-        """A trial's schedules in steps: local search's window and the gates' warm-ups (CompeteSMoE v2)."""
+    def _plan(self, trial: Trial) -> None:
+        """A trial's schedules learn the run's length in steps (local search's window, CompeteSMoE v2's warm-up)."""
         if self.steps_per_epoch is None:
             return
-        if trial.net.local_search is not None:
-            trial.net.local_search.set_window(self.steps_per_epoch)
-            trial.window = trial.net.local_search.epochs * self.steps_per_epoch
-        for gate in trial.net.gates:
-            gate.set_training_steps(None if trial.max_epochs is None else self.steps_per_epoch * trial.max_epochs)
+        total = None if trial.max_epochs is None else self.steps_per_epoch * trial.max_epochs
+        for prefix, _ in self.schedules:
+            trial.net.get_submodule(prefix).plan(self.steps_per_epoch, total)
+
+    def _trials(self, prefix: str) -> Trials:
+        """The running trials' own schedule modules at ``prefix`` and their steps so far (the host hooks' view)."""
+        return {slot: (trial.net.get_submodule(prefix), trial.steps) for slot, trial in self.running}
+
+    def schedule_state_dict(self) -> dict[str, Tensor]:
+        """Every schedule's state, ``[P, ...]`` tensors by qualified buffer name (the stack's own, not copies): what a
+        pack checkpoint saves beside the parameters, Adam's state and :meth:`state_dict`'s trial progress (whose
+        ``steps`` is the host-side mirror the host hooks read)."""
+        return {f"{prefix}.{name}" if prefix else name: tensor
+                for (prefix, _), state in zip(self.schedules, self.schedule_states) for name, tensor in state.items()}
+
+    @torch.no_grad()
+    def load_schedule_state_dict(self, state: dict[str, Tensor]) -> None:
+        for name, tensor in self.schedule_state_dict().items():
+            tensor.copy_(state[name])
 
     def compacted(self) -> PackEngine:
         """A pack of the running trials only (their state, Adam moments and best-weights snapshots move along), to
@@ -239,16 +251,15 @@ class PackEngine:
 
     def train_step(self, batch: dict[str, Tensor]) -> None:
         """One optimisation step of every slot on its own rows ``batch`` (``[P, B, ...]`` tensors)."""
-        if self.search is not None:
-            self._round_permutations([slot for slot, trial in self.running if trial.steps + 1 == trial.window])
-            self.search.may_search = any(trial.steps + 1 < trial.window for _, trial in self.running)
+        for (prefix, schedule), state in zip(self.schedules, self.schedule_states):
+            schedule.before_step(state, self._trials(prefix))
         for _, trial in self.running:
             trial.steps += 1
         if self.captured is None:
             self._train_step(batch)
         else:
             size = next(iter(batch.values())).shape[1]
-            self.captured((size, self.search is not None and self.search.may_search), batch)
+            self.captured((size, *(flag for _, schedule in self.schedules for flag in schedule.flags())), batch)
 
     def _train_step(self, batch: dict[str, Tensor]) -> None:
         self.template.train()
@@ -256,12 +267,17 @@ class PackEngine:
         loss, aux, task_losses, counts, predictions, weights = self._forward(
             self._tensors(), batch, self.task_weights, True)
         (loss + aux).float().sum().backward()
-        skip = None
-        if self.search is not None:
-            step, window = self.stack.buffers["local_search.step"], self.stack.buffers["local_search.window"]
-            skip = {LOG_WEIGHTS: step >= window}  # the step used the rounded matrix: no gradient, as alone
-        self.adam.step(skip)
+        skip, lr_scale = {}, None
+        for (prefix, schedule), state in zip(self.schedules, self.schedule_states):
+            frozen = schedule.frozen_parameters(state)
+            skip.update({f"{prefix}.{name}" if prefix else name: mask for name, mask in frozen.items()})
+            scale = schedule.lr_scale(state)
+            if scale is not None:
+                lr_scale = scale if lr_scale is None else lr_scale * scale
+        self.adam.step(skip, lr_scale)
         with torch.no_grad():
+            for (_, schedule), state in zip(self.schedules, self.schedule_states):
+                schedule.on_step(state)
             self.train_metrics.update(predictions, task_losses, counts, loss.detach(), batch, weights,
                                       prediction_metrics=False)
             self.aux_sum.add_(aux.detach().float() * weights.shape[1])
@@ -283,8 +299,8 @@ class PackEngine:
         tensors = {name: tensor[index] for name, tensor in state.items()}
         task_weights = self.task_weights[index]
         metrics = self._metrics(len(slots), task_weights)
-        if self.search is not None:  # the snapshot's rounding is that of its epoch's validation
-            self.search.may_search = not self.search.eval_rounded
+        for prefix, schedule in self.schedules:
+            schedule.before_evaluation(local_state(prefix, tensors), None)
         self.template.eval()
         for batch in batches:
             loss, _, task_losses, counts, predictions, weights = self._forward(
@@ -293,26 +309,10 @@ class PackEngine:
         return metrics.results()
 
     def prepare_evaluation(self) -> None:
-        """Before evaluating the live slots: the rounded permutation of the trials inside their window is that of
-        their latest soft matrix (the official evaluation), or with ``eval_rounded`` off the soft matrix is used."""
-        if self.search is None:
-            return
-        inside = [slot for slot, trial in self.running if 0 < trial.steps < trial.window]
-        if self.search.eval_rounded:
-            self._round_permutations([slot for slot in inside if self.slots[slot].rounded_at != self.slots[slot].steps])
-        self.search.may_search = not self.search.eval_rounded and bool(inside)
-
-    def _round_permutations(self, due: list[int]) -> None:
-        """Local search's one host-side computation, between steps: round the latest soft matrices of ``due``'s
-        trials (one transfer for all of them)."""
-        if not due:
-            return
-        index = torch.tensor(due, device=self.device)
-        soft, rounded = self.stack.buffers["local_search.soft"], self.stack.buffers["local_search.rounded"]
-        rounded[index] = round_to_permutations(soft[index], rounded[index])
-        self.stack.buffers["local_search.rounded_index"][index] = rounded[index].argmax(-2)
-        for slot in due:
-            self.slots[slot].rounded_at = self.slots[slot].steps
+        """Before evaluating the live slots: each schedule's :meth:`~mtmoe.schedules.Schedule.before_evaluation`
+        (local search rounds the soft permutations of the trials inside their window)."""
+        for (prefix, schedule), state in zip(self.schedules, self.schedule_states):
+            schedule.before_evaluation(state, self._trials(prefix))
 
     # ----------------------------------------------------------------------------------------------- epochs
     def start_epoch(self) -> None:
@@ -350,6 +350,8 @@ class PackEngine:
                 ended.append(slot)
         if improved.any():
             self.best = self.stack.snapshot(improved.to(self.device), self.best)
+        for (_, schedule), state in zip(self.schedules, self.schedule_states):
+            schedule.on_epoch_end(state)
         return ended
 
     # ----------------------------------------------------------------------------------------------- checkpoints

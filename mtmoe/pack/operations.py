@@ -64,12 +64,12 @@ def phases(engine, batch: dict[str, torch.Tensor], eval_batch: dict[str, torch.T
     and ``eval``. The engine's trials must have windows of at least 3 steps (E_perm x steps per epoch)."""
     out = {}
     engine.train_step(batch)  # warm-up: lazily built vmapped functions, kernels compiled
-    if engine.search is None:
+    if engine.template.local_search is None:
         out["train"] = count(lambda: engine.train_step(batch))
     else:
         out["window"] = count(lambda: engine.train_step(batch))
         for _, trial in engine.running:  # every trial past its window: the next steps are after it
-            while trial.steps < trial.window + 1:
+            while trial.steps < trial.net.local_search.window_steps + 1:
                 engine.train_step(batch)
         engine.train_step(batch)
         out["after"] = count(lambda: engine.train_step(batch))

@@ -21,9 +21,9 @@ import torch
 from torch import Tensor, nn
 
 
-#: Plain attributes of a module that may differ between the trials of a pack: the training flags, and local search's
-#: host-side flags and E_perm (its window is a buffer of each trial's own).
-PER_TRIAL_ATTRIBUTES = frozenset({"training", "may_search", "window_set", "epochs"})
+#: Plain attributes of a module that may differ between the trials of a pack: the training flags, and a schedule's
+#: own (:attr:`mtmoe.schedules.Schedule.host_attributes`: local search's host-side flags and E_perm, say).
+PER_TRIAL_ATTRIBUTES = frozenset({"training"})
 
 
 def structure(module: nn.Module) -> dict[str, object]:
@@ -33,7 +33,8 @@ def structure(module: nn.Module) -> dict[str, object]:
     out = {}
     for prefix, sub in module.named_modules():
         for name, value in vars(sub).items():
-            if name.startswith("_") or name in PER_TRIAL_ATTRIBUTES:
+            per_trial = PER_TRIAL_ATTRIBUTES | getattr(sub, "host_attributes", frozenset())
+            if name.startswith("_") or name in per_trial:
                 continue
             if isinstance(value, (bool, int, float, str, tuple, type(None))) or dataclasses.is_dataclass(value):
                 out[f"{prefix}.{name}" if prefix else name] = value
