@@ -330,7 +330,7 @@ def parametric_blocks(parametric: pd.DataFrame, band: str, within: float) -> lis
                   f"{band} interval: the range of a over the noisy quadratics inside the exact {band} band of the "
                   "trials over that tail (a consonance interval, as opda's authors compute it), unbounded (±∞) where "
                   "the trials do not bound it; it holds if the tail is a noisy quadratic "
-                  "(`benchmarks/bench_band_coverage.py --parametric` measures it). Trials: the smallest s whose "
+                  "(`benchmarks/bench_parametric_coverage.py` measures it). Trials: the smallest s whose "
                   f"median best of s random trials under the fit is within {within:.3g} × |a| of a (`--within`). "
                   "o: the noise's standard deviation ×10⁻². Every value: `bootstrap_parametric.csv`."),
             ("table", ["Study", "Gate", "alpha", "N (tail, tuned)", "best ×10⁻²", f"{band} interval",

@@ -18,7 +18,7 @@ minimising, concave when maximising). As their notebook "Validating the Parametr
 * **Trials to come within a distance** of the best: the smallest s whose median best of s random configurations
   under the fit (``quantile_tuning_curve``) is within ``within * |a|`` of ``a``.
 
-``benchmarks/bench_band_coverage.py --parametric`` measures how often the interval covers the truth.
+``benchmarks/bench_parametric_coverage.py`` measures how often the interval covers the truth.
 """
 from __future__ import annotations
 
