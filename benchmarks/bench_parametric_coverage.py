@@ -47,7 +47,7 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
     """Wilson's 95% interval of a proportion k/n."""
     p, d = k / n, 1 + z * z / n
     centre, half = (p + z * z / (2 * n)) / d, z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
-    return centre - half, centre + half
+    return max(centre - half, 0.0), min(centre + half, 1.0)
 
 
 def main() -> None:
