@@ -343,8 +343,23 @@ def test_cli_end_to_end(storage, tmp_path: Path, capsys) -> None:
     inlined = re.search(r'src="data:image/png;base64,([^"]+)"', page).group(1)
     assert "objective's tuning curve with exact 95% confidence bands" in markdown
     assert "| movielens | 0.9 | topk+ over topk | " in markdown.split("Median factor [95% interval]")[1]
-    # the objective's 2 panels, the paper's factors, the objective's, at selected budgets, studies, 2 test-loss panels
-    assert base64.b64decode(inlined) == png and page.count("<table>") == 8
+    # the objective's 2 panels, the noisy quadratic model, the paper's factors, the objective's, at selected budgets,
+    # studies, 2 test-loss panels
+    assert base64.b64decode(inlined) == png and page.count("<table>") == 9
+
+    from mtmoe.tuning.parametric import estimate  # the model of each study: opda's, on its objectives
+
+    parametric = pd.read_csv(out / "bootstrap_parametric.csv", dtype={"alpha": str}).set_index(["alpha", "gate"])
+    assert sorted(parametric.index) == sorted(trials)
+    objectives, _ = trials[("0.9", "topk+")]
+    expected = estimate(np.r_[objectives, np.inf], 1, 0.95, 0.01)  # topk+ has one failed trial, dims: model.lr
+    row = parametric.loc[("0.9", "topk+")]
+    assert row.dims == 1 and row.evaluated == 21
+    for key in ("best", "best_low", "best_high", "trials_within", "c", "o", "tail"):
+        assert row[key] == pytest.approx(expected[key], rel=1e-9), key
+    assert "## The best objective a gate can reach: the noisy quadratic model" in markdown
+    assert f"| movielens/topk+/alpha=0.9 | topk+ | 0.9 | 21 ({expected['tail']}, 1) | {100 * expected['best']:.2f} |" \
+        in markdown
     assert not list(out.glob(".*"))  # atomic writes leave no temporary files
 
 
@@ -380,6 +395,7 @@ def test_cli_seed_and_options(storage, tmp_path: Path, capsys) -> None:
         (["--confidence", "nan"], "--confidence must be in (0, 1), got nan"),
         (["--confidence", "high"], "argument --confidence: invalid float value: 'high'"),
         (["--draws", "many"], "argument --draws: invalid int value: 'many'"),
+        (["--within", "0"], "--within must be in (0, 1), got 0"),
         (["--resample", "bogus"], "invalid choice: 'bogus'"),
         (["--bogus"], "unrecognised arguments: --bogus"),
     ],
@@ -411,7 +427,10 @@ def test_cli_too_few_trials_for_the_bands_draws_the_rest_with_a_note(storage, tm
     and expected curves; the bands and factor intervals are left out, with one note line; exit 0."""
     assert run_cli(["bootstrap", "--storage", storage[0], *argv, "--out", str(tmp_path / "rep")]) == 0
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith(note), err
+    assert err[0].startswith(note), err
+    model_notes = [] if "books" in argv else [f"note: '{argv[1]}/topk': "]  # 5 trials and 1: too few for the model
+    assert [line[:len(start)] for line, start in zip(err[1:], model_notes)] == model_notes and len(err) == 1 + len(
+        model_notes), err
     objective = pd.read_csv(tmp_path / "rep" / "bootstrap_objective.csv")
     assert objective["median"].notna().all() and objective.expected.notna().all()
     assert objective.low.isna().all() and objective.high.isna().all()
@@ -434,7 +453,9 @@ def test_a_four_trial_study_gives_a_figure_a_note_and_exit_0(tmp_path: Path, cap
     assert captured.err.strip().splitlines() == [
         "note: 'smoke/topk' has 4, 'smoke/comet' has 4 evaluated trials: the exact 95% bands and the factors' "
         "intervals need at least 8, left out (run more trials or lower --confidence); the bootstrap and the closed "
-        "forms are drawn"]
+        "forms are drawn",
+        *(f"note: 'smoke/{gate}': {finite} finite of 4 trials: the noisy quadratic model needs at least 8, and 4 "
+          "finite in its tail (run more trials)" for gate, finite in (("topk", 4), ("comet", 3)))]
     assert "whose bands (and factor intervals) are left out: `smoke/topk`, `smoke/comet`" in captured.out
     assert (tmp_path / "rep" / "bootstrap.png").read_bytes().startswith(b"\x89PNG")
     detail = pd.read_csv(tmp_path / "rep" / "bootstrap_objective_factors.csv")

@@ -13,7 +13,8 @@ Outputs (written atomically into ``--out``, default ``studies/reports/<data>/`` 
 ``bootstrap.png`` and its vector copy ``bootstrap.pdf`` (:func:`plot`), ``bootstrap_curves.csv`` (Appendix F),
 ``bootstrap_factors.csv`` (every s_B), ``bootstrap_ranges.csv`` (per pair, the paper's and the objective's ranges),
 ``bootstrap_objective.csv`` (the objective's curves and bands at every s), ``bootstrap_objective_factors.csv`` (every
-s_B), and ``bootstrap.md`` / ``bootstrap.html`` (the HTML embeds the plot). Rows and gates in the paper's order
+s_B), ``bootstrap_parametric.csv`` (per study, the noisy quadratic model's best objective, its interval and the
+trials to come within ``--within`` of it: :mod:`mtmoe.tuning.parametric`), and ``bootstrap.md`` / ``bootstrap.html`` (the HTML embeds the plot). Rows and gates in the paper's order
 (:func:`mtmoe.tuning.trials.paper_order`); the storage URL without its password.
 """
 from __future__ import annotations
@@ -53,6 +54,7 @@ from mtmoe.tuning.bootstrap import (
     panel_factors,
     tuning_curves,
 )
+from mtmoe.tuning.parametric import MAX_TRIALS, TAIL, parametric_estimates
 from mtmoe.tuning.storage import display_url
 from mtmoe.tuning.trials import (
     alpha_order,
@@ -309,6 +311,32 @@ def _objective_text(settings: Settings, objective: pd.DataFrame) -> str:
             f"a spread of outcomes, not a confidence band. Every budget: `bootstrap_objective.csv`.{note}")
 
 
+def _trials_cell(n: float) -> str:
+    return "-" if math.isnan(n) else f"> {MAX_TRIALS:,}" if n > MAX_TRIALS else f"{int(n):,}"
+
+
+def parametric_blocks(parametric: pd.DataFrame, band: str, within: float) -> list[tuple]:
+    """The section of the best objective a gate can reach (:mod:`mtmoe.tuning.parametric`)."""
+    rows = [[r.study, r.gate, as_text(r.alpha) or "-", f"{r.evaluated} ({r.tail}, {r.dims})", _loss(r.best),
+             f"[{_loss(r.best_low)}, {_loss(r.best_high)}]", _trials_cell(r.trials_within),
+             "-" if math.isnan(r.a) else f"{r.c}, {100 * r.o:.3g}", r.note or "-"]
+            for r in parametric.itertuples()]
+    return [("h2", "The best objective a gate can reach: the noisy quadratic model"),
+            ("p", "The tail of a random search's objective approaches a noisy quadratic distribution (Lourie, Cho "
+                  "and He; `opda.parametric.NoisyQuadraticDistribution`). Fitted by `opda` (maximum spacing, convex: "
+                  f"the objective is minimised) to each study's best {TAIL:.0%} of trials, the others censored, with "
+                  "its effective number of hyperparameters c at most the number tuned. Best: the fit's a, the mean "
+                  "validation objective of the best configuration without the noise of one run (×10⁻²); its "
+                  f"{band} interval: the range of a over the noisy quadratics inside the exact {band} band of the "
+                  "trials over that tail (a consonance interval, as opda's authors compute it), unbounded (±∞) where "
+                  "the trials do not bound it; it holds if the tail is a noisy quadratic "
+                  "(`benchmarks/bench_parametric_coverage.py` measures it). Trials: the smallest s whose "
+                  f"median best of s random trials under the fit is within {within:.3g} × |a| of a (`--within`). "
+                  "o: the noise's standard deviation ×10⁻². Every value: `bootstrap_parametric.csv`."),
+            ("table", ["Study", "Gate", "alpha", "N (tail, tuned)", "best ×10⁻²", f"{band} interval",
+                       f"trials to within {within:.3g}", "c, o ×10⁻²", "note"], rows)]
+
+
 def _factor_cell(row) -> str:
     """A median factor with its interval: ``2× [0.5×, ≥4×]``."""
     return (f"{_factor(row.factor, row.bound)} [{_factor(row.factor_low, row.low_bound)}, "
@@ -316,9 +344,11 @@ def _factor_cell(row) -> str:
 
 
 def report_blocks(curves: pd.DataFrame, ranges: pd.DataFrame, objective: pd.DataFrame, objective_detail: pd.DataFrame,
-                  trials: pd.DataFrame, gates: list[str], settings: Settings, url: str, data: str) -> list[tuple]:
+                  trials: pd.DataFrame, gates: list[str], settings: Settings, url: str, data: str,
+                  parametric: pd.DataFrame, within: float) -> list[tuple]:
     """The report as blocks (``("h1"|"h2"|"p", text)``, ``("img", file, alt)``, ``("table", header, rows)``),
-    rendered to Markdown and to HTML; the frames in the paper's order (``ranges`` with the objective's ranges)."""
+    rendered to Markdown and to HTML; the frames in the paper's order (``ranges`` with the objective's ranges,
+    ``parametric`` :func:`mtmoe.tuning.parametric.parametric_estimates` at ``--within``)."""
     scheme = ("with replacement; closed form of Dodge et al. 2019" if settings.replace else
               "without replacement; closed form hypergeometric, P(best of s is the i-th ranked) = C(N-i, s-1)/C(N, s)")
     band = percent(settings.confidence)
@@ -347,6 +377,7 @@ def report_blocks(curves: pd.DataFrame, ranges: pd.DataFrame, objective: pd.Data
                                           f"{_loss(hit.expected)}")
         blocks += [("p", f"**{_panel_title(data_, alpha)}**: best validation objective ×10⁻² of s trials, median "
                          f"[exact {band} band]; unbiased expected"), table]
+    blocks += parametric_blocks(parametric, band, within)
     blocks += [
         ("h2", "Tuning reduction factors"),
         ("p", "Factor of A over B at budget s_B: s_B' / s_A, where s_A and s_B' are the smallest budgets at which "
@@ -487,7 +518,12 @@ def parse_bootstrap_args(argv: list[str]) -> tuple[argparse.Namespace, Settings]
     parser.add_argument("--confidence", type=float, default=0.95,
                         help="confidence of the objective's exact bands, in (0, 1) (default 0.95; the factor's "
                              "interval has it too, from bands at 1 - (1 - confidence)/2)")
+    parser.add_argument("--within", type=float, default=0.01,
+                        help="the noisy quadratic model's distance to the best objective, relative to it: the "
+                             "trials needed to come within it (default 0.01, 1%%)")
     args = parse_strict(parser, argv)
+    if not 0 < args.within < 1:
+        raise UsageError(f"--within must be in (0, 1), got {args.within:g}")
     if args.draws < 2:
         raise UsageError(f"--draws must be >= 2, got {args.draws}")
     if not 0 < args.confidence < 1:
@@ -578,8 +614,13 @@ def bootstrap(argv: list[str]) -> None:
     ranges = ranges.merge(objective_ranges, on=keys, how="left")
     factors, ranges, objective_detail = (paper_order(frame, ("gate_a", "gate_b"))
                                          for frame in (factors, ranges, objective_detail))
+    start = time.perf_counter()
+    parametric = paper_order(parametric_estimates(trials, settings.confidence, args.within, settings.seed))
+    modelled = time.perf_counter() - start
+    for row in parametric[parametric.note != ""].itertuples():
+        print(f"note: {row.study!r}: {row.note}", file=sys.stderr, flush=True)
     blocks = report_blocks(curves, ranges, objective, objective_detail, trials, gates, settings, url,
-                           ", ".join(datasets))
+                           ", ".join(datasets), parametric, args.within)
     figure = plot(curves, objective, gates, pairs, settings.confidence, budgets(trials))
     images = {"bootstrap.png": figure_bytes(figure, "png")}
     figure.set_layout_engine("none")  # the PDF keeps the PNG's layout: one constrained-layout solve, not two
@@ -590,9 +631,12 @@ def bootstrap(argv: list[str]) -> None:
                         "bootstrap_ranges.csv": ranges.to_csv(index=False),
                         "bootstrap_objective.csv": objective.to_csv(index=False),
                         "bootstrap_objective_factors.csv": objective_detail.to_csv(index=False),
+                        "bootstrap_parametric.csv": parametric.to_csv(index=False),
                         "bootstrap.md": text, "bootstrap.html": html_page(blocks, images)})
     print(text, end="")
     print(f"bootstrap: {curves.study.nunique()} studies, {settings.draws} draws x up to {curves.s.nunique()} budgets: "
-          f"curves in {elapsed:.2f} s on {settings.device}; exact bands and factor intervals in {banded:.2f} s")
+          f"curves in {elapsed:.2f} s on {settings.device}; exact bands and factor intervals in {banded:.2f} s; "
+          f"noisy quadratic fits and intervals in {modelled:.2f} s")
     print(f"written to {out}/bootstrap.md, bootstrap.html, bootstrap.png, bootstrap.pdf, bootstrap_curves.csv, "
-          "bootstrap_factors.csv, bootstrap_ranges.csv, bootstrap_objective.csv, bootstrap_objective_factors.csv")
+          "bootstrap_factors.csv, bootstrap_ranges.csv, bootstrap_objective.csv, bootstrap_objective_factors.csv, "
+          "bootstrap_parametric.csv")

@@ -20,10 +20,12 @@ name, so ``.../alpha=0.1`` and ``.../alpha=0.9`` are separate rows, compared wit
   (:mod:`mtmoe.tuning.routing_report`; studies tuned before these statistics have none).
 * **Studies**: each study's seed, settings (what ``tune``'s overrides changed) and failed configurations with their
   reasons (diverged, or lost too often). Rows by alpha, then the paper's gate order.
+* **Hyperparameter importance** of each study's validation objective (:mod:`mtmoe.tuning.importance`, PED-ANOVA),
+  a table and a figure.
 
-Printed, and written atomically as Markdown (``report.md``) and CSV (``table_2_3.csv``, ``table_7.csv``,
-``routing.csv``) into ``--out`` (default ``studies/reports/<data>/`` under the current directory). The storage URL is
-shown without its password.
+Printed, and written atomically as Markdown (``report.md``), CSV (``table_2_3.csv``, ``table_7.csv``,
+``routing.csv``, ``importance.csv``) and the importance figure (``importance.png``, ``importance.pdf``) into ``--out``
+(default ``studies/reports/<data>/`` under the current directory). The storage URL is shown without its password.
 """
 from __future__ import annotations
 
@@ -34,6 +36,8 @@ from typing import Any
 import pandas as pd
 
 from mtmoe.gate_names import split_gate_name
+from mtmoe.tuning import importance
+from mtmoe.tuning.bootstrap_report import figure_bytes
 from mtmoe.tuning.routing_report import routing_markdown, routing_table
 from mtmoe.tuning.storage import display_url
 from mtmoe.tuning.trials import (
@@ -185,10 +189,17 @@ def report(argv: list[str]) -> None:
     url, trials = collect(args.storage, args.data)
     table, table7 = aggregate(trials)
     routing = routing_table(trials, top_trials, mean_se)
-    text = markdown(args.data, url, trials, table, table7) + routing_markdown(routing, _pm)
+    importances = paper_order(importance.importances(trials))
+    text = (markdown(args.data, url, trials, table, table7) + routing_markdown(routing, _pm)
+            + importance.markdown(importances))
+    figure = importance.plot(importances)
+    png = figure_bytes(figure, "png")
+    figure.set_layout_engine("none")  # the PDF keeps the PNG's layout
     files = {"report.md": text, "table_2_3.csv": table.to_csv(index=False), "table_7.csv": table7.to_csv(index=False)}
     if not routing.empty:
         files["routing.csv"] = routing.to_csv(index=False)
+    files |= {"importance.csv": importances.to_csv(index=False), "importance.png": png,
+              "importance.pdf": figure_bytes(figure, "pdf")}
     write_outputs(out, files)
     print(text, end="")
     print(f"written to {out}/" + ", ".join(files))

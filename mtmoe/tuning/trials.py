@@ -3,6 +3,7 @@
 
 Columns: ``study, gate, alpha, seed, settings, config_id, trial, failed, fail_reason, objective, test_loss, n_s``,
 ``epochs_run`` (the trial's), ``max_epochs`` (the study's ``trainer.max_epochs`` setting, NaN where it set none),
+``params`` and ``distributions`` (the trial's hyperparameters and their search distributions, dicts),
 ``data``, the per-task test metrics as ``<task>/<metric>`` and the routing statistics of the trial's best epoch
 (on the validation split) as ``routing.<task>.<key>`` (``expert_load`` a list). A study is one row group per study
 name (user attributes ``data`` and ``gate``, written by ``tune``), so ``.../alpha=0.1`` and ``.../alpha=0.9`` are
@@ -145,6 +146,7 @@ def trial_rows(study_name: str, attrs: dict[str, Any], trials: list, alpha: str 
             "objective": objective, "test_loss": math.nan, "n_s": math.nan,
             "epochs_run": _number(user.get("epochs_run")),
             "max_epochs": _number((attrs.get("settings") or {}).get("trainer.max_epochs")),
+            "params": dict(trial.params), "distributions": dict(trial.distributions),
         }
         if not reason:
             tasks = sorted({k.split("/")[1] for k in user if k.startswith("test/") and k.endswith("/experts_per_sample")})
