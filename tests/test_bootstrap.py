@@ -493,7 +493,7 @@ def test_outputs_are_replaced_atomically(storage, tmp_path: Path, monkeypatch, c
     before = {path.name: path.read_bytes() for path in out.iterdir()}
     assert set(before) == {"bootstrap.png", "bootstrap.pdf", "bootstrap.md", "bootstrap.html", "bootstrap_curves.csv",
                            "bootstrap_factors.csv", "bootstrap_ranges.csv", "bootstrap_objective.csv",
-                           "bootstrap_objective_factors.csv"}
+                           "bootstrap_objective_factors.csv", "bootstrap_parametric.csv"}
     replace = files_module.os.replace
 
     def fail_on_png(source, target):
