@@ -115,6 +115,7 @@ def test_wheel_in_a_fresh_environment_runs_from_anywhere(tmp_path: Path, venv: P
     assert {p.name for p in (work / "studies" / "reports" / "movielens-100k").iterdir()} == {
         "report.md", "table_2_3.csv", "table_7.csv", "bootstrap.png", "bootstrap.pdf", "bootstrap.md", "bootstrap.html",
         "bootstrap_curves.csv", "bootstrap_factors.csv", "bootstrap_ranges.csv", "bootstrap_objective.csv",
-        "bootstrap_objective_factors.csv"}
+        "bootstrap_objective_factors.csv", "bootstrap_parametric.csv", "importance.csv", "importance.png",
+        "importance.pdf", "routing.csv"}
     assert {p.name for p in work.iterdir()} == {"runs", "studies"}  # nothing else in the current directory
     assert package_files(site_packages) == installed  # nothing written into the installed package
