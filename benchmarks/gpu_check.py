@@ -34,10 +34,11 @@ import sys
 import tarfile
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run as a script from a checkout on the device, where the suite is not installed
 CARRIED = ROOT / ".gpu"  # travels with the working tree: carry=[".gpu"]
 WHEELS_DIR, DATA_DIR, STUDY_DIR = CARRIED / "wheels", CARRIED / "data", CARRIED / "study"
 DATASET, GATE, SOURCE = "movielens-100k", "comet", "ml-100k"
@@ -77,7 +78,7 @@ class Sizes:
     stop: int = 30  # the study's SIGTERM comes this long before its budget ends
 
 
-GPU = Sizes("256,512", 500, ["--device", "cuda"], ["--trainer.accelerator=gpu"], ["--device", "cuda"],
+GPU = Sizes("256,512", 500, ["--device", "cuda"], ["--trainer.accelerator=gpu", "--model.matmul_precision=high"], ["--device", "cuda"],
             {"install": 40, "tests": 100, "bench": 180, "report": 30, "bootstrap": 30})
 # the interpreter's pace: each program of a kernel costs milliseconds, each 1,024 parameters one Adam program
 TINY = "--data.batch_size=8 --model.n_experts=4 --model.embedding_dim=4 --model.expert_units=8 --model.tower_units=8"
@@ -346,6 +347,8 @@ def main() -> None:
     parser.add_argument("command", nargs="?", choices=["gather", "run"], help="gather (here) or run (on the GPU)")
     parser.add_argument("--out", type=Path, help="run: the output folder ($OUT on the device)")
     parser.add_argument("--dry-run", action="store_true", help="the run's steps on this CPU, tiny, under 90 s")
+    parser.add_argument("--total", type=int, help=f"run: seconds for all the steps (default {GPU.total}; less when "
+                        "the lease has less left): the study gets what the others leave")
     parser.add_argument("--steps", default=",".join(STEPS),
                         help=f"run: the steps to run, of {','.join(STEPS)} (a resumed study: study,report,bootstrap)")
     args = parser.parse_args()
@@ -368,7 +371,7 @@ def main() -> None:
     elif args.command == "run":
         if args.out is None:
             fail("run needs --out DIR (on the device: --out $OUT)")
-        run(args.out, GPU, STUDY_DIR, chosen=chosen)
+        run(args.out, replace(GPU, total=args.total or GPU.total), STUDY_DIR, chosen=chosen)
     else:
         fail("give a command: gather, run --out DIR, or --dry-run")
 

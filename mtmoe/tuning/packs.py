@@ -497,7 +497,7 @@ def fastest_capacity(run: Run, limit: int) -> int:
         for slot in range(capacity):
             engine.load(slot, Trial(None, copy.deepcopy(net), (1.0,) * len(tasks), 1e-4, 1e-7, 0, None, 1))
         index = torch.randint(rows, (capacity, datamodule.batch_size), generator=torch.Generator().manual_seed(0))
-        batch = {key: tensor[index.to(tensor.device)] for key, tensor in split.items()}
+        batch = {key: tensor[index.to(tensor.device)].to(device) for key, tensor in split.items()}  # split: maybe host
         with autocast:
             for _ in range(5):  # warm-up (and, on a GPU, the graph's capture)
                 engine.train_step(batch)
