@@ -56,13 +56,14 @@ from mtmoe.errors import UsageError
 from mtmoe.files import write_atomic, write_csv_atomic
 from mtmoe.gate_names import split_gate_name
 from mtmoe.gates import gate_class
-from mtmoe.lit.module import PackModule, build_trial
+from mtmoe.lit.module import PackModule
 from mtmoe.pack.engine import EarlyStopping, Trial, TrialResult
 from mtmoe.pack.memory import memory_per_trial
 from mtmoe.pack.precision import matmul_precision
+from mtmoe.pack.settings import build_trial
 from mtmoe.routing_names import routing_history
 from mtmoe.run import Run, build_run
-from mtmoe.run_settings import import_class
+from mtmoe.run_settings import model_settings
 from mtmoe.tuning.objective import (
     LOST_ATTEMPTS,
     TrialInterrupted,
@@ -120,14 +121,10 @@ class TrialFactory:
         return self.run.cli.parser.dump(config, skip_none=False)
 
     def trial(self, key: Any, config: Namespace) -> Trial:
-        """The trial of a configuration of :meth:`config`."""
-        model = {name: value for name, value in config.model.as_dict().items()  # the pack's, not the trial's:
-                 if name not in ("gate", "info", "cuda_graphs", "fused_adam", "matmul_precision", "dense_selection")}
-        gate_args = config.model.gate.get("init_args", Namespace()).as_dict()
+        """The trial of a configuration of :meth:`config` (its engine settings are the pack's)."""
         max_epochs, data_seed = config.trainer.max_epochs, config.data.get("init_args", Namespace()).get("seed")
         torch.manual_seed(config.seed_everything)
-        return build_trial(self.run.datamodule.info, key,
-                           gate=partial(import_class(config.model.gate.class_path), **gate_args), **model,
+        return build_trial(self.run.datamodule.info, key, model_settings(config.model),
                            data_seed=config.seed_everything if data_seed is None else data_seed,
                            max_epochs=max_epochs if max_epochs is not None and max_epochs > 0 else None,
                            stopping=EarlyStopping(config.early_stopping.patience, config.early_stopping.min_delta))
