@@ -59,7 +59,8 @@ from mtmoe.routing_names import routing_history
 from mtmoe.pack.precision import matmul_precision
 from mtmoe.pack.settings import ModelSettings
 from mtmoe.run_settings import (
-    check_run_settings, dataset_info, disagreements, given_model_settings, read_checkpoint, resolve_dataset_settings,
+    check_run_settings, config_key, dataset_info, disagreements, given_model_settings, read_checkpoint,
+    resolve_dataset_settings,
 )
 
 LIGHTNING_COMMANDS = ("fit", "validate", "test")
@@ -115,8 +116,9 @@ class MTMoECLI(LightningCLI):
     quiet = False
     results: dict[str, Any] | None = None
 
-    def __init__(self, *args: Any, print_config: str | None = None, **kwargs: Any) -> None:
-        self.print_config = print_config
+    def __init__(self, *args: Any, print_config: str | None = None, values: dict[str, Any] | None = None,
+                 **kwargs: Any) -> None:
+        self.print_config, self.values = print_config, values or {}
         self.checkpoint: dict[str, Any] | None = None  # --ckpt_path's, read before Lightning applies it
         super().__init__(*args, **kwargs)
 
@@ -181,6 +183,8 @@ class MTMoECLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
+        for name, value in self.values.items():
+            config[config_key(name)] = value
         info = dataset_info(config.data)
         if info is not None:
             resolve_dataset_settings(config.model, info)
@@ -505,8 +509,9 @@ def checkpoint_dataset(args: list[str]) -> list[str]:
     return args if dataset not in DATASETS else [args[0], f"--data={DATASETS[dataset]}", *args[1:]]
 
 
-def _cli(argv: list[str], run: bool) -> MTMoECLI:
-    """The ``MTMoECLI`` of ``argv`` (shortcuts allowed); ``run=True`` runs its subcommand, ``False`` only builds."""
+def _cli(argv: list[str], run: bool, values: dict[str, Any] | None = None) -> MTMoECLI:
+    """The ``MTMoECLI`` of ``argv`` (shortcuts allowed) with ``values`` set over its parsed configuration;
+    ``run=True`` runs its subcommand, ``False`` only builds."""
     quiet_lightning()
     args = checkpoint_dataset(translate_shortcuts(argv))
     print_config = next((a.partition("=")[2] for a in args if a.partition("=")[0] == "--print_config"), None)
@@ -521,6 +526,7 @@ def _cli(argv: list[str], run: bool) -> MTMoECLI:
             args=[a for a in args if print_config is None or a.partition("=")[0] != "--print_config"],
             run=run,
             print_config=print_config,
+            values=values,
             seed_everything_default=0,
             trainer_defaults={
                 "max_epochs": 100,
@@ -569,8 +575,10 @@ class Run:
         return self.cli.results
 
 
-def build_run(args: list[str]) -> Run:
-    """Build (but do not start) the run of ``fit`` arguments: ``build_run(args).fit()`` trains as ``fit`` would."""
-    cli = _cli(args, run=False)
+def build_run(args: list[str], values: dict[str, Any] | None = None) -> Run:
+    """Build (but do not start) the run of ``fit`` arguments: ``build_run(args).fit()`` trains as ``fit`` would.
+    ``values`` (search-space keys: ``model.lr``, ``model.gate.k``, ``data.batch_size``) are set over the parsed
+    arguments, as they are, before anything is built (a study's planned values)."""
+    cli = _cli(args, run=False, values=values)
     cli.quiet = True
     return Run(cli.config, cli.datamodule, cli.model, cli.trainer, cli)

@@ -63,6 +63,15 @@ def resolve_dataset_settings(model: Namespace, info: DatasetInfo) -> None:
         gate.init_args.k = info.k  # a gate's k defaults to the dataset's (mtmoe.gates.base.resolve_k)
 
 
+def config_key(name: str) -> str:
+    """A search-space key (``model.gate.k``, ``data.batch_size``) as the parsed configuration's
+    (``model.gate.init_args.k``, ``data.init_args.batch_size``)."""
+    for group in ("model.gate.", "data."):
+        if name.startswith(group):
+            return f"{group}init_args.{name.removeprefix(group)}"
+    return name
+
+
 def model_settings(model: Namespace) -> ModelSettings:
     """The settings object of a parsed ``model`` configuration (its gate as a class path and arguments; a setting
     it leaves out keeps its default), as the command line instantiates it."""

@@ -32,8 +32,8 @@ from mtmoe.pack.engine import PackEngine, Trial
 from mtmoe.pack.settings import build_trial
 from mtmoe.pack.stack import TrialStack
 from mtmoe.tuning.objective import plan_configurations
-from mtmoe.run_settings import model_settings
-from mtmoe.tuning.packs import config_key, pack_key
+from mtmoe.run_settings import config_key, model_settings
+from mtmoe.tuning.packs import pack_key
 from mtmoe.tuning.space import load_space
 
 P, B, STEPS, STEPS_PER_EPOCH = 4, 24, 26, 2  # E_perm of 1..10 epochs: windows of 2..20 steps, all within the run

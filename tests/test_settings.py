@@ -90,3 +90,19 @@ def test_build_run_trains_with_early_stopping_as_fit_does(tiny_root: Path) -> No
     summary = run.model.engine.summary(0)
     assert summary["epochs_run"] == command["epochs_run"] == 2
     assert (summary["best_epoch"], summary["best_val_loss"]) == (command["best_epoch"], command["best_val_loss"])
+
+
+def test_planned_values_set_as_values_build_the_run_their_flags_build(tiny_root: Path) -> None:
+    """The tune worker's structure: ``build_run(args, values)`` (planned values, no argv strings) is the run of the
+    same values given as flags: the same configuration and the same initial weights."""
+    from mtmoe.run import build_run
+
+    values = {"model.lr": 3e-3, "model.n_experts": 4, "model.gate.k": 1, "data.batch_size": 32,
+              "early_stopping.patience": 2}
+    flags = [f"--{key}={value}" for key, value in values.items()]
+    given, flagged = build_run(fit_args(tiny_root), values), build_run(fit_args(tiny_root, *flags))
+    assert given.config == flagged.config and given.datamodule.batch_size == 32 == flagged.datamodule.batch_size
+    assert given.model.trial.patience == 2 and given.model.net.gates[0].k == 1
+    assert given.model.net.experts.n_experts == 4
+    initial = flagged.model.state_dict()
+    assert all(torch.equal(value, initial[key]) for key, value in given.model.state_dict().items())

@@ -164,8 +164,8 @@ def test_eval_loss_is_the_pure_task_loss(tiny_root: Path) -> None:
     """Gate regularisers are training-only: in eval the loss is alpha*BCE + (1-alpha)*masked MSE exactly."""
     data = MovieLens100KDataModule(root=str(tiny_root), batch_size=64)
     data.setup()
-    model = MultiTaskMoE.build(data.info, ModelSettings(gate=partial(gate_class("dselect"), gamma=5.0, entropy_reg=10.0),
-                                                        alpha=0.3))
+    gate = partial(gate_class("dselect"), gamma=5.0, entropy_reg=10.0)
+    model = MultiTaskMoE.build(data.info, ModelSettings(gate=gate, alpha=0.3))
     batch = next(iter(data.val_dataloader()))
     model.eval()
     with torch.no_grad():
