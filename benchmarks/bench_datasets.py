@@ -46,6 +46,7 @@ def run_one(data_name: str, gate: str, epochs: int, batches: int | None, device:
     from mtmoe.gates import gate_class
     from mtmoe.lit.callbacks import EpochTimer
     from mtmoe.lit.module import MultiTaskMoE
+    from mtmoe.pack.settings import ModelSettings
 
     module_name, class_name = DATASETS[data_name].rsplit(".", 1)
     data = getattr(importlib.import_module(module_name), class_name)(**({"root": root} if root else {}))
@@ -54,7 +55,7 @@ def run_one(data_name: str, gate: str, epochs: int, batches: int | None, device:
     if batches and len(data.splits["train"]["sample_id"]) < batches * data.batch_size:
         raise SystemExit(f"{data_name}: the training split holds fewer than --batches {batches} full batches")
     pl.seed_everything(0, verbose=False)
-    model = MultiTaskMoE(gate=partial(gate_class(gate)), info=data.info, lr=1e-4)
+    model = MultiTaskMoE.build(data.info, ModelSettings(gate=partial(gate_class(gate)), lr=1e-4))
     timer = EpochTimer()
     trainer = pl.Trainer(
         max_epochs=epochs, accelerator=device, devices=1, logger=False, enable_checkpointing=False,

@@ -61,18 +61,15 @@ def run_one(gate: str, epochs: int, device: str, data_name: str, batch_size: int
     from mtmoe.gates import parse_gate_name
     from mtmoe.lit.callbacks import EpochTimer
     from mtmoe.lit.module import MultiTaskMoE
+    from mtmoe.pack.settings import ModelSettings
 
     pl.seed_everything(0, verbose=False)
     module_name, class_name = DATASETS[data_name].rsplit(".", 1)
     data_class = getattr(importlib.import_module(module_name), class_name)
     data = data_class(**({} if batch_size is None else {"batch_size": batch_size}))
     data.setup()
-    model = MultiTaskMoE(
-        gate=partial(parse_gate_name(gate)[0]),
-        info=data.info,
-        lr=1e-4,
-        perm_epochs=epochs if parse_gate_name(gate)[1] else None,
-    )
+    model = MultiTaskMoE.build(data.info, ModelSettings(gate=partial(parse_gate_name(gate)[0]), lr=1e-4,
+                                                        perm_epochs=epochs if parse_gate_name(gate)[1] else None))
     timer = EpochTimer()
     trainer = pl.Trainer(
         max_epochs=epochs, accelerator=device, devices=1, logger=False, enable_checkpointing=False,

@@ -51,6 +51,7 @@ def main() -> None:
     from mtmoe.data import MovieLens100KDataModule
     from mtmoe.gates import gate_class
     from mtmoe.lit.module import MultiTaskMoE
+    from mtmoe.pack.settings import ModelSettings
     from mtmoe.losses import task_loss
 
     data = MovieLens100KDataModule(batch_size=512)
@@ -66,7 +67,8 @@ def main() -> None:
         models = {}
         for plus in (False, True):
             pl.seed_everything(0, verbose=False)
-            model = MultiTaskMoE(gate=partial(gate_class(gate)), info=data.info, perm_epochs=1 if plus else None)
+            model = MultiTaskMoE.build(data.info, ModelSettings(gate=partial(gate_class(gate)),
+                                                                perm_epochs=1 if plus else None))
             model.to(device).train()
             if plus:
                 model.net.local_search.set_window(window)

@@ -53,6 +53,7 @@ from mtmoe.gates import PLUS_PERM_EPOCHS, list_gates, parse_gate_name  # noqa: E
 from mtmoe.lit.callbacks import EpochTimer  # noqa: E402
 from mtmoe.tuning.trials import TASK_METRICS  # noqa: E402
 from mtmoe.lit.module import MultiTaskMoE  # noqa: E402
+from mtmoe.pack.settings import ModelSettings
 
 OUT = Path(__file__).resolve().parent / "out"
 
@@ -87,8 +88,7 @@ def run_gate(gate: str, args: argparse.Namespace) -> dict:
     data.setup()
     gate_cls, plus = parse_gate_name(gate)
     perm_epochs = min(args.perm_epochs or PLUS_PERM_EPOCHS, args.epochs) if plus else None
-    model = MultiTaskMoE(gate=partial(gate_cls), info=data.info, lr=args.lr,
-                         perm_epochs=perm_epochs)
+    model = MultiTaskMoE.build(data.info, ModelSettings(gate=partial(gate_cls), lr=args.lr, perm_epochs=perm_epochs))
     timer = EpochTimer()
     trainer = pl.Trainer(
         max_epochs=args.epochs, limit_train_batches=args.train_batches, accelerator=args.accelerator, devices=1,

@@ -2,7 +2,7 @@
 dataset's splits as tensors, the tuning studies' trials as a table.
 
 Each is built by the code the commands run: :func:`build_model` builds the net with
-:func:`mtmoe.lit.module.build_trial` from the ``--model.*`` settings, as ``fit`` does (the same seed gives the same
+:func:`mtmoe.pack.settings.build_trial` from the ``--model.*`` settings, as ``fit`` does (the same seed gives the same
 weights); :func:`load_data` reads the splits as the DataModule of ``--data NAME`` reads them; :func:`trials` is the
 table ``report`` and ``bootstrap`` compute from (:mod:`mtmoe.tuning.trials`). Bad input raises
 :class:`~mtmoe.errors.UsageError` with the command line's one-line message.
@@ -10,6 +10,7 @@ table ``report`` and ``bootstrap`` compute from (:mod:`mtmoe.tuning.trials`). Ba
 from __future__ import annotations
 
 import inspect
+from dataclasses import fields
 from functools import partial
 from typing import Any
 
@@ -21,14 +22,13 @@ from mtmoe.data import DATASETS
 from mtmoe.data.base import InMemoryDataModule
 from mtmoe.errors import UsageError
 from mtmoe.gates import PLUS_PERM_EPOCHS, parse_gate_name
-from mtmoe.lit.module import MultiTaskMoE, build_trial
 from mtmoe.mmoe import MMoE
+from mtmoe.pack.settings import ModelSettings, build_trial
 from mtmoe.run_settings import import_class
 from mtmoe.tuning.trials import collect
 
-#: The ``--model.*`` settings (:class:`MultiTaskMoE`'s) that the net and its training settings are built from.
-MODEL_SETTINGS = tuple(name for name in inspect.signature(MultiTaskMoE).parameters
-                       if name in inspect.signature(build_trial).parameters and name not in ("gate", "info"))
+#: The ``--model.*`` settings (:class:`~mtmoe.pack.settings.ModelSettings`' fields) but the gate.
+MODEL_SETTINGS = tuple(setting.name for setting in fields(ModelSettings) if setting.name != "gate")
 
 
 def datamodule(data: str, **settings: Any) -> InMemoryDataModule:
@@ -71,7 +71,7 @@ def build_model(gate: str, data: str, seed_everything: int | None = 0, **setting
     with torch.random.fork_rng(devices=[], enabled=seed_everything is not None):
         if seed_everything is not None:
             torch.manual_seed(seed_everything)
-        return build_trial(info, None, gate=gate_factory, **model).net
+        return build_trial(info, None, ModelSettings(gate=gate_factory, **model)).net
 
 
 def trials(storage: str | None = None, data: str | None = None, study: str | None = None) -> pd.DataFrame:

@@ -10,11 +10,12 @@ Random draws in training (dropout, sampling gates) come from the model's own cou
 training forward passes so far), a function of nothing else, so a trial draws the same whether it trains alone or in
 a pack, and a resumed run draws what the uninterrupted one draws.
 """
-from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -158,3 +159,60 @@ def build_mmoe(
             module.keras_init_()
     search = None if local_search is None else LocalSearch(n_experts, len(info.tasks), **local_search)
     return MMoE(bottom, experts, gates, towers, search)
+
+
+def setting(default: Any, help: str) -> Any:
+    """A field of a settings dataclass: its default and its help, which ``--help`` shows (:func:`documented`)."""
+    return field(default=default, metadata={"help": help})
+
+
+def documented(cls: type) -> type:
+    """``cls`` as a dataclass whose docstring ends with an ``Args:`` section of its fields' help: the form
+    jsonargparse reads a class's argument help from, so that a setting's name, type, default and help are written
+    once, in its field."""
+    cls = dataclass(cls)
+    args = "\n".join(f"    {f.name}: {f.metadata['help']}" for f in fields(cls))
+    cls.__doc__ = f"{inspect.cleandoc(cls.__doc__ or '')}\n\nArgs:\n{args}\n"
+    return cls
+
+
+@documented
+class NetSettings:
+    """The settings :func:`build_net` builds a net from (``--model.*``); a size left ``None`` takes the paper's
+    value for the dataset (Supplement S1.2)."""
+
+    gate: Callable[[GateDims], Gate] | None = setting(
+        None, "the gate type, a callable ``GateDims -> Gate`` (on the command line: ``--gate comet`` or "
+        "``--model.gate mtmoe.gates.COMETGate --model.gate.gamma 1``); one instance per task.")
+    n_experts: int | None = setting(None, "experts (default: the paper's for the dataset, Supplement S1.2).")
+    embedding_dim: int | None = setting(None, "user and item embedding size of the recommenders (default: the "
+                                              "paper's).")
+    expert_units: int | None = setting(None, "units of an expert's dense layer (default: the paper's).")
+    tower_units: int | None = setting(None, "units of a task tower's hidden layer (default: the paper's).")
+    expert_dropout: float | None = setting(None, "dropout after an expert (default: the paper's, 0.5 on the "
+                                                 "recommenders).")
+    keras_init: bool = setting(True, "initialise bottom, experts and towers as Keras does (the official code); "
+                                     "False: PyTorch's.")
+    perm_epochs: int | None = setting(
+        None, "E_perm, the permutation-learning window in epochs; set, it makes the \"+\" variant of the gate "
+        "(``--gate comet+`` sets it to 5, Table 1's value; the paper searches 1..10). ``None``: no local search.")
+    zeta: float = setting(1e-4, "the permutation's row/column entropy coefficient (paper: 1e-4; Table 1: 1e-5).")
+    perm_per_task: bool = setting(False, "one permutation per task gate instead of one shared by all (the official "
+                                         "code shares one).")
+    perm_eval_rounded: bool = setting(True, "evaluate with the rounded permutation inside the window (official); "
+                                            "False: soft.")
+
+
+def build_net(info: DatasetInfo, settings: NetSettings) -> MMoE:
+    """The net of ``settings`` for ``info``'s dataset (:func:`build_mmoe`), initialised from torch's global
+    generator as it stands (seed it first); a "+" net (``perm_epochs`` set) has local search (comet-protocol.md
+    §3)."""
+    if settings.gate is None:
+        raise UsageError("no gate chosen: pass --gate NAME (see `python -m mtmoe gates`)")
+    if settings.n_experts is not None and settings.n_experts < 2:
+        raise UsageError(f"n_experts must be >= 2, got {settings.n_experts}")
+    local_search = None if settings.perm_epochs is None else {
+        "epochs": settings.perm_epochs, "zeta": settings.zeta, "per_task": settings.perm_per_task,
+        "eval_rounded": settings.perm_eval_rounded}
+    return build_mmoe(info, settings.gate, settings.n_experts, settings.embedding_dim, settings.expert_units,
+                      settings.tower_units, settings.expert_dropout, settings.keras_init, local_search)

@@ -57,8 +57,10 @@ from mtmoe.lit.outputs import AtomicCheckpointIO, RunCheckpoint, RunLogger, run_
 from mtmoe.pack.engine import EarlyStopping
 from mtmoe.routing_names import routing_history
 from mtmoe.pack.precision import matmul_precision
+from mtmoe.pack.settings import ModelSettings
 from mtmoe.run_settings import (
-    check_run_settings, dataset_info, disagreements, given_model_settings, read_checkpoint, resolve_dataset_settings,
+    check_run_settings, config_key, dataset_info, disagreements, given_model_settings, read_checkpoint,
+    resolve_dataset_settings,
 )
 
 LIGHTNING_COMMANDS = ("fit", "validate", "test")
@@ -114,13 +116,13 @@ class MTMoECLI(LightningCLI):
     quiet = False
     results: dict[str, Any] | None = None
 
-    def __init__(self, *args: Any, print_config: str | None = None, **kwargs: Any) -> None:
-        self.print_config = print_config
+    def __init__(self, *args: Any, print_config: str | None = None, values: dict[str, Any] | None = None,
+                 **kwargs: Any) -> None:
+        self.print_config, self.values = print_config, values or {}
         self.checkpoint: dict[str, Any] | None = None  # --ckpt_path's, read before Lightning applies it
         super().__init__(*args, **kwargs)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        parser.link_arguments("data.info", "model.info", apply_on="instantiate")
         for split in BATCH_LIMITS:  # Lightning's rule: an integer is a count of batches, a float a fraction
             parser._option_string_actions[f"--trainer.limit_{split}_batches"]._typehint = Optional[Union[int, float]]
         parser.add_class_arguments(EarlyStopping, "early_stopping", help="Early stopping on the validation loss, "
@@ -133,6 +135,24 @@ class MTMoECLI(LightningCLI):
         parser._option_string_actions["--data"].help = (
             f"NAME: a registered dataset, one of {', '.join(sorted(DATASETS))} (python -m mtmoe datasets); or a "
             "DataModule's class path, or a config. Its arguments: --data.ARG VALUE.")
+
+    def add_core_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        """Lightning's, but ``--model.*`` are the fields of :class:`~mtmoe.pack.settings.ModelSettings` (each
+        setting written once there), which :meth:`instantiate_classes` builds the model from."""
+        parser.add_lightning_class_args(self.trainer_class, "trainer")
+        parser.set_defaults({f"trainer.{key}": value for key, value in self.trainer_defaults.items()})
+        parser.add_class_arguments(ModelSettings, "model", fail_untyped=False, sub_configs=True)
+        parser.add_lightning_class_args(self.datamodule_class, "data", subclass_mode=self.subclass_mode_data)
+
+    def instantiate_classes(self) -> None:
+        """The DataModule, the model (its net built from the settings under the run's seed, with
+        ``--early_stopping.*``; the model settings in force as its checkpoints' hyperparameters) and the trainer."""
+        self.config_init = self.parser.instantiate_classes(self.config)
+        self.datamodule = self._get(self.config_init, "data")
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        self.model = MultiTaskMoE.build(self.datamodule.info, self._get(self.config_init, "model"),
+                                        self._get(self.config_init, "early_stopping"), config.model.as_dict())
+        self.trainer = self.instantiate_trainer()
 
     def _add_subcommands(self, parser: LightningArgumentParser, **kwargs: Any) -> None:
         super()._add_subcommands(parser, **kwargs)
@@ -163,6 +183,8 @@ class MTMoECLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
+        for name, value in self.values.items():
+            config[config_key(name)] = value
         info = dataset_info(config.data)
         if info is not None:
             resolve_dataset_settings(config.model, info)
@@ -222,8 +244,7 @@ class MTMoECLI(LightningCLI):
                 f"permutation would never be rounded and frozen; pass --model.perm_epochs {max_epochs} or less, or "
                 f"--trainer.max_epochs {search.epochs} or more"
             )
-        model.stopping = self._get(self.config_init, "early_stopping")
-        with self.run_folder(), matmul_precision(model.matmul_precision):
+        with self.run_folder(), matmul_precision(model.engine_settings.matmul_precision):
             self.trainer.fit(model, datamodule=datamodule, **kwargs)
             self.trainer.test(model, datamodule=datamodule, verbose=False)
             self.report(model, datamodule, self.fit_summary(model))
@@ -259,7 +280,7 @@ class MTMoECLI(LightningCLI):
     def evaluate(self, stage: Any, model: MultiTaskMoE, datamodule: InMemoryDataModule, **kwargs: Any) -> None:
         """``validate`` or ``test`` (``stage``) the checkpoint's weights and report them. The fit's checkpoint
         callbacks are not needed to evaluate its checkpoint: Lightning's warning that they are missing is dropped."""
-        with self.run_folder(), warnings.catch_warnings(), matmul_precision(model.matmul_precision):
+        with self.run_folder(), warnings.catch_warnings(), matmul_precision(model.engine_settings.matmul_precision):
             warnings.filterwarnings("ignore", message="Be aware that when using `ckpt_path`, callbacks used")
             stage(model, datamodule=datamodule, **{**kwargs, "verbose": False})
             self.report(model, datamodule, self.checkpoint_summary())
@@ -372,7 +393,7 @@ def honoured_help(parser: LightningArgumentParser) -> None:
     """``--help`` lists what a run honours, the shortcuts first: the trainer settings the engine does not honour
     (refused unless left at the honoured value), the dataset description the data links to the model and
     ``--verbose`` (the results table replaces Lightning's) are not shown; the trainer's group comes last."""
-    hidden = ("--model.info", "--verbose", *(f"--trainer.{key}" for key in UNSUPPORTED_TRAINER_SETTINGS))
+    hidden = ("--verbose", *(f"--trainer.{key}" for key in UNSUPPORTED_TRAINER_SETTINGS))
     for option, action in parser._option_string_actions.items():
         if option.removesuffix("+").removesuffix(".help") in hidden:
             action.help = argparse.SUPPRESS
@@ -488,8 +509,9 @@ def checkpoint_dataset(args: list[str]) -> list[str]:
     return args if dataset not in DATASETS else [args[0], f"--data={DATASETS[dataset]}", *args[1:]]
 
 
-def _cli(argv: list[str], run: bool) -> MTMoECLI:
-    """The ``MTMoECLI`` of ``argv`` (shortcuts allowed); ``run=True`` runs its subcommand, ``False`` only builds."""
+def _cli(argv: list[str], run: bool, values: dict[str, Any] | None = None) -> MTMoECLI:
+    """The ``MTMoECLI`` of ``argv`` (shortcuts allowed) with ``values`` set over its parsed configuration;
+    ``run=True`` runs its subcommand, ``False`` only builds."""
     quiet_lightning()
     args = checkpoint_dataset(translate_shortcuts(argv))
     print_config = next((a.partition("=")[2] for a in args if a.partition("=")[0] == "--print_config"), None)
@@ -504,6 +526,7 @@ def _cli(argv: list[str], run: bool) -> MTMoECLI:
             args=[a for a in args if print_config is None or a.partition("=")[0] != "--print_config"],
             run=run,
             print_config=print_config,
+            values=values,
             seed_everything_default=0,
             trainer_defaults={
                 "max_epochs": 100,
@@ -552,8 +575,10 @@ class Run:
         return self.cli.results
 
 
-def build_run(args: list[str]) -> Run:
-    """Build (but do not start) the run of ``fit`` arguments: ``build_run(args).fit()`` trains as ``fit`` would."""
-    cli = _cli(args, run=False)
+def build_run(args: list[str], values: dict[str, Any] | None = None) -> Run:
+    """Build (but do not start) the run of ``fit`` arguments: ``build_run(args).fit()`` trains as ``fit`` would.
+    ``values`` (search-space keys: ``model.lr``, ``model.gate.k``, ``data.batch_size``) are set over the parsed
+    arguments, as they are, before anything is built (a study's planned values)."""
+    cli = _cli(args, run=False, values=values)
     cli.quiet = True
     return Run(cli.config, cli.datamodule, cli.model, cli.trainer, cli)

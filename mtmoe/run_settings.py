@@ -2,6 +2,7 @@
 
 * :func:`resolve_dataset_settings`: the model settings left ``None`` take the dataset's values (Supplement S1.2),
   filled in so that ``--print_config``, the run's ``config.yaml`` and its checkpoints show the values in force;
+* :func:`model_settings`: a parsed ``model`` configuration as its settings object;
 * :func:`read_checkpoint`, :func:`given_model_settings` and :func:`disagreements`: ``--ckpt_path``'s checkpoint
   decides the model; the settings a user gave must agree with it;
 * :func:`check_run_settings`: settings Lightning accepts that make a command meaningless, and the trainer settings
@@ -17,6 +18,7 @@ import importlib
 import inspect
 import sys
 import zipfile
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,7 @@ from mtmoe.arguments import UNSUPPORTED_TRAINER_SETTINGS, unsupported_setting
 from mtmoe.dataset_info import DatasetInfo
 from mtmoe.errors import UsageError
 from mtmoe.losses import task_weights
+from mtmoe.pack.settings import ModelSettings
 
 #: Model settings whose ``None`` stands for the dataset's value (Supplement S1.2; ``mtmoe.mmoe.build_mmoe``).
 DATASET_SETTINGS = ("n_experts", "embedding_dim", "expert_units", "tower_units", "expert_dropout")
@@ -58,6 +61,24 @@ def resolve_dataset_settings(model: Namespace, info: DatasetInfo) -> None:
     gate = model.gate
     if gate is not None and "k" in gate.get("init_args", Namespace()) and gate.init_args.k is None:
         gate.init_args.k = info.k  # a gate's k defaults to the dataset's (mtmoe.gates.base.resolve_k)
+
+
+def config_key(name: str) -> str:
+    """A search-space key (``model.gate.k``, ``data.batch_size``) as the parsed configuration's
+    (``model.gate.init_args.k``, ``data.init_args.batch_size``)."""
+    for group in ("model.gate.", "data."):
+        if name.startswith(group):
+            return f"{group}init_args.{name.removeprefix(group)}"
+    return name
+
+
+def model_settings(model: Namespace) -> ModelSettings:
+    """The settings object of a parsed ``model`` configuration (its gate as a class path and arguments; a setting
+    it leaves out keeps its default), as the command line instantiates it."""
+    values = model.as_dict()
+    gate = values.pop("gate", None)
+    factory = None if gate is None else partial(import_class(gate["class_path"]), **gate.get("init_args", {}))
+    return ModelSettings(gate=factory, **values)
 
 
 def gate_name(model: Namespace) -> str:

@@ -68,20 +68,16 @@ def train_one(data, gate: str, seed: int, args: argparse.Namespace) -> dict:
 
     from mtmoe.gates import gate_class
     from mtmoe.lit.module import MultiTaskMoE
+    from mtmoe.pack.settings import ModelSettings
 
     base, plus = split_gate_name(gate)
     hparams = {"gamma": 0.01, "entropy_reg": 1.0} if base == "comet" else {}
     if base in ("topk", "comet"):
         hparams["k"] = 2
     pl.seed_everything(seed, verbose=False)
-    model = MultiTaskMoE(
-        gate=partial(gate_class(base), **hparams),
-        info=data.info,
-        lr=args.lr,
-        alpha=args.alpha,
-        perm_epochs=args.perm_epochs if plus else None,
-        zeta=args.zeta,
-    )
+    settings = ModelSettings(gate=partial(gate_class(base), **hparams), lr=args.lr, alpha=args.alpha,
+                             perm_epochs=args.perm_epochs if plus else None, zeta=args.zeta)
+    model = MultiTaskMoE.build(data.info, settings)
     trainer = pl.Trainer(
         max_epochs=args.epochs, accelerator=args.accelerator, devices=1, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,

@@ -12,6 +12,7 @@ import torch
 from mtmoe.data import MovieLens100KDataModule
 from mtmoe.gates import gate_class
 from mtmoe.lit.module import MultiTaskMoE
+from mtmoe.pack.settings import ModelSettings
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "compare_gates.py"
 spec = importlib.util.spec_from_file_location("compare_gates", SCRIPT)
@@ -34,7 +35,7 @@ def test_flops_per_sample_match_hand_counts(tiny_root: Path, gate: str, forward:
     data = MovieLens100KDataModule(root=str(tiny_root), batch_size=100)
     data.setup()
     torch.manual_seed(0)
-    model = MultiTaskMoE(gate=partial(gate_class(gate)), info=data.info)
+    model = MultiTaskMoE.build(data.info, ModelSettings(gate=partial(gate_class(gate))))
     flops = compare_gates.count_flops(model, data.test_dataloader())
     assert flops["forward_flops"] == forward
     assert flops["inference_flops"] == inference

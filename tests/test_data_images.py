@@ -27,6 +27,7 @@ from mtmoe.errors import UsageError
 from mtmoe.experts import ImageBottom
 from mtmoe.gates import gate_class
 from mtmoe.lit.module import MultiTaskMoE
+from mtmoe.pack.settings import ModelSettings
 
 IMAGE_DATASETS = ("multimnist", "multifashionmnist", "celeba", "digits")
 
@@ -370,7 +371,7 @@ def test_real_multimnist(cls, folder, train_head, val_head, val_counts, tmp_path
     # 15 steps of 128 (4 experts, to stay fast) already beat chance (10%, cross-entropy ln 10 = 2.303)
     data.batch_size, data.eval_batch_size = 128, 1024
     pl.seed_everything(0, verbose=False)
-    model = MultiTaskMoE(gate=partial(gate_class("comet")), info=data.info, lr=1e-3, n_experts=4)
+    model = MultiTaskMoE.build(data.info, ModelSettings(gate=partial(gate_class("comet")), lr=1e-3, n_experts=4))
     trainer = pl.Trainer(max_epochs=1, limit_train_batches=15, limit_val_batches=2, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(model, datamodule=data)

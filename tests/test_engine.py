@@ -15,22 +15,24 @@ import math
 import os
 import subprocess
 import sys
-from functools import partial
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+from jsonargparse import Namespace
 
 from mtmoe.host_threads import MIN_PART
 from mtmoe.dataset_info import DatasetInfo, TaskSpec
 from mtmoe.gates import gate_class, list_gates
 from mtmoe.gates.competesmoe import uniform_hash
-from mtmoe.lit.module import build_trial
 from mtmoe.losses import multitask_loss
 from mtmoe.pack.adam import PackedAdam
 from mtmoe.pack.engine import PackEngine, Trial
+from mtmoe.pack.settings import build_trial
 from mtmoe.pack.stack import TrialStack
 from mtmoe.tuning.objective import plan_configurations
+from mtmoe.run_settings import config_key, model_settings
 from mtmoe.tuning.packs import pack_key
 from mtmoe.tuning.space import load_space
 
@@ -55,19 +57,21 @@ def trials(name: str, dropout: float, n: int = P, seed: int = 0) -> list[Trial]:
     planned = plan_configurations(space, 8 * n, seed)
     packable = [params for params in planned if pack_key(space, params) == pack_key(space, planned[0])][:n]
     assert len(packable) == n
+    cls = gate_class(name.rstrip("+"))
     out = []
     for p, params in enumerate(packable):
-        settings = {**{k: v for k, v in space.fixed.items() if k.startswith("model.")}, **params}
-        gate_args = {k.removeprefix("model.gate."): v for k, v in settings.items() if k.startswith("model.gate.")}
-        if "warmup" in gate_class(name.rstrip("+")).__init__.__code__.co_varnames:
-            gate_args["warmup"] = 0.1
-        model = {k.removeprefix("model."): v for k, v in settings.items()
-                 if k.startswith("model.") and not k.startswith("model.gate.") and k != "model.n_experts"}
-        model["lr"] = model["lr"] * 10  # the planned range, 10x: these short runs move the weights visibly
+        config = Namespace(model=Namespace(gate=Namespace(class_path=f"{cls.__module__}.{cls.__qualname__}")))
+        for key, value in {**space.fixed, **params}.items():  # as the tune worker applies them (TrialFactory)
+            if key.startswith("model.") and key != "model.n_experts":
+                config[config_key(key)] = value
+        if "warmup" in cls.__init__.__code__.co_varnames:
+            config["model.gate.init_args.warmup"] = 0.1
+        settings = model_settings(config.model)
+        # the planned range of lr, 10x: these short runs move the weights visibly
+        settings = replace(settings, lr=settings.lr * 10, alpha=(0.1, 0.5, 0.9, 0.3)[p % 4],
+                           adam_eps=(1e-7, 1e-8, 1e-6, 1e-7)[p % 4])
         torch.manual_seed(100 + p)
-        out.append(build_trial(info(dropout), p, gate=partial(gate_class(name.rstrip("+")), **gate_args), **model,
-                               alpha=(0.1, 0.5, 0.9, 0.3)[p % 4], adam_eps=(1e-7, 1e-8, 1e-6, 1e-7)[p % 4],
-                               max_epochs=STEPS // STEPS_PER_EPOCH))
+        out.append(build_trial(info(dropout), p, settings, max_epochs=STEPS // STEPS_PER_EPOCH))
     return out
 
 

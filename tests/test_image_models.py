@@ -22,6 +22,7 @@ from mtmoe.errors import UsageError
 from mtmoe.experts import ConvExperts, GroupedLinear
 from mtmoe.gates import gate_class, gate_variants, list_gates
 from mtmoe.lit.module import MultiTaskMoE
+from mtmoe.pack.settings import ModelSettings
 from mtmoe.mmoe import build_mmoe
 from mtmoe.tuning.space import SPACES_DIR, load_space
 
@@ -167,8 +168,8 @@ def test_every_gate_trains_on_every_image_dataset(name: str, gate: str, datamodu
     data = datamodules[name]
     info = data.info
     pl.seed_everything(0, verbose=False)
-    model = MultiTaskMoE(gate=partial(gate_class(gate.removesuffix("+"))), info=info, lr=1e-3,
-                         perm_epochs=1 if gate.endswith("+") else None)
+    model = MultiTaskMoE.build(info, ModelSettings(gate=partial(gate_class(gate.removesuffix("+"))), lr=1e-3,
+                                                   perm_epochs=1 if gate.endswith("+") else None))
     before = model.net.experts.convs[0].weight.detach().clone()
     trainer = pl.Trainer(max_epochs=1, limit_train_batches=2, limit_val_batches=1, **QUIET)
     trainer.fit(model, datamodule=data)
@@ -186,7 +187,7 @@ def test_multiclass_loss_and_accuracy_end_to_end(datamodules) -> None:
     """Logged test accuracy and cross-entropy equal a direct computation over the test split."""
     data = datamodules["multimnist"]
     pl.seed_everything(0, verbose=False)
-    model = MultiTaskMoE(gate=partial(gate_class("topk")), info=data.info, lr=3e-3)
+    model = MultiTaskMoE.build(data.info, ModelSettings(gate=partial(gate_class("topk")), lr=3e-3))
     trainer = pl.Trainer(max_epochs=2, **QUIET)
     trainer.fit(model, datamodule=data)
     trainer.test(model, datamodule=data, verbose=False)
@@ -227,7 +228,7 @@ def test_alpha_is_refused_for_equally_weighted_images(image_root: Path, tmp_path
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_trains_on_gpu_with_uint8_batches(datamodules) -> None:
     data = datamodules["multimnist"]
-    model = MultiTaskMoE(gate=partial(gate_class("comet")), info=data.info, lr=1e-3, perm_epochs=1)
+    model = MultiTaskMoE.build(data.info, ModelSettings(gate=partial(gate_class("comet")), lr=1e-3, perm_epochs=1))
     seen = []
 
     class Spy(pl.Callback):

@@ -29,6 +29,7 @@ from mtmoe.data.base import DatasetInfo, TaskSpec
 from mtmoe.errors import UsageError
 from mtmoe.gates import GateDims, HashGate, gate_class, list_gates
 from mtmoe.lit.module import MultiTaskMoE
+from mtmoe.pack.settings import ModelSettings
 from mtmoe.mmoe import MMoE, build_mmoe
 from mtmoe.permutation import (
     ITERATIONS_END,
@@ -795,8 +796,8 @@ def test_usage_errors() -> None:
     with pytest.raises(UsageError, match="perm_epochs must be >= 1"):
         LocalSearch(6, 2, epochs=0)
     with pytest.raises(UsageError, match="zeta must be >= 0"):
-        MultiTaskMoE(gate=partial(gate_class("topk")), info=tiny_info(), perm_epochs=2, zeta=-1e-4)
-    assert MultiTaskMoE(gate=partial(gate_class("topk")), info=tiny_info()).net.local_search is None
+        MultiTaskMoE.build(tiny_info(), ModelSettings(gate=partial(gate_class("topk")), perm_epochs=2, zeta=-1e-4))
+    assert MultiTaskMoE.build(tiny_info(), ModelSettings(gate=partial(gate_class("topk")))).net.local_search is None
 
 
 def test_seeding_torch_alone_reproduces_u() -> None:

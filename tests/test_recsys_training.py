@@ -18,6 +18,7 @@ from mtmoe.data import BooksDataModule, JesterDataModule
 from mtmoe.data.base import InMemoryDataModule
 from mtmoe.gates import gate_class, list_gates
 from mtmoe.lit.module import MultiTaskMoE
+from mtmoe.pack.settings import ModelSettings
 
 from conftest import run_cli
 from recsys_fixtures import jester_matrices, random_book_ratings, write_book_crossing, write_jester
@@ -56,7 +57,7 @@ def test_registered_with_cli_arguments(name: str) -> None:
 @pytest.mark.parametrize("name", DATASETS)
 def test_model_shapes(name: str) -> None:
     users, items, embedding, n, units, k, _ = SHAPES[name]
-    model = MultiTaskMoE(gate=partial(gate_class("topk")), info=DATASETS[name](download=False).info)
+    model = MultiTaskMoE.build(DATASETS[name](download=False).info, ModelSettings(gate=partial(gate_class("topk"))))
     net = model.net
     assert net.bottom.user.weight.shape == (users, embedding) and net.bottom.item.weight.shape == (items, embedding)
     assert net.experts.linear.weight.shape == (n * units, 2 * embedding)  # n Dense(units) experts, one matmul
@@ -74,7 +75,8 @@ def test_every_gate_trains(name: str, gate: str, plus: str, roots: dict[str, Pat
     _, _, _, n, _, k, task = SHAPES[name]
     pl.seed_everything(0, verbose=False)
     data = datamodule(name, roots, batch_size=64)
-    model = MultiTaskMoE(gate=partial(gate_class(gate)), info=data.info, lr=1e-3, perm_epochs=1 if plus else None)
+    model = MultiTaskMoE.build(data.info, ModelSettings(gate=partial(gate_class(gate)), lr=1e-3,
+                                                        perm_epochs=1 if plus else None))
     before = model.net.experts.linear.weight.detach().clone()
     trainer = pl.Trainer(max_epochs=1, limit_train_batches=3, limit_val_batches=2, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

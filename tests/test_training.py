@@ -16,6 +16,7 @@ from mtmoe.data import MovieLens100KDataModule
 from mtmoe.data.base import TaskSpec
 from mtmoe.gates import gate_class, list_gates
 from mtmoe.lit.module import MultiTaskMoE
+from mtmoe.pack.settings import ModelSettings
 from mtmoe.losses import task_loss
 
 from conftest import REAL_DATA, run_cli
@@ -61,7 +62,8 @@ def test_fit_local_search_variants_of_the_other_routers(tiny_root: Path, gate: s
 def test_the_planned_run_length_reaches_the_gates(tiny_root: Path) -> None:
     """CompeteSMoE v2's warm-up is 5% of the run's training forward passes (max_epochs x batches per epoch)."""
     data = MovieLens100KDataModule(root=str(tiny_root), batch_size=64)
-    model = MultiTaskMoE(gate=partial(gate_class("competesmoe-v2"), competition_prob=1.0), info=data.info)
+    model = MultiTaskMoE.build(data.info,
+                               ModelSettings(gate=partial(gate_class("competesmoe-v2"), competition_prob=1.0)))
     trainer = pl.Trainer(max_epochs=2, limit_train_batches=10, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
     trainer.fit(model, datamodule=data)
@@ -162,7 +164,8 @@ def test_eval_loss_is_the_pure_task_loss(tiny_root: Path) -> None:
     """Gate regularisers are training-only: in eval the loss is alpha*BCE + (1-alpha)*masked MSE exactly."""
     data = MovieLens100KDataModule(root=str(tiny_root), batch_size=64)
     data.setup()
-    model = MultiTaskMoE(gate=partial(gate_class("dselect"), gamma=5.0, entropy_reg=10.0), info=data.info, alpha=0.3)
+    gate = partial(gate_class("dselect"), gamma=5.0, entropy_reg=10.0)
+    model = MultiTaskMoE.build(data.info, ModelSettings(gate=gate, alpha=0.3))
     batch = next(iter(data.val_dataloader()))
     model.eval()
     with torch.no_grad():
@@ -193,7 +196,7 @@ def test_masked_loss_uses_the_explicit_mask() -> None:
 def test_restore_best_weights(tiny_root: Path) -> None:
     """After fit, the model holds the best-validation epoch's weights (Keras' restore_best_weights)."""
     data = MovieLens100KDataModule(root=str(tiny_root), batch_size=64)
-    model = MultiTaskMoE(gate=partial(gate_class("topk")), info=data.info, lr=3e-2)
+    model = MultiTaskMoE.build(data.info, ModelSettings(gate=partial(gate_class("topk")), lr=3e-2))
     trainer = pl.Trainer(max_epochs=6, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False)
     trainer.fit(model, datamodule=data)

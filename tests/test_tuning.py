@@ -234,6 +234,7 @@ def test_every_space_builds_the_datasets_model_and_every_gate_value_routes(path:
 
     from mtmoe.gates import RoutingInput, create_gate, gate_class, gate_variants
     from mtmoe.lit.module import MultiTaskMoE
+    from mtmoe.pack.settings import ModelSettings
     from mtmoe.random import Stream
 
     info, batch = dataset_info(path.stem), 16
@@ -247,7 +248,7 @@ def test_every_space_builds_the_datasets_model_and_every_gate_value_routes(path:
         model_args = {k.removeprefix("model."): v for k, v in settings.items()
                       if k.startswith("model.") and not k.startswith("model.gate.")}
         base = gate.removesuffix("+")
-        model = MultiTaskMoE(gate=partial(gate_class(base), **gate_args), info=info, **model_args)
+        model = MultiTaskMoE.build(info, ModelSettings(gate=partial(gate_class(base), **gate_args), **model_args))
         assert (model.net.local_search is not None) == gate.endswith("+")
         dims = model.net.gates[0].dims
         assert len(model.net.gates) == len(info.tasks) and dims.n_experts == info.n_experts

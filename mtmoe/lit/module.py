@@ -7,7 +7,7 @@ best weights). Lightning keeps what it is good at: the loop, ``--trainer.*`` (``
 ``limit_{train,val,test}_batches``, ``check_val_every_n_epoch``, precision, accelerator, ...), callbacks, loggers,
 checkpoints and the progress bar.
 
-* :class:`MultiTaskMoE` (``fit``, ``validate``, ``test``): one trial, built from the command line's model settings;
+* :class:`MultiTaskMoE` (``fit``, ``validate``, ``test``): one trial, a built net and its training settings;
   it logs every epoch's results, stops when its trial ends, and restores the best epoch's weights at the end of fit;
   checkpoints hold the net's weights and the engine's state (Adam's moments, the trial's progress and best weights),
   so a resumed run continues exactly.
@@ -21,7 +21,7 @@ losses are pure task losses, and ``loss`` is the official code's batch-size-weig
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any, Literal
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -32,12 +32,9 @@ from torch import Tensor
 from mtmoe.data.base import shuffled_order
 from mtmoe.dataset_info import DatasetInfo
 from mtmoe.errors import UsageError
-from mtmoe.gates.base import Gate, GateDims
-from mtmoe.losses import task_weights
-from mtmoe.mmoe import MMoE, build_mmoe
+from mtmoe.mmoe import MMoE, build_net
 from mtmoe.pack.engine import EarlyStopping, PackEngine, Trial, TrialResult
-from mtmoe.pack.precision import MatmulPrecision
-
+from mtmoe.pack.settings import EngineSettings, ModelSettings, OptimSettings, new_trial
 
 
 class EngineStep(torch.optim.Optimizer):
@@ -132,80 +129,37 @@ class EngineModule(pl.LightningModule):
 
 
 class MultiTaskMoE(EngineModule):
-    """A multi-gate MoE on one dataset with one gate type, trained with Adam at a constant learning rate: one trial
-    of the engine.
+    """A built multi-gate MoE (:func:`mtmoe.mmoe.build_net`) on one dataset, trained with Adam at a constant
+    learning rate: one trial of the engine (lightning-hydra-template's ``MNISTLitModule`` takes its net likewise).
 
     Args:
-        gate: the gate type, a callable ``GateDims -> Gate`` (on the command line: ``--gate comet`` or
-            ``--model.gate mtmoe.gates.COMETGate --model.gate.gamma 1``); one instance per task.
-        info: the dataset's description, linked from the DataModule by the CLI.
-        lr: Adam's learning rate.
-        alpha: weight of task 1 for the two-task recommenders (paper: 0.1 and 0.9; default 0.9).
-        n_experts: experts (default: the paper's for the dataset, Supplement S1.2).
-        embedding_dim: user and item embedding size of the recommenders (default: the paper's).
-        expert_units: units of an expert's dense layer (default: the paper's).
-        tower_units: units of a task tower's hidden layer (default: the paper's).
-        expert_dropout: dropout after an expert (default: the paper's, 0.5 on the recommenders).
-        keras_init: initialise bottom, experts and towers as Keras does (the official code); False: PyTorch's.
-        adam_eps: Adam's epsilon; 1e-7 is Keras' default (the official code), 1e-8 PyTorch's.
-        perm_epochs: E_perm, the permutation-learning window in epochs; set, it makes the "+" variant of the gate
-            (``--gate comet+`` sets it to 5, Table 1's value; the paper searches 1..10). ``None``: no local search.
-        zeta: the permutation's row/column entropy coefficient (paper: 1e-4; Table 1: 1e-5).
-        perm_per_task: one permutation per task gate instead of one shared by all (the official code shares one).
-        perm_eval_rounded: evaluate with the rounded permutation inside the window (official); False: soft.
-        cuda_graphs: on a GPU, capture the training step in a CUDA graph and replay it (the same results);
-            False runs it eagerly.
-        fused_adam: Adam's update in one kernel (numba on a CPU, Triton on a GPU); False: element-wise torch
-            operations, about ten kernels per parameter (the same update to float32 rounding).
-        matmul_precision: float32 matmuls in float32 (``highest``) or, on Ampere and later GPUs, in TensorFloat-32
-            (``high``: TensorFlow's default there, so the official code's behaviour); applied to the whole run
-            (:mod:`mtmoe.pack.precision`), and part of a study's identity.
-        dense_selection: the experts a dense gate (Softmax) counts as selected in the routing statistics
-            (``routing_entropy`` aside): ``topk``, its ``k`` largest weights with ``k`` the dataset's cardinality,
-            or ``above_uniform``, the weights above ``1/n`` (:mod:`mtmoe.pack.metrics`). Sparse gates select their
-            nonzero weights.
+        net: the net to train.
+        info: the dataset's description.
+        optim: its learning rate and task weights (:class:`mtmoe.pack.settings.OptimSettings`).
+        engine: how the engine computes its steps (:class:`mtmoe.pack.settings.EngineSettings`); a
+            :class:`~mtmoe.pack.settings.ModelSettings` is both.
+        stopping: early stopping on the validation loss (``--early_stopping.*``).
+        hparams: the ``--model.*`` configuration the net was built from, saved in checkpoints (``validate`` and
+            ``test`` rebuild the model from them).
     """
 
-    def __init__(
-        self,
-        gate: Callable[[GateDims], Gate] | None = None,
-        info: DatasetInfo | None = None,
-        lr: float = 1e-4,
-        alpha: float | None = None,
-        n_experts: int | None = None,
-        embedding_dim: int | None = None,
-        expert_units: int | None = None,
-        tower_units: int | None = None,
-        expert_dropout: float | None = None,
-        keras_init: bool = True,
-        adam_eps: float = 1e-7,
-        perm_epochs: int | None = None,
-        zeta: float = 1e-4,
-        perm_per_task: bool = False,
-        perm_eval_rounded: bool = True,
-        cuda_graphs: bool = True,
-        fused_adam: bool = True,
-        matmul_precision: MatmulPrecision = "highest",
-        dense_selection: Literal["topk", "above_uniform"] = "topk",
-    ) -> None:
+    def __init__(self, net: MMoE, info: DatasetInfo, optim: OptimSettings = OptimSettings(),
+                 engine: EngineSettings = EngineSettings(), stopping: EarlyStopping = EarlyStopping(),
+                 hparams: dict[str, Any] | None = None) -> None:
         super().__init__()
-        if info is None:
-            raise UsageError("no dataset description: pass --data NAME")
-        # ``info`` is derived from the data (linked by the CLI), so checkpoints stay loadable with weights_only=True;
-        # ``MultiTaskMoE.load_from_checkpoint(path, info=datamodule.info)`` rebuilds the model.
-        self.save_hyperparameters(ignore=["info"], logger=False)
-        self.info, self.cuda_graphs, self.fused_adam = info, cuda_graphs, fused_adam
-        self.matmul_precision, self.dense_selection = matmul_precision, dense_selection
-        self.trial = build_trial(info, None, gate=gate, lr=lr, alpha=alpha, n_experts=n_experts,
-                                 embedding_dim=embedding_dim, expert_units=expert_units, tower_units=tower_units,
-                                 expert_dropout=expert_dropout, keras_init=keras_init, adam_eps=adam_eps,
-                                 perm_epochs=perm_epochs, zeta=zeta, perm_per_task=perm_per_task,
-                                 perm_eval_rounded=perm_eval_rounded)
-        self.net: MMoE = self.trial.net
-        self.stopping = EarlyStopping()  # the command line's --early_stopping.* (set by the CLI)
+        if hparams is not None:
+            self.save_hyperparameters(hparams, logger=False)
+        self.info, self.engine_settings, self.net = info, engine, net
+        self.trial = new_trial(info, None, net, optim, engine, stopping=stopping)
         self.last_results: dict[str, dict[str, float | list[float]]] = {}
         self._engine_state: dict[str, Any] | None = None  # from a checkpoint, applied once the engine exists
         self._frozen_reported = False
+
+    @classmethod
+    def build(cls, info: DatasetInfo, settings: ModelSettings, stopping: EarlyStopping = EarlyStopping(),
+              hparams: dict[str, Any] | None = None) -> MultiTaskMoE:
+        """The module of ``settings``' net, built from torch's global generator as it stands (seed it first)."""
+        return cls(build_net(info, settings), info, settings, settings, stopping, hparams)
 
     def configure_optimizers(self) -> EngineStep:
         return EngineStep(self, self.trial.lr)
@@ -224,9 +178,9 @@ class MultiTaskMoE(EngineModule):
             return
         max_epochs = self.trainer.max_epochs
         self.trial.max_epochs = max_epochs if max_epochs is not None and max_epochs > 0 else None
-        self.trial.patience, self.trial.min_delta = self.stopping.patience, self.stopping.min_delta
-        self.engine = PackEngine(self.net, self.info.tasks, 1, self.device, self.cuda_graphs, self.fused_adam,
-                                 self.dense_selection)
+        self.engine = PackEngine(self.net, self.info.tasks, 1, self.device, self.engine_settings.cuda_graphs,
+                                 self.engine_settings.fused_adam,
+                                 self.engine_settings.dense_selection)
         self.engine.load(0, self.trial)
         if self._engine_state is not None:
             self.engine.load_state_dict(self._engine_state)
@@ -304,28 +258,6 @@ class MultiTaskMoE(EngineModule):
         self._engine_state = checkpoint.get("engine")
 
 
-def build_trial(info: DatasetInfo, key: Any, gate: Callable[[GateDims], Gate] | None, lr: float = 1e-4,
-                alpha: float | None = None, n_experts: int | None = None, embedding_dim: int | None = None,
-                expert_units: int | None = None, tower_units: int | None = None, expert_dropout: float | None = None,
-                keras_init: bool = True, adam_eps: float = 1e-7, perm_epochs: int | None = None, zeta: float = 1e-4,
-                perm_per_task: bool = False, perm_eval_rounded: bool = True, data_seed: int = 0,
-                max_epochs: int | None = None, stopping: EarlyStopping = EarlyStopping()) -> Trial:
-    """A trial of the model settings :class:`MultiTaskMoE` takes (the one place they become a net and its training
-    settings), its net initialised from torch's global generator as it stands (seed it first)."""
-    if gate is None:
-        raise UsageError("no gate chosen: pass --gate NAME (see `python -m mtmoe gates`)")
-    if not lr > 0:
-        raise UsageError(f"lr must be > 0, got {lr}")
-    if n_experts is not None and n_experts < 2:
-        raise UsageError(f"n_experts must be >= 2, got {n_experts}")
-    weights = task_weights(info, alpha)
-    local_search = None if perm_epochs is None else {
-        "epochs": perm_epochs, "zeta": zeta, "per_task": perm_per_task, "eval_rounded": perm_eval_rounded}
-    net = build_mmoe(info, gate, n_experts, embedding_dim, expert_units, tower_units, expert_dropout, keras_init,
-                     local_search)
-    return Trial(key, net, tuple(weights), lr, adam_eps, data_seed, max_epochs, stopping.patience, stopping.min_delta)
-
-
 class PackBatches:
     """Training batches of a pack: at step s every slot gets rows ``s*B .. (s+1)*B`` of its own trial's order for
     its own epoch (:func:`mtmoe.data.base.shuffled_order` of its data seed), as ``[P, B, ...]`` tensors; an empty
@@ -375,7 +307,7 @@ class PackModule(EngineModule):
         batch_size, eval_batch_size: as the DataModule's (shared by the pack).
         capacity: P.
         next_trial: the next trial to train (built on the CPU), or ``None`` when there is none.
-        cuda_graphs, fused_adam, dense_selection: as :class:`MultiTaskMoE`'s.
+        cuda_graphs, fused_adam, dense_selection: as :class:`mtmoe.pack.settings.EngineSettings`'.
     """
 
     def __init__(self, info: DatasetInfo, splits: dict[str, dict[str, Tensor]], batch_size: int,

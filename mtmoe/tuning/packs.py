@@ -8,10 +8,12 @@ tells each trial its own result. ``--pack 1`` trains one at a time, with the sam
   same user attributes (:func:`mtmoe.tuning.objective.record_result`), each epoch's validation loss as the trial's
   intermediate value (optuna-dashboard's learning curves), and each trial's configuration, per-epoch log and results
   as ``<log-dir>/config-NNNN/config.yaml``, ``metrics.csv`` and ``results.json``.
-* **Values, not strings.** The settings trials share (dataset, structure, trainer options) are parsed once per
-  structure, by the run builder from the first trial's ``fit`` arguments (:class:`TrialFactory`); every trial after
-  it is its planned values applied to them, a net built and loaded into a slot: no command line, CLI or Trainer per
-  trial. That configuration is the trial's ``config-NNNN/config.yaml``: ``fit --config`` on it retrains the trial.
+* **Values, not strings.** The settings trials share (dataset, fixed settings, trainer options) are parsed once
+  per structure by the run builder, from ``fit`` arguments without planned values, and the first trial's planned
+  values applied to them as values (:class:`TrialFactory`); every trial after it is its planned values applied to
+  them, a net built from its :class:`~mtmoe.pack.settings.ModelSettings` and loaded into a slot: no command line,
+  CLI or Trainer per trial. That configuration is the trial's ``config-NNNN/config.yaml``: ``fit --config`` on it
+  retrains the trial.
 * **Structure.** Trials share a pack only if they agree on everything but per-trial settings (learning rate, Adam's
   epsilon, alpha, E_perm, zeta, epochs, early stopping and a gate's ``scalar_names``): :func:`pack_key`. A worker
   packs the structure of the first waiting trial, then the next structure, and so on.
@@ -56,13 +58,14 @@ from mtmoe.errors import UsageError
 from mtmoe.files import write_atomic, write_csv_atomic
 from mtmoe.gate_names import split_gate_name
 from mtmoe.gates import gate_class
-from mtmoe.lit.module import PackModule, build_trial
+from mtmoe.lit.module import PackModule
 from mtmoe.pack.engine import EarlyStopping, Trial, TrialResult
 from mtmoe.pack.memory import memory_per_trial
 from mtmoe.pack.precision import matmul_precision
+from mtmoe.pack.settings import build_trial
 from mtmoe.routing_names import routing_history
 from mtmoe.run import Run, build_run
-from mtmoe.run_settings import import_class
+from mtmoe.run_settings import config_key, model_settings
 from mtmoe.tuning.objective import (
     LOST_ATTEMPTS,
     TrialInterrupted,
@@ -120,29 +123,16 @@ class TrialFactory:
         return self.run.cli.parser.dump(config, skip_none=False)
 
     def trial(self, key: Any, config: Namespace) -> Trial:
-        """The trial of a configuration of :meth:`config`."""
-        model = {name: value for name, value in config.model.as_dict().items()  # the pack's, not the trial's:
-                 if name not in ("gate", "info", "cuda_graphs", "fused_adam", "matmul_precision", "dense_selection")}
-        gate_args = config.model.gate.get("init_args", Namespace()).as_dict()
+        """The trial of a configuration of :meth:`config` (its engine settings are the pack's)."""
         max_epochs, data_seed = config.trainer.max_epochs, config.data.get("init_args", Namespace()).get("seed")
         torch.manual_seed(config.seed_everything)
-        return build_trial(self.run.datamodule.info, key,
-                           gate=partial(import_class(config.model.gate.class_path), **gate_args), **model,
+        return build_trial(self.run.datamodule.info, key, model_settings(config.model),
                            data_seed=config.seed_everything if data_seed is None else data_seed,
                            max_epochs=max_epochs if max_epochs is not None and max_epochs > 0 else None,
                            stopping=EarlyStopping(config.early_stopping.patience, config.early_stopping.min_delta))
 
     def build(self, key: Any, params: dict[str, Any], seed: int) -> Trial:
         return self.trial(key, self.config(params, seed))
-
-
-def config_key(name: str) -> str:
-    """A search-space key (``model.gate.k``, ``data.batch_size``) as the parsed configuration's
-    (``model.gate.init_args.k``, ``data.init_args.batch_size``)."""
-    for group in ("model.gate.", "data."):
-        if name.startswith(group):
-            return f"{group}init_args.{name.removeprefix(group)}"
-    return name
 
 
 class PackWorker:
@@ -171,7 +161,7 @@ class PackWorker:
                 trial, params, config_id = claimed
                 key = self.keys[config_id]
                 seed = self.seed + config_id
-                run = build_run(cli_args(self.space, params, self.overrides, seed, self.log_dir / "pack"))
+                run = build_run(cli_args(self.space, {}, self.overrides, seed, self.log_dir / "pack"), params)
                 factory = TrialFactory(run)
                 first = self._start(factory, trial, params, config_id)
 

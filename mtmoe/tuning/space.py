@@ -30,7 +30,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -82,7 +82,7 @@ def _valid_keys(gate: type, data: str) -> dict[str, set[str]]:
     from mtmoe.pack.engine import EarlyStopping
 
     from mtmoe.data import dataset_path
-    from mtmoe.lit.module import MultiTaskMoE
+    from mtmoe.pack.settings import ModelSettings
     from mtmoe.run_settings import import_class
 
     data_keys = set()
@@ -95,7 +95,7 @@ def _valid_keys(gate: type, data: str) -> dict[str, set[str]]:
 
     return {
         "model.gate.": names(gate.__init__),
-        "model.": names(MultiTaskMoE.__init__),
+        "model.": {setting.name for setting in fields(ModelSettings)} - {"gate"},
         "data.": data_keys - {"self", "kwargs", "variant"},
         "trainer.": names(pl.Trainer.__init__),
         "early_stopping.": names(EarlyStopping.__init__),

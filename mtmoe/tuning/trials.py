@@ -185,7 +185,7 @@ def default_alpha(data: str) -> str | None:
     tasks equally, or not a registered one)."""
     import importlib
 
-    from mtmoe.lit.module import task_weights
+    from mtmoe.losses import task_weights
 
     if data not in DATASETS:
         return None
