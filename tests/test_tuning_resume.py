@@ -1,0 +1,87 @@
+"""Pack checkpoints (:mod:`mtmoe.tuning.checkpoints`): a packed study stopped by SIGTERM after some epochs and run
+again continues its interrupted trials from their saved epoch, and computes exactly what the uninterrupted study
+computes (bitwise on a CPU: per-epoch metrics, objectives, test results); a checkpoint of other study settings or of
+another configuration is ignored with a warning."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+import torch
+from optuna.trial import TrialState
+
+from test_tuning import assert_each_config_once, run_tune, start_tune, trials_of, tune_args
+
+# 2 epochs of ~70 steps of 16 rows: a pack runs long enough to be caught between epochs
+SLOW = ["--trainer.max_epochs=2", "--data.batch_size=16"]
+NAME = "resume"
+
+
+def logs(folder: Path) -> dict[str, str]:
+    return {path.parent.name: path.read_text() for path in sorted(folder.rglob("metrics.csv"))}
+
+
+def results(url: str) -> dict[int, tuple]:
+    return {t.user_attrs["config_id"]: (t.value, t.user_attrs["test_loss"], t.user_attrs["epochs_run"],
+                                        t.intermediate_values)
+            for t in trials_of(url, NAME) if t.state == TrialState.COMPLETE}
+
+
+def sigterm_after_epochs(args: list[str], tmp: Path, root: Path, url: str, epochs: int) -> int:
+    """Start ``tune``; SIGTERM once a running trial has reported ``epochs`` validation losses; its exit code."""
+    proc = start_tune(args, tmp, root, "first")
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, (tmp / "first.err").read_text()[-3000:]
+            try:
+                reported = [len(t.intermediate_values) for t in trials_of(url, NAME) if t.state == TrialState.RUNNING]
+            except (KeyError, Exception):  # no study yet, or a locked SQLite file: look again
+                reported = []
+            if reported and max(reported) >= epochs:
+                break
+            time.sleep(0.1)
+        os.kill(proc.pid, signal.SIGTERM)
+        return proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.mark.integration
+def test_a_pack_resumed_after_sigterm_computes_what_the_uninterrupted_pack_computes(root_and_tmp) -> None:
+    """4 configurations in a pack of 3 (one refill), dropout on, ``comet+`` with local search's window of 1 epoch:
+    the study SIGTERMed after its first epoch, then run again, gives each configuration the same per-epoch
+    metrics (``metrics.csv`` byte for byte), learning curve, objective and test loss as the same study run
+    without a stop; the interrupted trials carry their checkpoint, and it is removed once the study is done."""
+    root, tmp = root_and_tmp
+    gate, extra = "comet+", [*SLOW, "--pack", "3", "--model.perm_epochs=1"]
+    whole = f"sqlite:///{tmp / 'whole.db'}"
+    code, _, err = run_tune(tune_args(whole, root, tmp / "whole", *extra, trials=4, gate=gate, name=NAME), tmp, root,
+                            "whole")
+    assert code == 0, err[-3000:]
+
+    url = f"sqlite:///{tmp / 'cut.db'}"
+    args = tune_args(url, root, tmp / "cut", *extra, trials=4, gate=gate, name=NAME)
+    assert sigterm_after_epochs(args, tmp, root, url, 1) == 143
+    interrupted = [t for t in trials_of(url, NAME) if t.state == TrialState.FAIL]
+    assert interrupted and all(t.user_attrs.get("interrupted") for t in interrupted)
+    saved = [t for t in interrupted if "checkpoint" in t.user_attrs]
+    assert saved, "no interrupted trial was checkpointed"
+    folder = tmp / "checkpoints" / NAME
+    [checkpoint] = folder.glob("*.pt")
+    assert Path(saved[0].user_attrs["checkpoint"]) == checkpoint
+    content = torch.load(checkpoint, weights_only=True)
+    assert all(entry["state"]["progress"]["epochs_run"] >= 1 for entry in content["trials"].values())
+
+    code, _, err = run_tune(args, tmp, root, "second")
+    assert code == 0, err[-3000:]
+    assert "warning" not in err, err
+    assert_each_config_once(trials_of(url, NAME), 4)
+    assert results(url) == results(whole)
+    assert logs(tmp / "cut") == logs(tmp / "whole")
+    assert not list(folder.glob("*.pt"))
