@@ -14,6 +14,7 @@ import pytest
 import torch
 from optuna.trial import TrialState
 
+from mtmoe.tuning.checkpoints import PackCheckpoints, checkpoint_folder
 from test_tuning import assert_each_config_once, run_tune, start_tune, trials_of, tune_args
 
 # 2 epochs of ~70 steps of 16 rows: a pack runs long enough to be caught between epochs
@@ -85,3 +86,49 @@ def test_a_pack_resumed_after_sigterm_computes_what_the_uninterrupted_pack_compu
     assert results(url) == results(whole)
     assert logs(tmp / "cut") == logs(tmp / "whole")
     assert not list(folder.glob("*.pt"))
+
+
+IDENTITY = {"space_fingerprint": "abc", "seed": 0, "settings": {"trainer.max_epochs": 2}}
+
+
+def state(epochs: int) -> dict:
+    return {"slot": 0, "tensors": {"w": torch.arange(4.0)[1:3]}, "adam": {}, "best": None,
+            "progress": {"epochs_run": epochs, "history": [{"epoch": 0, "train": {"loss": 0.5}}]}}
+
+
+def test_a_checkpoint_is_resumed_only_by_the_same_settings_and_configuration(tmp_path: Path, capsys) -> None:
+    """Written by one worker, read by the next: the same study identity resumes its trials (the furthest trained
+    copy of each, a view saved as its own values), and the files read are removed once the reader writes its own;
+    other settings, another configuration (structure or hash) or a torn file are ignored with one warning each."""
+    writer, older = PackCheckpoints(tmp_path, IDENTITY), PackCheckpoints(tmp_path, IDENTITY)
+    older.path = tmp_path / "older.pt"  # another worker's file, one epoch behind for config 3
+    writer.keep([(3, "structure", "hash3", state(2)), (5, "structure", "hash5", state(1))])
+    assert writer.write() == [3, 5] and writer.path.exists()
+    older.keep([(3, "structure", "hash3", state(1))])
+    older.write()
+
+    other = PackCheckpoints(tmp_path, {**IDENTITY, "settings": {"trainer.max_epochs": 3}})
+    assert other.saved == {}
+    assert capsys.readouterr().err.count("is of other study settings") == 2
+
+    reader = PackCheckpoints(tmp_path, IDENTITY)
+    assert capsys.readouterr().err == ""
+    assert reader.resume(5, "structure", "other hash") is None
+    assert "config_id 5 is of another configuration" in capsys.readouterr().err
+    resumed = reader.resume(3, "structure", "hash3")
+    assert resumed["progress"]["epochs_run"] == 2 and torch.equal(resumed["tensors"]["w"], torch.tensor([1.0, 2.0]))
+    assert reader.resume(3, "structure", "hash3") is None  # resumed once
+    reader.path = tmp_path / "reader.pt"
+    reader.write()  # nothing left to resume: no file of its own; those read are removed
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+    (tmp_path / "torn.pt").write_bytes(b"PK\x03\x04 cut short")
+    assert PackCheckpoints(tmp_path, IDENTITY).saved == {}
+    assert "checkpoint " + str(tmp_path / "torn.pt") + " cannot be read" in capsys.readouterr().err
+
+
+def test_checkpoints_live_beside_a_file_storage_else_in_the_log_folder(tmp_path: Path) -> None:
+    assert checkpoint_folder(f"journal:{tmp_path}/s.journal", "ml/comet", tmp_path / "runs") == \
+        tmp_path / "checkpoints" / "ml_comet"
+    assert checkpoint_folder(f"sqlite:///{tmp_path}/o.db", "x", tmp_path / "runs") == tmp_path / "checkpoints" / "x"
+    assert checkpoint_folder("postgresql://u@h/db", "x", tmp_path / "runs") == tmp_path / "runs" / "checkpoints" / "x"
