@@ -9,12 +9,12 @@ import signal
 import time
 from pathlib import Path
 
-import optuna
 import pytest
 import torch
 from optuna.trial import TrialState
 
 from mtmoe.tuning.checkpoints import PackCheckpoints, checkpoint_folder
+
 from test_tuning import assert_each_config_once, run_tune, start_tune, trials_of, tune_args
 
 # 2 epochs of ~70 steps of 16 rows: a pack runs long enough to be caught between epochs
@@ -41,7 +41,11 @@ def sigterm_after_epochs(args: list[str], tmp: Path, root: Path, url: str, epoch
             assert proc.poll() is None, (tmp / "first.err").read_text()[-3000:]
             try:
                 reported = [len(t.intermediate_values) for t in trials_of(url, NAME) if t.state == TrialState.RUNNING]
-            except (KeyError, Exception):  # no study yet, or a locked SQLite file: look again
+            except KeyError:  # the study does not exist yet
+                reported = []
+            except Exception as error:  # a locked SQLite file while the worker writes: look again
+                if "locked" not in str(error):
+                    raise
                 reported = []
             if reported and max(reported) >= epochs:
                 break
