@@ -199,6 +199,7 @@ class PackEngine:
                 self.best = {name: tensor.clone() for name, tensor in self.stack.tensors().items()}
             for name, tensor in self.best.items():
                 tensor[slot] = saved["best"][name]
+        self.eval_metrics.load_selections(slot, *saved["selections"])
         for name, value in saved["progress"].items():
             setattr(trial, name, value)
 
@@ -382,7 +383,7 @@ class PackEngine:
     def checkpoint(self) -> list[tuple[Any, dict[str, Any]]]:
         """Each running trial that has trained an epoch, with its state on the host as it stands (an epoch's end):
         parameters and buffers (its random stream's counters, local search's matrices and step), Adam's moments,
-        step count, learning rate and epsilon, its best weights, and its progress (:attr:`TRIAL_PROGRESS`: epochs,
+        step count, learning rate and epsilon, its best weights, its recorded routing selections, and its progress (:attr:`TRIAL_PROGRESS`: epochs,
         early stopping's best, best epoch and wait, metric history; its step count). The pack's tensors are copied
         once each, then viewed per trial; :meth:`load` continues a trial from its state (``Trial.saved``) in any
         slot, and its data order follows from its epoch (:func:`mtmoe.data.base.shuffled_order`)."""
@@ -390,6 +391,7 @@ class PackEngine:
             return {name: tensor.to("cpu", copy=True) for name, tensor in tensors.items()}
 
         tensors, adam = host(self.stack.tensors()), host(self.adam.state_dict())
+        previous, recorded = (t.to("cpu", copy=True) for t in (self.eval_metrics.previous, self.eval_metrics.recorded))
         best = None if self.best is None else host(self.best)
         out = []
         for slot, trial in self.running:
@@ -399,6 +401,7 @@ class PackEngine:
             progress["history"] = list(trial.history)  # records are appended, never changed
             out.append((trial.key, {"slot": slot, "tensors": {name: t[slot] for name, t in tensors.items()},
                                     "adam": self.adam.slot_state(slot, adam), "progress": progress,
+                                    "selections": (previous[slot], recorded[slot]),
                                     "best": None if best is None or trial.best_epoch < 0 else
                                     {name: t[slot] for name, t in best.items()}}))
         return out
