@@ -11,14 +11,16 @@ there: ``gather`` fetches the wheels of :data:`WHEELS` (the versions installed h
 files into ``.gpu/``, which the device call carries with the working tree. ``run`` installs the wheels, then runs
 each step as a subprocess with its own budget (the study: what is left of 9 minutes once the steps after it have
 theirs): a step that fails or overruns is logged and the next one runs; ``--steps`` runs some of them. The
-study's storage is a journal file in ``.gpu/study/``: the study stops cleanly (SIGTERM: running trials are marked
-interrupted and rerun on resume) before its budget ends, its journal comes back in DIR, and carried to the next
-lease it resumes. DIR receives ``summary.json``, ``summary.md`` (the short table, also printed last),
-``logs.tar.gz`` (every step's full log), ``study.journal``, ``report.md`` and ``results.tar.gz`` (the report's and
-the bootstrap's folders): at most 8 files, as the device tool returns.
+study's storage is a journal file in ``.gpu/study/``: the study stops cleanly before its budget ends (SIGTERM:
+running trials are marked interrupted and their state at the last epoch end saved in ``.gpu/study/checkpoints/``,
+:mod:`mtmoe.tuning.checkpoints`), its journal and checkpoints come back in DIR, and carried to the next lease it
+resumes, the interrupted trials from their saved epoch. DIR receives ``summary.json``, ``summary.md`` (the short
+table, also printed last), ``logs.tar.gz`` (every step's full log), ``study.journal``, ``checkpoints.tar.gz`` (if
+the study left any and the archive is within :data:`RETURN_LIMIT`), ``report.md`` and ``results.tar.gz`` (the
+report's and the bootstrap's folders): at most 8 files, as the device tool returns.
 
-``--dry-run`` runs :func:`run` itself with :data:`DRY` sizes (4 trials of 2 epochs of 2 batches of 8 rows, 4 experts
-of 8 units, embeddings of 4, packs of 2 and 4, bands at 50%, Triton's interpreter) on the CPU, the study in a
+``--dry-run`` runs :func:`run` itself with :data:`DRY` sizes (2 trials of 2 epochs of 2 batches of 8 rows, 4 experts
+of 8 units, embeddings of 4, packs of 2, bands at 50%, Triton's interpreter) on the CPU, the study in a
 temporary folder rather than ``.gpu/study``, and the modules of :data:`ABSENT_ON_GPU` unimportable.
 """
 from __future__ import annotations
@@ -27,6 +29,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import shutil
 import signal
 import subprocess
@@ -49,6 +52,7 @@ WHEELS = ("optuna", "colorlog", "jsonargparse", "docstring_parser", "typeshed_cl
 # dry run makes them unimportable, so that a step that would need one on the GPU fails here first.
 ABSENT_ON_GPU = ("sqlalchemy", "alembic", "mako", "psycopg2", "optuna_dashboard", "python_calamine")
 TREE_LIMIT = 64 * 2**20  # the device tool's limit on the working tree with the carried folders
+RETURN_LIMIT = 16 * 2**20  # the device tool's limit on a file it returns from $OUT
 # bench_packs.py's options for each precision it benchmarks: the one place to add a precision
 PRECISIONS = {"fp32": ["--precision", "32"], "tf32": ["--precision", "32", "--matmul-precision", "high"],
               "bf16": ["--precision", "bf16-mixed"]}
@@ -82,8 +86,8 @@ GPU = Sizes("256,512", 500, ["--device", "cuda"], ["--trainer.accelerator=gpu", 
             {"install": 40, "tests": 100, "bench": 180, "report": 30, "bootstrap": 30})
 # the interpreter's pace: each program of a kernel costs milliseconds, each 1,024 parameters one Adam program
 TINY = "--data.batch_size=8 --model.n_experts=4 --model.embedding_dim=4 --model.expert_units=8 --model.tower_units=8"
-DRY = Sizes("2", 4, ["--limit-batches", "2", f"--trial-args={TINY}"],
-            ["--pack=4", "--trainer.max_epochs=2", "--trainer.limit_train_batches=2", "--trainer.limit_val_batches=2",
+DRY = Sizes("2", 2, ["--limit-batches", "2", f"--trial-args={TINY}"],
+            ["--pack=2", "--trainer.max_epochs=2", "--trainer.limit_train_batches=2", "--trainer.limit_val_batches=2",
              "--trainer.limit_test_batches=2", *TINY.split()], ["--draws", "20", "--confidence", "0.5"],
             {"install": 30, "tests": 120, "bench": 240, "report": 60, "bootstrap": 60}, total=700, stop=10)
 
@@ -146,6 +150,7 @@ class Step:
     seconds: float
     budget: int
     output: str = ""
+    cpu_seconds: float = 0.0  # user + system CPU of the step's processes: its time on an idle machine, about
 
 
 def run_step(name: str, command: list[str], budget: int, logs: Path, env: dict, grace: int,
@@ -153,7 +158,7 @@ def run_step(name: str, command: list[str], budget: int, logs: Path, env: dict, 
     """``command`` in its own process group, its output in ``logs/<name>.log``; SIGTERM ``stop_early`` seconds
     before the budget (a clean stop), SIGKILL ``grace`` seconds later."""
     log = logs / f"{name}.log"
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), children_cpu()
     with open(log, "w") as out:
         out.write(f"$ {' '.join(command)}\n")
         out.flush()
@@ -171,9 +176,15 @@ def run_step(name: str, command: list[str], budget: int, logs: Path, env: dict, 
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
                 status = "killed at its budget"
-    seconds = time.perf_counter() - start
-    print(f"step {name}: {status}, {seconds:.0f} s of {budget} s", flush=True)
-    return Step(name, status, seconds, budget, log.read_text(errors="replace"))
+    seconds, cpu = time.perf_counter() - start, children_cpu() - cpu
+    print(f"step {name}: {status}, {seconds:.0f} s of {budget} s (CPU {cpu:.0f} s)", flush=True)
+    return Step(name, status, seconds, budget, log.read_text(errors="replace"), cpu)
+
+
+def children_cpu() -> float:
+    """User and system CPU seconds of this process's waited-for children so far."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def environment(dry_run: bool) -> dict:
@@ -301,14 +312,16 @@ def run(out: Path, sizes: Sizes, study_dir: Path, dry_run: bool = False, chosen:
     summary["study"] = {"journal": str(journal), "before": before, **after, "wall_s": tune.seconds,
                         "status": tune.status}
     summary["trials_complete"], summary["wall_s"] = after.get("trials_complete"), tune.seconds
+    summary["study"]["checkpoints"] = return_checkpoints(study_dir, out)
     results = scratch / "results"
     step("report", [python, "-m", "mtmoe", "report", "--data", DATASET, "--storage", storage, "--out",
                     str(results / "report")], budgets["report"])
     step("bootstrap", [python, "-m", "mtmoe", "bootstrap", "--data", DATASET, "--storage", storage, "--out",
                        str(results / "bootstrap"), *sizes.bootstrap_args], budgets["bootstrap"])
-    summary["steps"] = {s.name: {"status": s.status, "seconds": round(s.seconds, 1), "budget_s": s.budget}
-                        for s in steps}
+    summary["steps"] = {s.name: {"status": s.status, "seconds": round(s.seconds, 1), "budget_s": s.budget,
+                                 "cpu_s": round(s.cpu_seconds, 1)} for s in steps}
     summary["total_s"] = round(time.perf_counter() - start, 1)
+    summary["cpu_s"], summary["load_average"] = round(sum(s.cpu_seconds for s in steps), 1), os.getloadavg()
     table = short_table(summary)
     (out / "summary.md").write_text(table + "\n")
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -326,6 +339,20 @@ def run(out: Path, sizes: Sizes, study_dir: Path, dry_run: bool = False, chosen:
     return summary
 
 
+def return_checkpoints(study_dir: Path, out: Path) -> dict:
+    """The study's pack checkpoints as ``out/checkpoints.tar.gz`` (paths relative to ``study_dir``), unless they
+    are over :data:`RETURN_LIMIT` (float32 tensors barely compress): then they stay on the machine, where a next
+    call without ``carry`` in the same lease resumes from them. What was found and done."""
+    files = sorted((study_dir / "checkpoints").rglob("*.pt"))
+    found = {"files": len(files), "bytes": sum(p.stat().st_size for p in files)}
+    found["returned"] = 0 < found["bytes"] <= RETURN_LIMIT
+    if found["returned"]:
+        with tarfile.open(out / "checkpoints.tar.gz", "w:gz") as tar:
+            for path in files:
+                tar.add(path, str(path.relative_to(study_dir)))
+    return found
+
+
 def short_table(summary: dict) -> str:
     study, tests = summary["study"], summary["tests"]
     lines = [f"gpu-check on {summary['device']}, commit {summary['commit']}, torch {summary['environment']['torch']}, "
@@ -339,6 +366,12 @@ def short_table(summary: dict) -> str:
     lines += ["", f"study: {study.get('trials_complete')} of {study.get('trials')} trials complete "
                   f"({study['before'].get('trials_complete')} before this run), mean epochs "
                   f"{study.get('mean_epochs')}, {study['wall_s']:.0f} s this run ({study['status']})"]
+    saved = study.get("checkpoints", {})
+    if saved.get("files"):
+        lines += [f"checkpoints: {saved['files']} file(s), {saved['bytes'] / 2**20:.1f} MiB, " +
+                  ("returned as checkpoints.tar.gz" if saved["returned"] else
+                   f"not returned (over the {RETURN_LIMIT / 2**20:.0f} MiB a returned file may have): they stay "
+                   "in .gpu/study/checkpoints on this machine")]
     return "\n".join(lines)
 
 
@@ -367,7 +400,8 @@ def main() -> None:
         if broken or not summary["throughput"] or not summary["trials_complete"]:
             fail(f"dry run: steps {broken}, {len(summary['throughput'])} throughput rows, "
                  f"{summary['trials_complete']} trials complete; the logs are in {out / 'logs.tar.gz'}")
-        print(f"gpu-check dry-run ok: {len(summary['steps'])} steps in {summary['total_s']:.0f} s, output in {out}")
+        print(f"gpu-check dry-run ok: {len(summary['steps'])} steps in {summary['total_s']:.0f} s "
+              f"({summary['cpu_s']:.0f} s of CPU; load average {summary['load_average'][0]:.1f}), output in {out}")
     elif args.command == "run":
         if args.out is None:
             fail("run needs --out DIR (on the device: --out $OUT)")

@@ -414,3 +414,52 @@ def test_packed_experts_stay_in_bf16_under_autocast() -> None:
         alone = experts.eval()(torch.randn(4, 16))
     assert out.dtype == alone.dtype == torch.bfloat16
     assert torch.isfinite(losses).all()
+
+
+def test_a_checkpointed_trial_continues_in_another_slot_and_pack_exactly() -> None:
+    """:meth:`PackEngine.checkpoint` at an epoch's end, loaded (``Trial.saved``) into fresh nets of a larger pack in
+    other slots: the next epochs' losses, the parameters, buffers, Adam's state, best weights and early stopping's
+    state are bitwise those of the pack that was never stopped (comet+, dropout on, local search's window inside
+    the saved part)."""
+    epochs, cut = 5, 2
+    data = [batches(p, epochs * STEPS_PER_EPOCH) for p in range(3)]
+
+    def run_epochs(engine: PackEngine, order: list[int | None], first: int, last: int) -> list[torch.Tensor]:
+        losses = []
+        for epoch in range(first, last):
+            engine.start_epoch()
+            for i in range(epoch * STEPS_PER_EPOCH, (epoch + 1) * STEPS_PER_EPOCH):
+                losses.append(step(engine, [data[p or 0] for p in order], i)[[order.index(p) for p in range(3)]])
+            # trial p's validation loss: improving at some epochs, not at others
+            engine.end_epoch([{"loss": 0.0 if p is None else [1.0, 0.5, 0.7, 0.4, 0.45][epoch] + p / 10}
+                              for p in order])
+        return losses
+
+    whole = trials("comet+", 0.5, 3)
+    whole_engine = engine_of(whole)
+    expected = run_epochs(whole_engine, [0, 1, 2], 0, epochs)
+
+    first = trials("comet+", 0.5, 3)
+    engine = engine_of(first)
+    run_epochs(engine, [0, 1, 2], 0, cut)
+    saved = dict(engine.checkpoint())
+    assert sorted(saved) == [0, 1, 2] and all(state["progress"]["epochs_run"] == cut for state in saved.values())
+    again = trials("comet+", 0.5, 3)
+    order = [None, 2, 0, 1]  # slot -> trial
+    resumed = PackEngine(again[0].net, info(0.0).tasks, len(order), "cpu")
+    resumed.set_steps_per_epoch(STEPS_PER_EPOCH)
+    for slot, p in enumerate(order):
+        if p is not None:
+            again[p].saved = saved[p]
+            resumed.load(slot, again[p])
+    losses = run_epochs(resumed, order, cut, epochs)
+    assert all(torch.equal(a, b) for a, b in zip(losses, expected[cut * STEPS_PER_EPOCH:]))
+    for p in range(3):
+        slot = order.index(p)
+        for name in ("epochs_run", "steps", "best_score", "best_epoch", "wait", "rounded_at", "history"):
+            assert getattr(again[p], name) == getattr(whole[p], name), name
+        for name, tensor in resumed.stack.tensors().items():
+            assert torch.equal(tensor[slot], whole_engine.stack.tensors()[name][p]), name
+            assert torch.equal(resumed.best[name][slot], whole_engine.best[name][p]), name
+        for name, row in resumed.adam.slot_state(slot).items():
+            assert torch.equal(row, whole_engine.adam.slot_state(p)[name]), name

@@ -57,3 +57,24 @@ def test_the_dry_run_runs_every_step_and_writes_the_summary(tmp_path: Path) -> N
     expected = {"summary.json", "summary.md", "logs.tar.gz", "study.journal", "report.md", "results.tar.gz"}
     assert expected <= set(returned)
     assert len(returned) <= 8 and all(p.is_file() for p in tmp_path.iterdir())  # the device tool returns 8 files
+
+
+def test_the_studys_checkpoints_come_back_only_within_the_returned_file_limit(tmp_path: Path,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checkpoints beside the journal come back as ``checkpoints.tar.gz`` (paths as under ``.gpu/study``, so that
+    extracting it there resumes them); over the device tool's 16 MiB a file they stay, and the summary says so."""
+    import tarfile
+
+    study, out = tmp_path / "study", tmp_path / "out"
+    out.mkdir()
+    assert gpu_check.return_checkpoints(study, out) == {"files": 0, "bytes": 0, "returned": False}
+    folder = study / "checkpoints" / "movielens-100k_comet"
+    folder.mkdir(parents=True)
+    (folder / "host-1.pt").write_bytes(b"\0" * 1000)
+    assert gpu_check.return_checkpoints(study, out) == {"files": 1, "bytes": 1000, "returned": True}
+    with tarfile.open(out / "checkpoints.tar.gz") as archive:
+        assert archive.getnames() == ["checkpoints/movielens-100k_comet/host-1.pt"]
+    (out / "checkpoints.tar.gz").unlink()
+    monkeypatch.setattr(gpu_check, "RETURN_LIMIT", 999)
+    assert gpu_check.return_checkpoints(study, out)["returned"] is False
+    assert not list(out.iterdir())

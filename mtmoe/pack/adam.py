@@ -175,6 +175,20 @@ class PackedAdam:
         for mine, theirs in ((self.steps, other.steps), (self.lr, other.lr), (self.eps, other.eps)):
             mine.copy_(theirs[index])
 
+    def slot_state(self, slot: int, state: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
+        """``slot``'s rows of :meth:`state_dict` (or of ``state``, a copy of it): its moments by parameter, its step
+        count, learning rate and epsilon (views)."""
+        state = self.state_dict() if state is None else state
+        rows = {f"{kind}.{name}": self.stack.block(state[kind], name)[slot]
+                for kind in ("exp_avg", "exp_avg_sq") for name in self.stack.blocks}
+        return rows | {name: state[name][slot] for name in ("steps", "lr", "eps")}
+
+    @torch.no_grad()
+    def load_slot(self, slot: int, rows: dict[str, Tensor]) -> None:
+        """A trial's :meth:`slot_state` into ``slot`` (a checkpointed trial continuing there)."""
+        for name, tensor in self.slot_state(slot).items():
+            tensor.copy_(rows[name])
+
     def state_dict(self) -> dict[str, Tensor]:
         return {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "steps": self.steps, "lr": self.lr,
                 "eps": self.eps}

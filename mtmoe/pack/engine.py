@@ -91,6 +91,7 @@ class Trial:
     diverged: str | None = None
     history: list[dict[str, Any]] = field(default_factory=list)  # per epoch: its train (and val) results
     started: float = field(default_factory=time.perf_counter)
+    saved: dict[str, Any] | None = None  # a checkpoint's state to continue from (PackEngine.checkpoint), once loaded
 
     def stopped(self) -> bool:
         return (self.diverged is not None or self.wait >= self.patience
@@ -180,6 +181,25 @@ class PackEngine:
         self.eval_metrics.forget([slot])
         trial.started = time.perf_counter()
         self.slots[slot] = trial
+        if trial.saved is not None:
+            self._resume(slot, trial)
+
+    @torch.no_grad()
+    def _resume(self, slot: int, trial: Trial) -> None:
+        """A checkpointed trial (:meth:`checkpoint`) continues in ``slot`` from where it was saved: its tensors,
+        Adam's state, best weights and progress."""
+        saved, trial.saved = trial.saved, None
+        for name, tensor in self.stack.tensors().items():
+            tensor[slot] = saved["tensors"][name]
+        self.adam.load_slot(slot, saved["adam"])
+        if saved["best"] is not None:
+            if self.best is None:  # the other slots' rows are theirs to overwrite when they improve
+                self.best = {name: tensor.clone() for name, tensor in self.stack.tensors().items()}
+            for name, tensor in self.best.items():
+                tensor[slot] = saved["best"][name]
+        self.eval_metrics.load_selections(slot, *saved["selections"])
+        for name, value in saved["progress"].items():
+            setattr(trial, name, value)
 
     def drop(self, slot: int) -> None:
         """Free ``slot`` without a result (its trial was taken over elsewhere); the slot is refilled by :meth:`load`."""
@@ -361,6 +381,32 @@ class PackEngine:
         return {"best": self.best, "selections": (self.eval_metrics.previous, self.eval_metrics.recorded),
                 "trials": [None if trial is None else {name: getattr(trial, name) for name in self.TRIAL_PROGRESS}
                            for trial in self.slots]}
+
+    def checkpoint(self) -> list[tuple[Any, dict[str, Any]]]:
+        """Each running trial that has trained an epoch, with its state on the host as it stands (an epoch's end):
+        parameters and buffers (its random stream's counters, local search's matrices and step), Adam's moments,
+        step count, learning rate and epsilon, its best weights, its recorded routing selections, and its progress (:attr:`TRIAL_PROGRESS`: epochs,
+        early stopping's best, best epoch and wait, metric history; its step count). The pack's tensors are copied
+        once each, then viewed per trial; :meth:`load` continues a trial from its state (``Trial.saved``) in any
+        slot, and its data order follows from its epoch (:func:`mtmoe.data.base.shuffled_order`)."""
+        def host(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+            return {name: tensor.to("cpu", copy=True) for name, tensor in tensors.items()}
+
+        tensors, adam = host(self.stack.tensors()), host(self.adam.state_dict())
+        previous, recorded = (t.to("cpu", copy=True) for t in (self.eval_metrics.previous, self.eval_metrics.recorded))
+        best = None if self.best is None else host(self.best)
+        out = []
+        for slot, trial in self.running:
+            if trial.epochs_run == 0:
+                continue
+            progress = {name: getattr(trial, name) for name in (*self.TRIAL_PROGRESS, "steps")}
+            progress["history"] = list(trial.history)  # records are appended, never changed
+            out.append((trial.key, {"slot": slot, "tensors": {name: t[slot] for name, t in tensors.items()},
+                                    "adam": self.adam.slot_state(slot, adam), "progress": progress,
+                                    "selections": (previous[slot], recorded[slot]),
+                                    "best": None if best is None or trial.best_epoch < 0 else
+                                    {name: t[slot] for name, t in best.items()}}))
+        return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.best = None if state["best"] is None else {name: t.to(self.device) for name, t in state["best"].items()}

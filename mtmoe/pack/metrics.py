@@ -168,6 +168,19 @@ class PackMetrics:
         elif slots:
             self.recorded[torch.tensor(slots, device=self.device)] = False
 
+    @torch.no_grad()
+    def load_selections(self, slot: int, previous: Tensor, recorded: Tensor) -> None:
+        """A checkpointed trial's recorded selections (its rows of :attr:`previous` and :attr:`recorded`) into
+        ``slot``, the buffers grown to hold them."""
+        width = previous.shape[0]
+        if width > self.recorded.shape[1]:
+            grow = width - self.recorded.shape[1]
+            self.previous = torch.cat([self.previous, self.previous.new_zeros(
+                self.capacity, grow, *self.previous.shape[2:])], dim=1)
+            self.recorded = torch.cat([self.recorded, self.recorded.new_zeros(self.capacity, grow)], dim=1)
+        self.previous[slot, :width] = previous.to(self.device)
+        self.recorded[slot, :width] = recorded.to(self.device)
+
     def take(self, other: PackMetrics, slots: list[int]) -> None:
         """The recorded selections of ``other``'s ``slots``, in that order (a compacted pack keeps them)."""
         index = torch.tensor(slots, device=self.device)

@@ -27,8 +27,9 @@ tells each trial its own result. ``--pack 1`` trains one at a time, with the sam
   ``worker``: a worker killed mid-pack leaves trials that the next ``tune`` (or a live worker) fails and re-runs.
   A worker frozen past the grace period (SIGSTOP, a paused VM) finds at its next epoch that its trials were failed
   and taken over: it drops them, logs untouched, with one warning, and carries on. Ctrl-C or SIGTERM fails the
-  pack's running trials as interrupted (re-run on resume) and stops the worker; so does a full disk under the logs,
-  with one error line.
+  pack's running trials as interrupted and stops the worker, after saving their state at the last epoch end
+  (:mod:`mtmoe.tuning.checkpoints`): the next ``tune`` continues them from that epoch, as they would have gone on.
+  A full disk under the logs fails them as interrupted too (re-run from their start), with one error line.
 """
 from __future__ import annotations
 
@@ -66,6 +67,7 @@ from mtmoe.pack.settings import build_trial
 from mtmoe.routing_names import routing_history
 from mtmoe.run import Run, build_run
 from mtmoe.run_settings import config_key, model_settings
+from mtmoe.tuning.checkpoints import PackCheckpoints
 from mtmoe.tuning.objective import (
     LOST_ATTEMPTS,
     TrialInterrupted,
@@ -139,8 +141,10 @@ class PackWorker:
     """Claims, packs, trains and reports the waiting trials of one study, one structure at a time."""
 
     def __init__(self, study: optuna.Study, space: SearchSpace, overrides: list[str], seed: int, log_dir: Path,
-                 capacity: int | str, configurations: list[dict[str, Any]], reclaim=None, bar: bool = False) -> None:
+                 capacity: int | str, configurations: list[dict[str, Any]], reclaim=None, bar: bool = False,
+                 checkpoints: PackCheckpoints | None = None) -> None:
         self.study, self.space, self.overrides, self.seed, self.log_dir = study, space, overrides, seed, log_dir
+        self.checkpoints = checkpoints
         self.capacity = capacity
         self.progress = PackProgress(study, space.trials, bar)
         self.keys = {config_id: pack_key(space, params) for config_id, params in enumerate(configurations)}
@@ -176,9 +180,11 @@ class PackWorker:
                     return self._start(factory, *claimed)
 
                 self._train(run, key, next_trial)
+            if self.checkpoints is not None:
+                self.checkpoints.clear()
         except (KeyboardInterrupt, SystemExit) as interrupt:  # Lightning answers Ctrl-C with sys.exit(1), SIGTERM
             # with its SIGTERMException (mtmoe.interrupts)
-            self._release()
+            self._release(saved=self.checkpoints.write() if self.checkpoints is not None else [])
             raise TrialInterrupted(f"{len(self.running)} packed trial(s) interrupted") from interrupt
         except torch.OutOfMemoryError:
             self._release()  # the pack size's fault, not the configurations': no lost attempt
@@ -205,7 +211,12 @@ class PackWorker:
         folder = self.log_dir / f"config-{config_id:04d}"
         folder.mkdir(parents=True, exist_ok=True)
         write_atomic(factory.yaml(config), folder / "config.yaml")
-        return factory.trial((trial, seed, config_id), config)
+        built = factory.trial((trial, seed, config_id), config)
+        if self.checkpoints is not None:
+            built.saved = self.checkpoints.resume(config_id, self.keys[config_id], trial.user_attrs["config_hash"])
+            for record in built.saved["progress"]["history"] if built.saved is not None else []:
+                self._report(trial, record)  # the learning curve so far, on the trial that continues it
+        return built
 
     def _train(self, run: Run, key: str, next_trial) -> None:
         datamodule = run.datamodule
@@ -224,11 +235,14 @@ class PackWorker:
             trainer.callbacks.append(self.progress)
             trainer.fit(module)
 
-    def _release(self) -> None:
-        """Fail the running trials as interrupted (no reason, no lost attempt): ``tune`` runs them again. The
-        heartbeat thread stops first, so the two do not contend for the storage (hundreds of trials in a pack)."""
+    def _release(self, saved: list[int] = ()) -> None:
+        """Fail the running trials as interrupted (no reason, no lost attempt): ``tune`` runs them again, those of
+        the config_ids ``saved`` in a checkpoint from it (their ``checkpoint`` attribute: its file). The heartbeat
+        thread stops first, so the two do not contend for the storage (hundreds of trials in a pack)."""
         self.heartbeats.stop()
-        for trial_id in list(self.running):
+        for trial_id, trial in list(self.running.items()):
+            if trial.user_attrs.get("config_id") in saved:
+                self.study._storage.set_trial_user_attr(trial_id, "checkpoint", str(self.checkpoints.path))
             self.study._storage.set_trial_user_attr(trial_id, "interrupted", True)
             self.study._storage.set_trial_state_values(trial_id, TrialState.FAIL)
 
@@ -237,7 +251,13 @@ class PackWorker:
         and config_id: the configurations of dead workers' trials first, then the plan in order."""
         storage = self.study._storage
         waiting_trials = self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
-        for waiting in sorted(waiting_trials, key=lambda t: LOST_ATTEMPTS not in t.user_attrs):
+        saved = self.checkpoints.saved if self.checkpoints is not None else {}
+
+        def order(trial: optuna.trial.FrozenTrial) -> tuple:  # lost attempts, checkpointed (in slot order), plan
+            entry = saved.get(trial.user_attrs.get("config_id"))
+            return LOST_ATTEMPTS not in trial.user_attrs, entry is None, entry["state"]["slot"] if entry else 0
+
+        for waiting in sorted(waiting_trials, key=order):
             config_id = waiting.user_attrs.get("config_id")
             if config_id is None or (key is not None and self.keys.get(config_id) != key):
                 continue
@@ -337,6 +357,9 @@ class PackWorker:
                                 "alone", warning=True)
             self.dropped = []
         self.still_running = None
+        if self.checkpoints is not None:
+            self.checkpoints.keep([(key[2], self.keys[key[2]], key[0].user_attrs["config_hash"], state)
+                                   for key, state in module.engine.checkpoint()])
         self.progress(module)
 
     def _report(self, trial: optuna.Trial, record: dict[str, Any]) -> None:

@@ -169,9 +169,11 @@ def quiet_libraries() -> None:
 
 
 def run_worker(url: str, study_name: str, space: SearchSpace, overrides: list[str], seed: int, workers: int,
-               log_dir: Path | None = None, pack: int | str = 1) -> None:
+               log_dir: Path | None = None, pack: int | str = 1, checkpoint_every: float | None = None) -> None:
     """One worker: pops enqueued configurations until none is left, ``pack`` at a time (:mod:`mtmoe.tuning.packs`);
-    every heartbeat interval it also takes back the trials of workers that died (:func:`reclaim_lost_trials`)."""
+    every heartbeat interval it also takes back the trials of workers that died (:func:`reclaim_lost_trials`).
+    Interrupted, it saves its trials' state for the next one (:mod:`mtmoe.tuning.checkpoints`)."""
+    from mtmoe.tuning.checkpoints import PackCheckpoints, checkpoint_folder
     from mtmoe.tuning.packs import PackWorker
 
     quiet_libraries()
@@ -186,7 +188,9 @@ def run_worker(url: str, study_name: str, space: SearchSpace, overrides: list[st
         enqueue_missing(study, space, configurations)
 
     bar = workers == 1 and sys.stderr.isatty()  # a progress bar at a terminal; N workers' bars would fight over it
-    PackWorker(study, space, overrides, seed, log_dir, pack, configurations, reclaim, bar).run()
+    identity = {key: study.user_attrs.get(key) for key in ("space_fingerprint", "seed", "settings")}
+    checkpoints = PackCheckpoints(checkpoint_folder(url, study_name, log_dir), identity, checkpoint_every)
+    PackWorker(study, space, overrides, seed, log_dir, pack, configurations, reclaim, bar, checkpoints).run()
 
 
 def _worker_process(*args: Any) -> None:
@@ -364,6 +368,9 @@ def parse_tune_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--space", default=None, help="search-space file (default: the packaged spaces/<data>.yaml)")
     parser.add_argument("--log-dir", default=None,
                         help="per-trial logs (default: studies/runs/ under the current directory)")
+    parser.add_argument("--checkpoint-every", type=float, default=None, metavar="SECONDS",
+                        help="also save the running trials' state at the first epoch end this long after the last "
+                             "save (always saved on Ctrl-C or SIGTERM; a rerun continues them)")
     try:
         args, overrides = parser.parse_known_args(argv)
     except argparse.ArgumentError as error:
@@ -474,8 +481,8 @@ def tune(argv: list[str]) -> None:
     try:
         _tune(argv)
     except KeyboardInterrupt:
-        raise Interrupted("trials in flight are marked failed and re-run when the same tune command runs again (it "
-                          "resumes the study)") from None
+        raise Interrupted("trials in flight are marked failed and run again when the same tune command runs again "
+                          "(it resumes the study), from their last epoch's checkpoint where one was saved") from None
 
 
 def check_study_name(name: str) -> None:
@@ -507,6 +514,8 @@ def _tune(argv: list[str]) -> None:
                          "other --seed values")
     if args.workers < 1:
         raise UsageError(f"--workers must be >= 1, got {args.workers}")
+    if args.checkpoint_every is not None and not args.checkpoint_every > 0:
+        raise UsageError(f"--checkpoint-every must be a positive number of seconds, got {args.checkpoint_every}")
     space = SearchSpace(space.data, space.gate, trials, space.fixed, space.distributions)
     if args.storage is None:
         STUDIES_DIR.mkdir(exist_ok=True)
@@ -526,7 +535,8 @@ def _tune(argv: list[str]) -> None:
           f"{display_url(url)}, {args.workers} worker(s)", flush=True)
     log_dir = Path(args.log_dir) if args.log_dir else STUDIES_DIR / "runs"
     run_until_accounted(url, study_name, space, configurations,
-                        (url, study_name, space, overrides, args.seed, args.workers, log_dir, pack))
+                        (url, study_name, space, overrides, args.seed, args.workers, log_dir, pack,
+                         args.checkpoint_every))
 
 
 def run_until_accounted(url: str, study_name: str, space: SearchSpace, configurations: list[dict],

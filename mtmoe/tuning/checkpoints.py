@@ -1,0 +1,135 @@
+"""Pack checkpoints: a packed tune worker stopped by SIGTERM or Ctrl-C (a lease's or a scheduler's end) saves its
+running trials' state, and the next ``tune`` on the same storage continues them from the epoch they reached
+instead of from their first.
+
+* **What.** At every pack epoch's end the worker keeps each running trial's state on the host
+  (:meth:`mtmoe.pack.engine.PackEngine.checkpoint`: parameters, buffers with the random stream's counters and local
+  search's state, Adam's moments and step, early stopping's best and wait, best weights, metric history, epochs).
+  Interrupted, it writes the latest of them to ``<folder>/<host>-<pid>.pt`` atomically (:func:`checkpoint_folder`:
+  beside a file storage, ``checkpoints/<study>/``), and marks the interrupted trials with a ``checkpoint``
+  attribute; ``--checkpoint-every S`` also writes it at the first epoch end ``S`` seconds after the last write.
+* **Resume.** A worker reads the study's checkpoints when it starts, claims their configurations before the rest
+  of the plan (each trial back into its saved slot order) and loads each into its slot as saved: it computes what
+  the uninterrupted trial computes. A checkpoint whose study identity (space, seed, settings), structure or
+  configuration hash differs from the study's is ignored with a warning, as is one that cannot be read.
+* **Clean-up.** A worker that writes its checkpoint takes over the states it read and did not resume yet (they go
+  into its file, and the files they came from are removed); one that runs out of trials removes them all.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mtmoe.files import save_torch_atomic
+
+FORMAT = 1
+
+
+def checkpoint_folder(url: str, study_name: str, log_dir: Path) -> Path:
+    """``checkpoints/<study>/`` beside a file storage (SQLite, journal), else in the study's log folder."""
+    path = None
+    if url.startswith("journal:"):
+        path = url.removeprefix("journal:")
+    elif url.startswith("sqlite:///"):
+        path = url.removeprefix("sqlite:///")
+    base = Path(path).parent if path else log_dir
+    return base / "checkpoints" / study_name.replace("/", "_")
+
+
+def warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+class PackCheckpoints:
+    """The checkpoints of one worker of a study: those it found (:attr:`saved`, by config_id) and its own file."""
+
+    def __init__(self, folder: Path, identity: dict[str, Any], every: float | None = None) -> None:
+        self.folder, self.identity, self.every = folder, identity, every
+        self.path = folder / f"{socket.gethostname()}-{os.getpid()}.pt"
+        self.latest: dict[int, dict[str, Any]] = {}  # config_id -> its entry, at the pack's last epoch end
+        self.written = time.monotonic()
+        self.read: list[Path] = []
+        self.saved = self._load()
+
+    def _load(self) -> dict[int, dict[str, Any]]:
+        """The entries of the study's checkpoint files by config_id (the furthest trained where several hold one)."""
+        saved: dict[int, dict[str, Any]] = {}
+        for path in sorted(self.folder.glob("*.pt")) if self.folder.is_dir() else []:
+            try:
+                content = torch.load(path, map_location="cpu", weights_only=True)
+            except Exception as error:  # a torn or foreign file: the trials run from their start
+                warn(f"checkpoint {path} cannot be read ({type(error).__name__}: {error}): ignored, its trials run "
+                     "from their first epoch")
+                continue
+            if content.get("format") != FORMAT or content.get("identity") != self.identity:
+                warn(f"checkpoint {path} is of other study settings (search space, seed or settings): ignored, "
+                     "its trials run from their first epoch")
+                continue
+            self.read.append(path)
+            for config_id, entry in content["trials"].items():
+                if config_id not in saved or epochs(entry) > epochs(saved[config_id]):
+                    saved[config_id] = entry
+        return saved
+
+    def resume(self, config_id: int, structure: str, config_hash: str) -> dict[str, Any] | None:
+        """The saved state configuration ``config_id`` continues from, if a checkpoint holds one of this
+        structure and hash (else a warning, and it runs from its start)."""
+        entry = self.saved.pop(config_id, None)
+        if entry is None:
+            return None
+        if entry["structure"] != structure or entry["config_hash"] != config_hash:
+            warn(f"the checkpoint of config_id {config_id} is of another configuration: ignored, it runs from its "
+                 "first epoch")
+            return None
+        return entry["state"]
+
+    def keep(self, trials: list[tuple[int, str, str, dict[str, Any]]]) -> bool:
+        """The pack's state at an epoch's end (config_id, structure, hash, state per trial), kept to be written;
+        written now if ``--checkpoint-every`` is due. Whether it was written."""
+        self.latest = {config_id: {"structure": structure, "config_hash": config_hash, "state": state}
+                       for config_id, structure, config_hash, state in trials}
+        if self.every is not None and time.monotonic() - self.written >= self.every:
+            self.write()
+            return True
+        return False
+
+    def write(self) -> list[int]:
+        """Write the latest epoch end's states and the saved ones not resumed yet to this worker's file; the files
+        read are then removed. The config_ids written."""
+        trials = {**self.saved, **self.latest}
+        if not trials:
+            self.path.unlink(missing_ok=True)
+        else:
+            content = {"format": FORMAT, "identity": self.identity,
+                       "trials": {config_id: clone(entry) for config_id, entry in trials.items()}}
+            save_torch_atomic(content, self.path)
+        for path in self.read:
+            if path != self.path:
+                path.unlink(missing_ok=True)
+        self.read = [self.path] if trials else []
+        self.written = time.monotonic()
+        return sorted(trials)
+
+    def clear(self) -> None:
+        """No trial left to resume (the worker ran out of trials): every file read and this worker's removed."""
+        for path in {*self.read, self.path}:
+            path.unlink(missing_ok=True)
+
+
+def epochs(entry: dict[str, Any]) -> int:
+    return entry["state"]["progress"]["epochs_run"]
+
+
+def clone(value: Any) -> Any:
+    """``value`` with every tensor a copy of its own (a view saved alone would save its whole pack's storage)."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        return {key: clone(item) for key, item in value.items()}
+    return value

@@ -1,0 +1,138 @@
+"""Pack checkpoints (:mod:`mtmoe.tuning.checkpoints`): a packed study stopped by SIGTERM after some epochs and run
+again continues its interrupted trials from their saved epoch, and computes exactly what the uninterrupted study
+computes (bitwise on a CPU: per-epoch metrics, objectives, test results); a checkpoint of other study settings or of
+another configuration is ignored with a warning."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from optuna.trial import TrialState
+
+from mtmoe.tuning.checkpoints import PackCheckpoints, checkpoint_folder
+
+from test_tuning import assert_each_config_once, run_tune, start_tune, trials_of, tune_args
+
+# 2 epochs of ~70 steps of 16 rows: a pack runs long enough to be caught between epochs
+SLOW = ["--trainer.max_epochs=2", "--data.batch_size=16"]
+NAME = "resume"
+
+
+def logs(folder: Path) -> dict[str, str]:
+    return {path.parent.name: path.read_text() for path in sorted(folder.rglob("metrics.csv"))}
+
+
+def results(url: str) -> dict[int, tuple]:
+    return {t.user_attrs["config_id"]: (t.value, t.user_attrs["test_loss"], t.user_attrs["epochs_run"],
+                                        t.intermediate_values)
+            for t in trials_of(url, NAME) if t.state == TrialState.COMPLETE}
+
+
+def sigterm_after_epochs(args: list[str], tmp: Path, root: Path, url: str, epochs: int) -> int:
+    """Start ``tune``; SIGTERM once a running trial has reported ``epochs`` validation losses; its exit code."""
+    proc = start_tune(args, tmp, root, "first")
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, (tmp / "first.err").read_text()[-3000:]
+            try:
+                reported = [len(t.intermediate_values) for t in trials_of(url, NAME) if t.state == TrialState.RUNNING]
+            except KeyError:  # the study does not exist yet
+                reported = []
+            except Exception as error:  # a locked SQLite file while the worker writes: look again
+                if "locked" not in str(error):
+                    raise
+                reported = []
+            if reported and max(reported) >= epochs:
+                break
+            time.sleep(0.1)
+        os.kill(proc.pid, signal.SIGTERM)
+        return proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.mark.integration
+def test_a_pack_resumed_after_sigterm_computes_what_the_uninterrupted_pack_computes(root_and_tmp) -> None:
+    """4 configurations in a pack of 3 (one refill), dropout on, ``comet+`` with local search's window of 1 epoch:
+    the study SIGTERMed after its first epoch, then run again, gives each configuration the same per-epoch
+    metrics (``metrics.csv`` byte for byte), learning curve, objective and test loss as the same study run
+    without a stop; the interrupted trials carry their checkpoint, and it is removed once the study is done."""
+    root, tmp = root_and_tmp
+    gate, extra = "comet+", [*SLOW, "--pack", "3", "--model.perm_epochs=1"]
+    whole = f"sqlite:///{tmp / 'whole.db'}"
+    code, _, err = run_tune(tune_args(whole, root, tmp / "whole", *extra, trials=4, gate=gate, name=NAME), tmp, root,
+                            "whole")
+    assert code == 0, err[-3000:]
+
+    url = f"sqlite:///{tmp / 'cut.db'}"
+    args = tune_args(url, root, tmp / "cut", *extra, trials=4, gate=gate, name=NAME)
+    assert sigterm_after_epochs(args, tmp, root, url, 1) == 143
+    interrupted = [t for t in trials_of(url, NAME) if t.state == TrialState.FAIL]
+    assert interrupted and all(t.user_attrs.get("interrupted") for t in interrupted)
+    saved = [t for t in interrupted if "checkpoint" in t.user_attrs]
+    assert saved, "no interrupted trial was checkpointed"
+    folder = tmp / "checkpoints" / NAME
+    [checkpoint] = folder.glob("*.pt")
+    assert Path(saved[0].user_attrs["checkpoint"]) == checkpoint
+    content = torch.load(checkpoint, weights_only=True)
+    assert all(entry["state"]["progress"]["epochs_run"] >= 1 for entry in content["trials"].values())
+
+    code, _, err = run_tune(args, tmp, root, "second")
+    assert code == 0, err[-3000:]
+    assert "warning" not in err, err
+    assert_each_config_once(trials_of(url, NAME), 4)
+    assert results(url) == results(whole)
+    assert logs(tmp / "cut") == logs(tmp / "whole")
+    assert not list(folder.glob("*.pt"))
+
+
+IDENTITY = {"space_fingerprint": "abc", "seed": 0, "settings": {"trainer.max_epochs": 2}}
+
+
+def state(epochs: int) -> dict:
+    return {"slot": 0, "tensors": {"w": torch.arange(4.0)[1:3]}, "adam": {}, "best": None,
+            "progress": {"epochs_run": epochs, "history": [{"epoch": 0, "train": {"loss": 0.5}}]}}
+
+
+def test_a_checkpoint_is_resumed_only_by_the_same_settings_and_configuration(tmp_path: Path, capsys) -> None:
+    """Written by one worker, read by the next: the same study identity resumes its trials (the furthest trained
+    copy of each, a view saved as its own values), and the files read are removed once the reader writes its own;
+    other settings, another configuration (structure or hash) or a torn file are ignored with one warning each."""
+    writer, older = PackCheckpoints(tmp_path, IDENTITY), PackCheckpoints(tmp_path, IDENTITY)
+    older.path = tmp_path / "older.pt"  # another worker's file, one epoch behind for config 3
+    writer.keep([(3, "structure", "hash3", state(2)), (5, "structure", "hash5", state(1))])
+    assert writer.write() == [3, 5] and writer.path.exists()
+    older.keep([(3, "structure", "hash3", state(1))])
+    older.write()
+
+    other = PackCheckpoints(tmp_path, {**IDENTITY, "settings": {"trainer.max_epochs": 3}})
+    assert other.saved == {}
+    assert capsys.readouterr().err.count("is of other study settings") == 2
+
+    reader = PackCheckpoints(tmp_path, IDENTITY)
+    assert capsys.readouterr().err == ""
+    assert reader.resume(5, "structure", "other hash") is None
+    assert "config_id 5 is of another configuration" in capsys.readouterr().err
+    resumed = reader.resume(3, "structure", "hash3")
+    assert resumed["progress"]["epochs_run"] == 2 and torch.equal(resumed["tensors"]["w"], torch.tensor([1.0, 2.0]))
+    assert reader.resume(3, "structure", "hash3") is None  # resumed once
+    reader.path = tmp_path / "reader.pt"
+    reader.write()  # nothing left to resume: no file of its own; those read are removed
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+    (tmp_path / "torn.pt").write_bytes(b"PK\x03\x04 cut short")
+    assert PackCheckpoints(tmp_path, IDENTITY).saved == {}
+    assert "checkpoint " + str(tmp_path / "torn.pt") + " cannot be read" in capsys.readouterr().err
+
+
+def test_checkpoints_live_beside_a_file_storage_else_in_the_log_folder(tmp_path: Path) -> None:
+    assert checkpoint_folder(f"journal:{tmp_path}/s.journal", "ml/comet", tmp_path / "runs") == \
+        tmp_path / "checkpoints" / "ml_comet"
+    assert checkpoint_folder(f"sqlite:///{tmp_path}/o.db", "x", tmp_path / "runs") == tmp_path / "checkpoints" / "x"
+    assert checkpoint_folder("postgresql://u@h/db", "x", tmp_path / "runs") == tmp_path / "runs" / "checkpoints" / "x"
