@@ -166,6 +166,11 @@ class MTMoECLI(LightningCLI):
         except ArgumentError as error:
             raise UsageError(describe_parse_error(str(error), parser, args)) from None
 
+    # A private use of Lightning: LightningCLI applies a checkpoint's hyperparameters in its private
+    # _parse_ckpt_path, between the public parse_arguments and before_instantiate_classes hooks, and has no public
+    # hook around it; overriding it is the one way to keep the settings as given (to check them against the
+    # checkpoint's) and answer a bad checkpoint with one line. tests/test_checkpoints.py::
+    # test_lightning_cli_parses_ckpt_path_between_its_hooks fails when Lightning renames or moves it.
     def _parse_ckpt_path(self) -> None:
         """Read ``--ckpt_path``'s checkpoint (a bad file is one error line) and keep the model settings as given;
         Lightning's own method (private) then applies the checkpoint's over them, checked against the given ones in

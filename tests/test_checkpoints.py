@@ -110,6 +110,21 @@ def test_flags_that_disagree_with_the_checkpoint_stop_the_command(tiny_root: Pat
 # ---------------------------------------------------------------- 15.10: damaged and missing checkpoints
 
 
+def test_lightning_cli_parses_ckpt_path_between_its_hooks() -> None:
+    """mtmoe.run overrides LightningCLI's private ``_parse_ckpt_path`` (no public hook is around it): it must still
+    exist, take no argument and be called after ``parse_arguments`` and before ``before_instantiate_classes``."""
+    import inspect
+
+    from lightning.pytorch.cli import LightningCLI
+
+    assert list(inspect.signature(LightningCLI._parse_ckpt_path).parameters) == ["self"]
+    source = inspect.getsource(LightningCLI.__init__)
+    calls = [source.find(call) for call in ("self.parse_arguments(", "self._parse_ckpt_path()",
+                                            "self.before_instantiate_classes()")]
+    assert -1 not in calls and calls == sorted(calls), "LightningCLI.__init__ no longer calls _parse_ckpt_path " \
+        "between parse_arguments and before_instantiate_classes: revisit MTMoECLI._parse_ckpt_path"
+
+
 def test_a_damaged_or_missing_checkpoint_is_one_error_line(tiny_root: Path, capsys) -> None:
     assert run_cli(["fit", "--gate", "topk", *data(tiny_root), "--trainer.max_epochs=1"]) == 0
     content = (CHECKPOINTS / "best.ckpt").read_bytes()

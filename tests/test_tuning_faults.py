@@ -213,7 +213,7 @@ def test_a_journal_trial_with_a_recent_heartbeat_elsewhere_is_kept(tmp_path: Pat
     for trial, beat in ((alive, time.time()), (silent, time.time() - 60)):
         trial.set_user_attr("worker", "elsewhere:4242")
         trial.set_user_attr("heartbeat", beat)
-    fail_stale_trials(study)
+    fail_stale_trials(study, storage)
     states = {t.number: t.state for t in study.get_trials(deepcopy=False)}
     assert states == {alive.number: TrialState.RUNNING, silent.number: TrialState.FAIL}
 

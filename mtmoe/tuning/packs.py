@@ -78,7 +78,7 @@ from mtmoe.tuning.objective import (
     suggest,
 )
 from mtmoe.tuning.space import SearchSpace
-from mtmoe.tuning.storage import Heartbeats, Periodic, heartbeat_settings
+from mtmoe.tuning.storage import Heartbeats, Periodic, heartbeat_settings, trial_id
 
 #: Settings each trial of a pack may have its own value of (besides a gate's ``scalar_names``).
 PER_TRIAL_KEYS = frozenset({"model.lr", "model.adam_eps", "model.alpha", "model.perm_epochs", "model.zeta",
@@ -137,22 +137,32 @@ class TrialFactory:
         return self.trial(key, self.config(params, seed))
 
 
+def claimed_trial(study: optuna.Study, claimed_id: int) -> optuna.Trial:
+    """The live trial of the trial ``claimed_id`` this worker set RUNNING: ``optuna.Trial(study, trial_id)``, as
+    ``Study.ask`` makes it. A private use: no public call gives the trial of a chosen waiting trial (``ask`` claims
+    the first of any structure; ``tests/test_tuning_clusters.py::test_optuna_trial_of_a_claimed_trial`` fails when
+    Optuna changes the constructor)."""
+    return optuna.Trial(study, claimed_id)
+
+
 class PackWorker:
     """Claims, packs, trains and reports the waiting trials of one study, one structure at a time."""
 
-    def __init__(self, study: optuna.Study, space: SearchSpace, overrides: list[str], seed: int, log_dir: Path,
-                 capacity: int | str, configurations: list[dict[str, Any]], reclaim=None, bar: bool = False,
-                 checkpoints: PackCheckpoints | None = None) -> None:
+    def __init__(self, study: optuna.Study, storage: Any, space: SearchSpace, overrides: list[str], seed: int,
+                 log_dir: Path, capacity: int | str, configurations: list[dict[str, Any]], reclaim=None,
+                 bar: bool = False, checkpoints: PackCheckpoints | None = None) -> None:
         self.study, self.space, self.overrides, self.seed, self.log_dir = study, space, overrides, seed, log_dir
+        self.storage = storage  # the study's (mtmoe.tuning.storage.storage_for): trials are claimed and failed there
         self.checkpoints = checkpoints
         self.capacity = capacity
         self.progress = PackProgress(study, space.trials, bar)
         self.keys = {config_id: pack_key(space, params) for config_id, params in enumerate(configurations)}
-        self.heartbeats = Heartbeats(study._storage)
+        self.heartbeats = Heartbeats(storage)
         self.reclaimer = Periodic(partial(reclaim, study)) if reclaim is not None else None
-        self.running: dict[int, optuna.Trial] = {}  # trial id -> trial, claimed and not yet told
+        self.running: dict[int, optuna.Trial] = {}  # trial number -> trial, claimed and not yet told
+        self.trial_ids: dict[int, int] = {}  # trial number -> the storage's trial id, of the trials claimed
         self.dropped: list[optuna.Trial] = []  # taken over by another worker since the last epoch's end
-        self.still_running: set[int] | None = None  # the storage's RUNNING trials at this epoch's end
+        self.still_running: set[int] | None = None  # the numbers of the storage's RUNNING trials at this epoch's end
         self.worker = f"{socket.gethostname()}:{os.getpid()}"
         self.reports: queue.Queue = queue.Queue()
         threading.Thread(target=self._write_reports, daemon=True).start()
@@ -240,16 +250,16 @@ class PackWorker:
         the config_ids ``saved`` in a checkpoint from it (their ``checkpoint`` attribute: its file). The heartbeat
         thread stops first, so the two do not contend for the storage (hundreds of trials in a pack)."""
         self.heartbeats.stop()
-        for trial_id, trial in list(self.running.items()):
+        for number, trial in list(self.running.items()):
+            running_id = self.trial_ids[number]
             if trial.user_attrs.get("config_id") in saved:
-                self.study._storage.set_trial_user_attr(trial_id, "checkpoint", str(self.checkpoints.path))
-            self.study._storage.set_trial_user_attr(trial_id, "interrupted", True)
-            self.study._storage.set_trial_state_values(trial_id, TrialState.FAIL)
+                self.storage.set_trial_user_attr(running_id, "checkpoint", str(self.checkpoints.path))
+            self.storage.set_trial_user_attr(running_id, "interrupted", True)
+            self.storage.set_trial_state_values(running_id, TrialState.FAIL)
 
     def _claim(self, key: str | None) -> tuple[optuna.Trial, dict[str, Any], int] | None:
         """The next waiting planned trial of structure ``key`` (any, for ``None``), RUNNING, with its planned values
         and config_id: the configurations of dead workers' trials first, then the plan in order."""
-        storage = self.study._storage
         waiting_trials = self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
         saved = self.checkpoints.saved if self.checkpoints is not None else {}
 
@@ -261,14 +271,19 @@ class PackWorker:
             config_id = waiting.user_attrs.get("config_id")
             if config_id is None or (key is not None and self.keys.get(config_id) != key):
                 continue
-            if not storage.set_trial_state_values(waiting._trial_id, TrialState.RUNNING):
-                continue  # another worker took it first
-            trial = optuna.Trial(self.study, waiting._trial_id)
+            waiting_id = trial_id(self.storage, self.study, waiting.number)
+            try:  # as Study.ask claims a waiting trial, but this one: ask takes the first of any structure
+                if not self.storage.set_trial_state_values(waiting_id, TrialState.RUNNING):
+                    continue  # another worker took it first
+            except optuna.exceptions.UpdateFinishedTrialError:  # or took and finished it
+                continue
+            trial = claimed_trial(self.study, waiting_id)
             trial.set_user_attr("worker", self.worker)
-            self.heartbeats.add(trial._trial_id)
-            self.running[trial._trial_id] = trial
+            self.trial_ids[trial.number] = waiting_id
+            self.heartbeats.add(waiting_id)
+            self.running[trial.number] = trial
             if self.still_running is not None:  # claimed after this epoch end read the storage (a refill)
-                self.still_running.add(trial._trial_id)
+                self.still_running.add(trial.number)
             params = {name: suggest(trial, name, dist) for name, dist in self.space.distributions.items()}
             duplicate = duplicate_of(self.study, trial.number, config_id)
             if duplicate is not None:  # enqueued twice: run once
@@ -304,9 +319,8 @@ class PackWorker:
         frozen, and another failed them and runs their configurations): dropped (:meth:`_drop`). The storage is
         read once an epoch end (:meth:`_epoch` forgets it), not once a finished trial."""
         if self.still_running is None:
-            self.still_running = {t._trial_id for t in self.study.get_trials(deepcopy=False,
-                                                                             states=(TrialState.RUNNING,))}
-        lost = [trial for trial in trials if trial._trial_id not in self.still_running]
+            self.still_running = {t.number for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
+        lost = [trial for trial in trials if trial.number not in self.still_running]
         if lost:
             self._drop(lost)
         return lost
@@ -314,8 +328,7 @@ class PackWorker:
     def _drop(self, trials: list[optuna.Trial]) -> None:
         """Forget ``trials`` (failed by another worker): no result, no log written; :meth:`_epoch` warns."""
         for trial in trials:
-            self.heartbeats.remove(trial._trial_id)
-            self.running.pop(trial._trial_id, None)
+            self._forget(trial)
         self.dropped += trials
 
     def _write_log(self, config_id: int, result: TrialResult) -> None:
@@ -343,9 +356,9 @@ class PackWorker:
     def _epoch(self, module: PackModule) -> None:
         """Each running trial's validation loss of this epoch as its intermediate value; the progress line. Trials
         taken over by another worker meanwhile leave the pack (their slots are refilled)."""
-        taken = {trial._trial_id for trial in self._taken_over([trial.key[0] for _, trial in module.engine.running])}
+        taken = {trial.number for trial in self._taken_over([trial.key[0] for _, trial in module.engine.running])}
         for slot, trial in module.engine.running:
-            if trial.key[0]._trial_id in taken:
+            if trial.key[0].number in taken:
                 module.engine.drop(slot)
             elif trial.history:
                 self._report(trial.key[0], trial.history[-1])
@@ -381,8 +394,12 @@ class PackWorker:
     def _tell(self, trial: optuna.Trial, **kwargs: Any) -> None:
         self.reports.join()  # its intermediate values first: a finished trial takes none
         self.study.tell(trial, **kwargs)
-        self.heartbeats.remove(trial._trial_id)
-        self.running.pop(trial._trial_id, None)
+        self._forget(trial)
+
+    def _forget(self, trial: optuna.Trial) -> None:
+        """No more heartbeats for ``trial``, no longer running here."""
+        self.heartbeats.remove(self.trial_ids[trial.number])
+        self.running.pop(trial.number, None)
 
 
 class PackProgress(Callback):

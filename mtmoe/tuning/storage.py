@@ -3,8 +3,10 @@
 Like Lightning's ``lightning_logs/``, everything the tuning commands write goes under the current directory unless
 a flag says otherwise: the folder ``studies/`` (:data:`STUDIES_DIR`) holds the default SQLite storage
 ``studies/optuna.db``, the trials' logs ``studies/runs/`` and the reports ``studies/reports/<data>/``.
-``--storage`` takes an RDB URL (PostgreSQL for many workers and machines) or ``journal:PATH`` (Optuna's
-JournalStorage: no server, many workers and machines sharing the file).
+``--storage`` takes an RDB URL (PostgreSQL for many workers and machines), ``journal:PATH`` (Optuna's
+JournalStorage: no server, many workers and machines sharing the file) or ``grpc://HOST:PORT`` (Optuna's
+``GrpcStorageProxy``: a proxy server, ``optuna.storages.run_grpc_proxy_server``, in front of one storage, for
+hundreds of workers).
 
 * **Passwords** are never shown: every URL printed, written or quoted in an error goes through
   :func:`display_url` (``postgresql://user:***@host/db``, ``...?user=u&password=***``). A URL without a password
@@ -12,7 +14,7 @@ JournalStorage: no server, many workers and machines sharing the file).
   (``PGPASSFILE``). A password holding an unencoded ``@`` is refused (SQLAlchemy and libpq would take its tail
   for the host): it is written ``%40``.
 * **Heartbeats, every storage.** A running trial's worker records a heartbeat every interval (RDB storages: Optuna's
-  own; JournalStorage: the trial's ``heartbeat`` user attribute, :func:`beating`); a RUNNING trial silent for the
+  own; JournalStorage and the gRPC proxy: the trial's ``heartbeat`` user attribute, :func:`beating`); a RUNNING trial silent for the
   grace period, on any host, is stale and failed by :func:`fail_stale_trials` (``MTMOE_HEARTBEAT_INTERVAL`` /
   ``MTMOE_HEARTBEAT_GRACE`` seconds, default 10/30).
 * **Faults.** A ``--storage`` that cannot be used (empty, unparsable, a file in a missing folder) is refused before
@@ -70,9 +72,34 @@ def display_url(url: str, text: str | None = None) -> str:
     return shown.join(pieces)
 
 
+def journal_path(url: str) -> str | None:
+    """The file of a ``journal:PATH`` storage URL; ``None`` for any other URL."""
+    return url.removeprefix("journal:") if url.startswith("journal:") else None
+
+
+def grpc_address(url: str) -> tuple[str, int] | None:
+    """(host, port) of a ``grpc://HOST:PORT`` storage URL; ``None`` for any other URL; a malformed one is refused."""
+    if not url.startswith("grpc://"):
+        return None
+    parts = urllib.parse.urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if not parts.hostname or port is None or parts.path not in ("", "/") or parts.query or parts.username:
+        raise UsageError(f"--storage {url!r} is not a gRPC proxy address: write grpc://HOST:PORT (the host and port "
+                         "of a running optuna.storages.run_grpc_proxy_server)")
+    return parts.hostname, port
+
+
+def _needs_sqlalchemy(url: str) -> bool:
+    """An RDB URL; a journal or a gRPC proxy needs no SQLAlchemy (a lent GPU's image has none)."""
+    return journal_path(url) is None and not url.startswith("grpc://")
+
+
 def _masked(url: str) -> tuple[str, set[str]]:
     """(``url`` with its passwords shown as ``***``, the passwords as written and decoded)."""
-    if url.startswith("journal:"):
+    if not _needs_sqlalchemy(url):
         return url, set()
     from sqlalchemy.engine import make_url  # here: a journal storage needs no SQLAlchemy (a lent GPU has none)
 
@@ -168,10 +195,14 @@ def readable(url: str) -> Iterator[None]:
     """Storage errors met while reading or writing an open storage (a damaged SQLite file, a lost server) as one
     UsageError line (:func:`_storage_error`). A journal needs no SQLAlchemy (a lent GPU's image has none)."""
     errors: tuple[type[Exception], ...] = (optuna.exceptions.StorageInternalError,)
-    if not url.startswith("journal:"):
+    if _needs_sqlalchemy(url):
         import sqlalchemy.exc
 
         errors += (sqlalchemy.exc.SQLAlchemyError,)
+    elif url.startswith("grpc://"):
+        import grpc
+
+        errors += (grpc.RpcError,)
     try:
         yield
     except errors as error:
@@ -182,18 +213,18 @@ def check_url(url: str) -> None:
     """``--storage`` checked before anything is opened or created: not empty, a URL SQLAlchemy can parse (or
     ``journal:PATH``, which needs no SQLAlchemy), a file's folder existing."""
     if not url.strip():
-        raise UsageError("--storage is empty: pass postgresql://user@host/db, sqlite:///PATH or journal:PATH, or "
-                         "leave the flag out for the default studies/optuna.db")
-    if url.startswith("journal:"):
-        path = url.removeprefix("journal:")
-    else:
+        raise UsageError("--storage is empty: pass postgresql://user@host/db, sqlite:///PATH, journal:PATH or "
+                         "grpc://HOST:PORT, or leave the flag out for the default studies/optuna.db")
+    path = journal_path(url)
+    if grpc_address(url) is None and path is None:
         from sqlalchemy.engine import make_url
 
         try:
             parsed = make_url(url)
         except Exception:  # ArgumentError, or ValueError for a port that is no number
             raise UsageError(f"--storage {display_url(url)!r} is not a storage URL: write sqlite:///PATH (relative) "
-                             "or sqlite:////PATH (absolute), postgresql://user@host/db, or journal:PATH") from None
+                             "or sqlite:////PATH (absolute), postgresql://user@host/db, journal:PATH or "
+                             "grpc://HOST:PORT") from None
         path = _sqlite_file(url) if parsed.drivername.startswith("sqlite") else None
     if path is not None and not Path(path).absolute().parent.is_dir():
         raise UsageError(f"--storage {display_url(url)!r}: there is no folder {Path(path).absolute().parent} for "
@@ -264,13 +295,15 @@ def _line_start(file: Any, end: int) -> int:
 
 def storage_for(url: str):
     """An Optuna storage: RDB URL (with heartbeats), ``journal:PATH`` (a torn last record cut off first,
-    :func:`repair_journal`); unreachable -> one-line UsageError."""
+    :func:`repair_journal`), ``grpc://HOST:PORT`` (:func:`grpc_proxy`); unreachable -> one-line UsageError."""
+    if (address := grpc_address(url)) is not None:
+        return grpc_proxy(*address)
     try:
-        if url.startswith("journal:"):
+        if (path := journal_path(url)) is not None:
             from optuna.storages.journal import JournalFileBackend
 
-            repair_journal(url.removeprefix("journal:"))
-            return optuna.storages.JournalStorage(JournalFileBackend(url.removeprefix("journal:")))
+            repair_journal(path)
+            return optuna.storages.JournalStorage(JournalFileBackend(path))
         interval, grace = heartbeat_settings()
         with warnings.catch_warnings():  # heartbeats are "experimental": not worth a warning on every command
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
@@ -284,6 +317,27 @@ def storage_for(url: str):
         raise
     except Exception as error:  # sqlalchemy/driver errors: say what could not be reached
         raise _storage_error(url, error) from None
+
+
+#: Seconds a worker waits for a gRPC proxy server to answer before it gives up.
+GRPC_CONNECT_TIMEOUT = 20
+
+
+def grpc_proxy(host: str, port: int):
+    """Optuna's ``GrpcStorageProxy`` client of the proxy server at ``host:port``, once it answers (within
+    :data:`GRPC_CONNECT_TIMEOUT` seconds; else one-line UsageError). Needs ``grpcio`` (the ``grpc`` extra)."""
+    if importlib.util.find_spec("grpc") is None:
+        raise UsageError("--storage grpc://... needs grpcio: pip install 'mtmoe[grpc]'")
+    with warnings.catch_warnings():  # "experimental" since Optuna 4.2
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        storage = optuna.storages.GrpcStorageProxy(host=host, port=port)
+    try:
+        storage.wait_server_ready(timeout=GRPC_CONNECT_TIMEOUT)
+    except ConnectionError:
+        storage.close()
+        raise UsageError(f"no gRPC storage proxy answers at {host}:{port} within {GRPC_CONNECT_TIMEOUT} s: start "
+                         "optuna.storages.run_grpc_proxy_server there (docs/clusters.md), or check --storage") from None
+    return storage
 
 
 @contextmanager
@@ -307,8 +361,9 @@ def setup_lock(url: str) -> Iterator[None]:
             connection.close()  # ends the session, which releases the lock
             engine.dispose()
         return
-    path = url.removeprefix("journal:") if url.startswith("journal:") else _sqlite_file(url)
-    if path is None:  # another RDB, or an in-memory SQLite: nothing to lock
+    path = journal_path(url)
+    path = _sqlite_file(url) if path is None else path
+    if path is None:  # another RDB, an in-memory SQLite or a gRPC proxy: nothing to lock here
         yield
         return
     try:
@@ -339,18 +394,23 @@ def open_storage(url: str | None):
         path = Path(url.removeprefix("sqlite:///"))
         if not path.is_file():
             raise UsageError(f"no study storage at {path} (run `python -m mtmoe tune` first, or pass --storage)")
-    elif url.startswith("journal:") and not Path(url.removeprefix("journal:")).is_file():
-        raise UsageError(f"no journal file {url.removeprefix('journal:')} (run tune first, or pass --storage)")
+    elif (path := journal_path(url)) is not None and not Path(path).is_file():
+        raise UsageError(f"no journal file {path} (run tune first, or pass --storage)")
     else:
         check_url(url)
     return url, storage_for(url)
 
 
 def has_heartbeat(storage: Any) -> bool:
-    """RDB storages (SQLite, PostgreSQL) record Optuna's heartbeats; JournalStorage records :data:`HEARTBEAT_ATTR`.
-    A study's RDB storage sits behind Optuna's cache (``study._storage``), which passes heartbeats on."""
-    backend = getattr(storage, "_backend", storage)
-    return isinstance(backend, optuna.storages.RDBStorage) and backend.get_heartbeat_interval() is not None
+    """RDB storages (SQLite, PostgreSQL; :func:`storage_for`'s, not the study's cached view of them) record Optuna's
+    heartbeats; JournalStorage and the gRPC proxy record :data:`HEARTBEAT_ATTR`."""
+    return isinstance(storage, optuna.storages.RDBStorage) and storage.get_heartbeat_interval() is not None
+
+
+def trial_id(storage: Any, study: optuna.Study, number: int) -> int:
+    """The storage's id of ``study``'s trial ``number``, by the public storage API (a trial's id is private to it:
+    ``_trial_id``)."""
+    return storage.get_trial_id_from_study_id_trial_number(storage.get_study_id_from_name(study.study_name), number)
 
 
 def record_heartbeat(storage: Any, trial_id: int) -> None:
@@ -425,11 +485,12 @@ def beating(storage: Any, trial_id: int) -> Iterator[None]:
         heartbeats.stop()
 
 
-def fail_stale_trials(study: optuna.Study, alive: Callable[[FrozenTrial], bool] = lambda trial: False) -> None:
+def fail_stale_trials(study: optuna.Study, storage: Any,
+                      alive: Callable[[FrozenTrial], bool] = lambda trial: False) -> None:
     """Fail the RUNNING trials silent for the grace period, on any host: RDB storages by Optuna's heartbeats,
-    JournalStorage by :data:`HEARTBEAT_ATTR` (or, for a trial whose worker died before its first beat, its start
-    time), there except those ``alive(trial)`` vouches for."""
-    storage = study._storage
+    JournalStorage and the gRPC proxy by :data:`HEARTBEAT_ATTR` (or, for a trial whose worker died before its first
+    beat, its start time), there except those ``alive(trial)`` vouches for. ``storage``: the study's
+    (:func:`storage_for`)."""
     if has_heartbeat(storage):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
@@ -443,6 +504,6 @@ def fail_stale_trials(study: optuna.Study, alive: Callable[[FrozenTrial], bool] 
         if last is None or now - float(last) <= grace or alive(trial):
             continue
         try:
-            storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
+            storage.set_trial_state_values(trial_id(storage, study, trial.number), TrialState.FAIL)
         except optuna.exceptions.UpdateFinishedTrialError:  # another process failed or finished it meanwhile
             pass

@@ -16,9 +16,10 @@
   (``space_fingerprint``, ``seed``, ``settings``); a ``tune`` whose identity differs is refused, naming the
   differences.
 * **Storage** (:mod:`mtmoe.tuning.storage`). Default: SQLite ``studies/optuna.db`` under the current directory
-  (one worker). ``--storage postgresql://...`` or ``--storage journal:PATH`` (no server; the file shared by the
-  machines) for many workers and machines; ``--workers N`` starts N local worker processes. Processes started
-  together on a fresh storage set it up one at a time. Every storage has heartbeats: a trial whose worker died or
+  (one worker). ``--storage postgresql://...``, ``grpc://HOST:PORT`` (a proxy in front of one, for hundreds of
+  workers) or ``journal:PATH`` (no server; the file shared by the machines) for many workers and machines;
+  ``--workers N`` starts N local worker processes, each on its own GPU where the machine has several. Processes
+  started together on a fresh storage set it up one at a time. Every storage has heartbeats: a trial whose worker died or
   went silent, on any host, is failed and its configuration runs again.
 * **Trials.** The objective is the validation task loss at the early-stopping best epoch; test loss, per-task
   metrics, n/s, routing statistics, epochs, wall time, seed and the configuration hash are user attributes. No
@@ -62,6 +63,7 @@ from mtmoe.tuning.storage import (
     readable,
     setup_lock,
     storage_for,
+    trial_id,
 )
 from mtmoe.tuning.objective import (
     LOST_ATTEMPTS,
@@ -127,29 +129,30 @@ def local_worker(trial: optuna.trial.FrozenTrial) -> int | None:
     return int(pid) if host == socket.gethostname() and pid.isdigit() else None
 
 
-def fail_orphaned_trials(study: optuna.Study) -> int:
+def fail_orphaned_trials(study: optuna.Study, storage: Any) -> int:
     """Fail the RUNNING trials whose worker process on this host is gone, at once (no grace period to wait out);
     how many. A worker killed mid-trial (SIGKILL, a crash, a lost terminal) leaves its trial RUNNING; its
-    configuration is then missing and re-enqueued by :func:`enqueue_missing`."""
+    configuration is then missing and re-enqueued by :func:`enqueue_missing`. ``storage``: the study's
+    (:func:`~mtmoe.tuning.storage.storage_for`)."""
     failed = 0
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         pid = local_worker(trial)
         if pid is not None and not _pid_alive(pid):
             try:
-                study._storage.set_trial_user_attr(trial._trial_id, "lost", f"worker {trial.user_attrs['worker']} "
-                                                                            "exited mid-trial")
-                study._storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
+                lost = trial_id(storage, study, trial.number)
+                storage.set_trial_user_attr(lost, "lost", f"worker {trial.user_attrs['worker']} exited mid-trial")
+                storage.set_trial_state_values(lost, TrialState.FAIL)
                 failed += 1
             except optuna.exceptions.UpdateFinishedTrialError:
                 pass
     return failed
 
 
-def reclaim_lost_trials(study: optuna.Study) -> None:
+def reclaim_lost_trials(study: optuna.Study, storage: Any) -> None:
     """Fail the trials whose worker is gone: dead processes on this host at once, silent ones anywhere after the
     heartbeat grace period (a live local worker's trial is never failed)."""
-    fail_orphaned_trials(study)
-    fail_stale_trials(study, alive=lambda trial: (pid := local_worker(trial)) is not None and _pid_alive(pid))
+    fail_orphaned_trials(study, storage)
+    fail_stale_trials(study, storage, alive=lambda trial: (pid := local_worker(trial)) is not None and _pid_alive(pid))
 
 
 def quiet_libraries() -> None:
@@ -177,23 +180,42 @@ def run_worker(url: str, study_name: str, space: SearchSpace, overrides: list[st
     from mtmoe.tuning.packs import PackWorker
 
     quiet_libraries()
-    study = optuna.load_study(study_name=study_name, storage=storage_for(url))
+    storage = storage_for(url)
+    study = optuna.load_study(study_name=study_name, storage=storage)
     if study_counts(study)["waiting"] == 0:
         return
     log_dir = (Path(log_dir) if log_dir is not None else STUDIES_DIR / "runs") / study_name.replace("/", "_")
     configurations = plan_configurations(space, space.trials, seed)
 
     def reclaim(study: optuna.Study) -> None:
-        reclaim_lost_trials(study)
+        reclaim_lost_trials(study, storage)
         enqueue_missing(study, space, configurations)
 
     bar = workers == 1 and sys.stderr.isatty()  # a progress bar at a terminal; N workers' bars would fight over it
     identity = {key: study.user_attrs.get(key) for key in ("space_fingerprint", "seed", "settings")}
     checkpoints = PackCheckpoints(checkpoint_folder(url, study_name, log_dir), identity, checkpoint_every)
-    PackWorker(study, space, overrides, seed, log_dir, pack, configurations, reclaim, bar, checkpoints).run()
+    PackWorker(study, storage, space, overrides, seed, log_dir, pack, configurations, reclaim, bar, checkpoints).run()
 
 
-def _worker_process(*args: Any) -> None:
+def gpu_names(count: int, visible: str | None) -> list[str]:
+    """The ``count`` CUDA devices this process sees, as ``CUDA_VISIBLE_DEVICES`` names them: its first ``count``
+    entries (indices or UUIDs) where ``visible`` (its value) is set, else ``0`` .. ``count - 1``."""
+    if visible is None:
+        return [str(index) for index in range(count)]
+    return [entry.strip() for entry in visible.split(",") if entry.strip()][:count]
+
+
+def worker_devices(workers: int, gpus: list[str]) -> list[str | None]:
+    """Each local worker's ``CUDA_VISIBLE_DEVICES``: the ``gpus`` round-robin (worker i gets ``gpus[i % len]``), so
+    that N workers on a machine of several GPUs train on all of them; ``None`` (left as it is) with fewer than two."""
+    if len(gpus) < 2:
+        return [None] * workers
+    return [gpus[index % len(gpus)] for index in range(workers)]
+
+
+def _worker_process(*args: Any, device: str | None = None) -> None:
+    if device is not None:  # before CUDA starts in this process (torch starts it at the first CUDA call)
+        os.environ["CUDA_VISIBLE_DEVICES"] = device
     handle_sigterm()  # a scheduler's SIGTERM to every process of the job stops this worker as Ctrl-C does
     if "OMP_NUM_THREADS" not in os.environ:  # N workers share the cores: no N-fold oversubscription of torch threads
         import torch
@@ -209,15 +231,23 @@ def _worker_process(*args: Any) -> None:
 
 
 def run_workers(worker_args: tuple, workers: int) -> None:
-    """``workers`` local worker processes (or this one) pop WAITING trials until none is left. A worker that
-    died leaves its trial to :func:`reclaim_lost_trials`; one that met bad input ends ``tune`` (exit 2)."""
+    """``workers`` local worker processes (or this one) pop WAITING trials until none is left, each on its own GPU
+    where the machine has several (:func:`worker_devices`, one line per worker says which). A worker that died
+    leaves its trial to :func:`reclaim_lost_trials`; one that met bad input ends ``tune`` (exit 2)."""
     if workers == 1:
         run_worker(*worker_args)
         return
+    import torch
+
+    devices = worker_devices(workers, gpu_names(torch.cuda.device_count(), os.environ.get("CUDA_VISIBLE_DEVICES")))
     context = multiprocessing.get_context("spawn")
-    processes = [context.Process(target=_worker_process, args=worker_args) for _ in range(workers)]
-    for process in processes:
+    processes = [context.Process(target=_worker_process, args=worker_args, kwargs={"device": device})
+                 for device in devices]
+    for index, (process, device) in enumerate(zip(processes, devices)):
         process.start()
+        if device is not None:
+            print(f"worker {index + 1} of {workers} (pid {process.pid}): GPU {device} (CUDA_VISIBLE_DEVICES={device})",
+                  flush=True)
     try:
         for process in processes:
             process.join()
@@ -291,7 +321,7 @@ def prepare_study(url: str, study_name: str, space: SearchSpace, seed: int, conf
         attrs["alpha"] = alpha
     for key, value in attrs.items():
         study.set_user_attr(key, value)
-    reclaim_lost_trials(study)
+    reclaim_lost_trials(study, storage)
     enqueue_missing(study, space, configurations)
 
 
@@ -358,7 +388,8 @@ def parse_tune_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--trials", type=int, default=None, help="configurations (default: the space file's)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the configurations and of the trials")
     parser.add_argument("--storage", default=None,
-                        help="RDB URL (postgresql://user@host/db) or journal:PATH, shared by the workers "
+                        help="RDB URL (postgresql://user@host/db), journal:PATH or grpc://HOST:PORT (an Optuna gRPC "
+                             "storage proxy), shared by the workers "
                              "(default: SQLite studies/optuna.db under the current directory, one worker)")
     parser.add_argument("--workers", type=int, default=1, help="local worker processes")
     parser.add_argument("--pack", default=None,
@@ -549,7 +580,7 @@ def run_until_accounted(url: str, study_name: str, space: SearchSpace, configura
     while True:
         run_workers(worker_args, worker_args[5])
         study = optuna.load_study(study_name=study_name, storage=storage)
-        reclaim_lost_trials(study)
+        reclaim_lost_trials(study, storage)
         enqueue_missing(study, space, configurations)
         counts = study_counts(study)
         state = (len(counts["complete"]) + len(counts["failed"]), counts["lost"])
@@ -565,7 +596,7 @@ def run_until_accounted(url: str, study_name: str, space: SearchSpace, configura
             announced = True
         while counts["running"] and not counts["waiting"]:
             time.sleep(heartbeat_settings()[0])
-            reclaim_lost_trials(study)
+            reclaim_lost_trials(study, storage)
             enqueue_missing(study, space, configurations)
             counts = study_counts(study)
         progress = None

@@ -45,8 +45,8 @@ def studies_parser(command: str, description: str) -> argparse.ArgumentParser:
     parser = OneLineParser(prog=f"python -m mtmoe {command}", description=description)
     parser.add_argument("--data", required=True, help="dataset (the studies' 'data' attribute)")
     parser.add_argument("--storage", default=None,
-                        help="RDB URL or journal:PATH that tune wrote (default: studies/optuna.db under the current "
-                             "directory); the password may come from PGPASSWORD or ~/.pgpass")
+                        help="RDB URL, journal:PATH or grpc://HOST:PORT that tune wrote (default: studies/optuna.db "
+                             "under the current directory); the password may come from PGPASSWORD or ~/.pgpass")
     parser.add_argument("--out", default=None,
                         help="output folder (default: studies/reports/<data>/ under the current directory)")
     return parser
