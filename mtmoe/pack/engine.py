@@ -153,6 +153,10 @@ class PackEngine:
         self.slots: list[Trial | None] = [None] * capacity
         self.best: dict[str, Tensor] | None = None
         self.captured = CapturedStep(self._train_step) if cuda_graphs and self.device.type == "cuda" else None
+        self.cast_names = frozenset(f"{prefix}.{name}" if prefix else name
+                                    for prefix, module in self.template.named_modules()
+                                    for name in getattr(module, "autocast_parameters", ()))
+        self._copies: dict[str, Tensor] = {}
         self._forward = vmap(self._trial_losses, in_dims=(0, 0, 0, None), randomness="error")
 
     def _metrics(self, capacity: int, task_weights: Tensor) -> PackMetrics:
@@ -244,23 +248,35 @@ class PackEngine:
             self.search.may_search = any(trial.steps + 1 < trial.window for _, trial in self.running)
         for _, trial in self.running:
             trial.steps += 1
+        self._copies = self._bfloat16_copies()
         if self.captured is None:
             self._train_step(batch)
         else:
             size = next(iter(batch.values())).shape[1]
             self.captured((size, self.search is not None and self.search.may_search), batch)
 
+    def _bfloat16_copies(self) -> dict[str, Tensor]:
+        """Under bfloat16 autocast, the parameters that the model only ever uses cast to bfloat16 (a module's
+        ``autocast_parameters``: the expert layer's), as the bfloat16 copies Adam writes
+        (:meth:`PackedAdam.bfloat16_copies`), in place of autocast's cast of each of them each step: the same
+        values. Outside autocast, none. On the host, before a captured step: the copies' tensors stay the same."""
+        device = self.device.type
+        if not (self.cast_names and torch.is_autocast_enabled(device)
+                and torch.get_autocast_dtype(device) == torch.bfloat16):
+            return {}
+        return self.adam.bfloat16_copies(self.cast_names)
+
     def _train_step(self, batch: dict[str, Tensor]) -> None:
         self.template.train()
-        self.stack.flat_grad.zero_()
         loss, aux, task_losses, counts, predictions, weights = self._forward(
-            self._tensors(), batch, self.task_weights, True)
+            {**self.stack.tracked(self._copies), **self.stack.buffers}, batch, self.task_weights, True)
         (loss + aux).float().sum().backward()
+        self.stack.zero_unreached()
         skip = None
         if self.search is not None:
             step, window = self.stack.buffers["local_search.step"], self.stack.buffers["local_search.window"]
             skip = {LOG_WEIGHTS: step >= window}  # the step used the rounded matrix: no gradient, as alone
-        self.adam.step(skip)
+        self.adam.step(skip, copies=bool(self._copies))
         with torch.no_grad():
             self.train_metrics.update(predictions, task_losses, counts, loss.detach(), batch, weights,
                                       prediction_metrics=False)
