@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from mtmoe.epilogue import bias_relu_dropout
 from mtmoe.errors import UsageError
 from mtmoe.random import Stream
 
@@ -40,7 +41,14 @@ class DenseExperts(nn.Module):
     """n experts, each ``Dense(units) -> ReLU -> Dropout(p)``; ``[B, in] -> [B, n, units]``.
 
     Dropout is ``nn.Dropout``'s inverted dropout with the mask drawn from the trial's random stream (:func:`dropout`).
+    The bias add, the ReLU and the dropout run as one pass after the matmul, and their backward as one
+    (:func:`mtmoe.epilogue.bias_relu_dropout`): the same values as the three operations (under ``torch.func.vmap``,
+    a linear layer is the matmul then the bias add).
     """
+
+    #: Used only cast to autocast's dtype, once a forward pass (``F.linear``'s weight, :func:`autocast_bias`): a
+    #: trial pack hands them in bfloat16 under bf16 autocast, copies its Adam writes (:class:`mtmoe.pack.engine`).
+    autocast_parameters = ("linear.weight", "linear.bias")
 
     def __init__(self, in_features: int, units: int, n_experts: int, dropout: float = 0.5) -> None:
         super().__init__()
@@ -51,8 +59,12 @@ class DenseExperts(nn.Module):
         self.linear = nn.Linear(in_features, n_experts * units)
 
     def forward(self, x: Tensor, stream: Stream | None = None) -> Tensor:
-        h = F.linear(x, self.linear.weight, autocast_bias(self.linear.bias)).relu_()
-        return dropout(h, self.dropout, self.training, stream).view(-1, self.n_experts, self.units)
+        p = self.dropout if self.training else 0.0
+        if p and stream is None:
+            raise ValueError("dropout in training draws from the model's random stream: pass stream=")
+        h = bias_relu_dropout(F.linear(x, self.linear.weight), autocast_bias(self.linear.bias), p,
+                              *((stream.seed, stream.step, stream.site) if p else ()))
+        return h.view(-1, self.n_experts, self.units)
 
     @torch.no_grad()
     def keras_init_(self) -> None:

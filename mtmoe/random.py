@@ -262,6 +262,14 @@ def _dropout_cpu(h: np.ndarray, out: np.ndarray, seeds: np.ndarray, steps: np.nd
         _scale_chunk(h[t, start:start + m], out[t, start:start + m], words, threshold, scale)
 
 
+@numba.njit(cache=True, inline="always")
+def _bfloat16_bits(b: np.uint32) -> np.uint16:
+    """The bfloat16 bits of the float32 value with bits ``b``, rounded to nearest even (NaN stays NaN), as torch
+    rounds."""
+    rounded = (b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+    return np.uint16(np.uint32(0x7FC0) if (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000) else rounded)
+
+
 @numba.njit(cache=True, nogil=True)
 def _dropout_cpu_bfloat16(h: np.ndarray, out: np.ndarray, seeds: np.ndarray, steps: np.ndarray, iv0: int, iv1: int,
                           threshold: np.uint32, scale: np.float32, lo: int, hi: int) -> None:
@@ -281,10 +289,7 @@ def _dropout_cpu_bfloat16(h: np.ndarray, out: np.ndarray, seeds: np.ndarray, ste
             value_bits[j] = np.uint32(h_chunk[j]) << np.uint32(16)
         _scale_chunk(values[:m], values[:m], words, threshold, scale)
         for j in range(m):
-            b = value_bits[j]
-            rounded = (b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
-            nan = (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
-            out_chunk[j] = np.uint16(np.uint32(0x7FC0) if nan else rounded)
+            out_chunk[j] = _bfloat16_bits(value_bits[j])
 
 
 # ---- Triton (CUDA tensors) -----------------------------------------------------------------------------------------
@@ -305,11 +310,10 @@ if triton is not None:
         """One step of the key schedule: ``H(lane ^ word)`` for an int64 ``word`` in [0, 2^32)."""
         return _lowbias32_triton(lane ^ word.to(tl.uint32))
 
-    @triton.jit(do_not_specialize=["n", "iv0", "iv1", "threshold"])
-    def _dropout_cuda(h_ptr, out_ptr, seed_ptr, step_ptr, n, iv0, iv1, threshold, scale, BLOCK: tl.constexpr,
-                      FLOAT64: tl.constexpr, BFLOAT16: tl.constexpr):
-        """Program ``(block, trial)``: :func:`_dropout_cpu` on ``BLOCK`` elements of trial ``trial``."""
-        trial = tl.program_id(1).to(tl.int64)
+    @triton.jit
+    def _keep_multiplier(seed_ptr, step_ptr, trial, offsets, iv0, iv1, threshold, scale):
+        """Dropout's multiplier of the elements ``offsets`` (flat indices) of trial ``trial``: ``scale`` where kept,
+        else 0 (:func:`dropout_reference`'s mask)."""
         seed = tl.load(seed_ptr + trial)
         step = tl.load(step_ptr + trial)
         k1 = iv0.to(tl.uint32)
@@ -318,27 +322,61 @@ if triton is not None:
                              step & 0xFFFFFFFF), (step >> 32) & 0xFFFFFFFF)
         k2 = _absorb(_absorb(_absorb(_absorb(k2, seed & 0xFFFFFFFF), (seed >> 32) & 0xFFFFFFFF),
                              step & 0xFFFFFFFF), (step >> 32) & 0xFFFFFFFF)
-        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        inside = offsets < n
         bits = _lowbias32_triton(_lowbias32_triton((offsets >> 1).to(tl.uint32) ^ k1) ^ k2)
         half_bits = (bits >> ((offsets & 1) * 16).to(tl.uint32)) & 0xFFFF
-        multiplier = tl.where(half_bits.to(tl.int32) >= threshold, scale, 0.0)
-        h = tl.load(h_ptr + trial * n + offsets, mask=inside, other=0.0)
+        return tl.where(half_bits.to(tl.int32) >= threshold, scale, 0.0)
+
+    @triton.jit
+    def _widened(x, FLOAT64: tl.constexpr, BFLOAT16: tl.constexpr):
+        """Loaded values in the compute dtype: float64, or float32 (bfloat16 widened by hand: Triton's interpreter
+        gets bfloat16 subnormals and ties wrong)."""
         if FLOAT64:
-            h = h.to(tl.float64)
-        elif BFLOAT16:  # widened and rounded by hand: Triton's interpreter gets bfloat16 subnormals and ties wrong
-            h = (h.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+            x = x.to(tl.float64)
+        elif BFLOAT16:
+            x = (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
         else:
-            h = h.to(tl.float32)
-        out = h * multiplier
-        if BFLOAT16:  # round to nearest even
-            bits = out.to(tl.uint32, bitcast=True)
-            bits = tl.where(out != out, 0x7FC00000, bits + 0x7FFF + ((bits >> 16) & 1))
-            out = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+            x = x.to(tl.float32)
+        return x
+
+    @triton.jit
+    def _rounded(x, BFLOAT16: tl.constexpr):
+        """Computed values as stored: float32 rounded to bfloat16 (to nearest even, by hand) for a bfloat16 output,
+        else as they are."""
+        if BFLOAT16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = tl.where(x != x, 0x7FC00000, bits + 0x7FFF + ((bits >> 16) & 1))
+            x = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        return x
+
+    @triton.jit(do_not_specialize=["n", "iv0", "iv1", "threshold"])
+    def _dropout_cuda(h_ptr, out_ptr, seed_ptr, step_ptr, n, iv0, iv1, threshold, scale, BLOCK: tl.constexpr,
+                      FLOAT64: tl.constexpr, BFLOAT16: tl.constexpr):
+        """Program ``(block, trial)``: :func:`_dropout_cpu` on ``BLOCK`` elements of trial ``trial``."""
+        trial = tl.program_id(1).to(tl.int64)
+        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        inside = offsets < n
+        multiplier = _keep_multiplier(seed_ptr, step_ptr, trial, offsets, iv0, iv1, threshold, scale)
+        h = _widened(tl.load(h_ptr + trial * n + offsets, mask=inside, other=0.0), FLOAT64, BFLOAT16)
+        out = _rounded(h * multiplier, BFLOAT16)
         tl.store(out_ptr + trial * n + offsets, out.to(out_ptr.dtype.element_ty), mask=inside)
 
 
 _BLOCK = 1024
+
+
+def stream_arguments(seed: Tensor, step: Tensor, trials: tuple[int, ...], site: int) -> tuple[Tensor, Tensor, int, int]:
+    """What the dropout kernels take of the streams of ``trials`` trials: each trial's seed and step (int64,
+    contiguous) and the site's two initial key lanes."""
+    count = math.prod(trials)
+    seeds = seed.expand(trials).reshape(count).contiguous()
+    steps = step.expand(trials).reshape(count).contiguous()
+    return seeds, steps, *_initial_lanes(site)
+
+
+def triton_lanes(iv0: int, iv1: int) -> tuple[int, int]:
+    """The initial lanes' bits as int32: one kernel signature for every site (Triton types a Python int by its
+    value, i64 from 2^31)."""
+    return tuple(lane - 2**32 if lane >= 2**31 else lane for lane in (iv0, iv1))
 
 
 def _dropout_kernel(h: Tensor, seed: Tensor, step: Tensor, site: int, p: float) -> Tensor:
@@ -351,16 +389,13 @@ def _dropout_kernel(h: Tensor, seed: Tensor, step: Tensor, site: int, p: float) 
         raise ValueError(f"a trial's stream has 2^32 words (two dropout decisions each), {n} elements need more")
     if not (use_triton(h.device) or h.device.type == "cpu") or h.numel() == 0:
         return dropout_reference(h, seed, site, step, p)
-    seeds = seed.expand(trials).reshape(count).contiguous()
-    steps = step.expand(trials).reshape(count).contiguous()
-    iv0, iv1 = _initial_lanes(site)
+    seeds, steps, iv0, iv1 = stream_arguments(seed, step, trials, site)
     threshold, scale = dropout_threshold(p), dropout_scale(p)
     h = h.detach().contiguous()
     if use_triton(h.device):
         fused_kernel("dropout (triton)", h.nbytes + 16 * count, h.nbytes)
         out = torch.empty_like(h)
-        iv0, iv1 = (lane - 2**32 if lane >= 2**31 else lane for lane in (iv0, iv1))  # their bits as int32: one
-        # kernel signature for every site (Triton types a Python int by its value, i64 from 2^31)
+        iv0, iv1 = triton_lanes(iv0, iv1)
         _dropout_cuda[(triton.cdiv(n, _BLOCK), count)](h, out, seeds, steps, n, iv0, iv1, threshold, scale,
                                                        BLOCK=_BLOCK, FLOAT64=h.dtype == torch.float64,
                                                        BFLOAT16=h.dtype == torch.bfloat16)

@@ -307,6 +307,7 @@ def test_packed_adam_cpu_kernel_is_the_same_on_any_number_of_threads() -> None:
             torch.set_num_threads(count)
             nets, state = packed_adam_run(model, grads, [False, False, True])
             results.append(state)
+            assert torch.equal(packed_adam_run(model, grads, [False, False, True], copies=True)[1], state)
             for p in range(3):
                 for (name, value), expected in zip(nets[p].named_parameters(), reference[p].parameters()):
                     if not (p == 2 and name == "2.weight"):
@@ -320,24 +321,34 @@ def test_packed_adam_cpu_kernel_is_the_same_on_any_number_of_threads() -> None:
 
 
 def packed_adam_run(model, grads: list[dict[str, torch.Tensor]], skipped: list[bool], device: str = "cpu",
-                    fused: bool = True) -> tuple[list[torch.nn.Module], torch.Tensor]:
+                    fused: bool = True, copies: bool = False) -> tuple[list[torch.nn.Module], torch.Tensor]:
     """Three trials, ``model(0..2)``, stacked with :data:`ADAM_SETTINGS` after one :class:`PackedAdam` step per
     entry of ``grads`` (``[3, ...]`` per parameter), the trials marked in ``skipped`` leaving ``2.weight`` alone: the
-    nets (holding views of their slots) and the parameters and both moments as one flat tensor."""
+    nets (holding views of their slots) and the parameters and both moments as one flat tensor. With ``copies``,
+    the steps also write bfloat16 copies of the first layer and the last bias, which must then be the parameters
+    cast (those of the skipped trial included) while the other blocks' are left alone (:meth:`PackedAdam.step`)."""
     nets = [model(p) for p in range(3)]
     stack = TrialStack(nets[0], 3, device)
     adam = PackedAdam(stack, fused=fused)
     for slot, (net, (lr, eps)) in enumerate(zip(nets, ADAM_SETTINGS)):
         stack.load(slot, net)
         adam.reset(slot, lr, eps)
+    names = frozenset({"0.weight", "0.bias", "2.bias"})
     for step_grads in grads:
         for name, leaf in stack.params.items():
             leaf.grad.copy_(step_grads[name])
-        adam.step({"2.weight": torch.tensor(skipped, device=device)})
+        if copies:
+            adam.bfloat16_copies(names)
+        adam.step({"2.weight": torch.tensor(skipped, device=device)}, copies=copies)
+    if copies:
+        assert adam._half_version == stack.flat._version  # written by the step: no cast needed before the next
+        for name in stack.params:
+            copy = stack.block(adam.half, name)
+            assert torch.equal(copy, stack.params[name].to(torch.bfloat16)) == (name in names), name
     return nets, torch.cat([stack.flat, adam.exp_avg, adam.exp_avg_sq])
 
 
-def adam_states(device: str, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def adam_states(device: str, fused: bool, copies: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`packed_adam_run` of a 150-30-3 MLP on ``device``, 4 steps, trial 1 leaving its last weight alone: the
     flat state (on the CPU) and that weight's initial values. Blocks of 4,500, 30, 90 and 3 elements per trial: the
     Triton kernel's units end inside and at blocks."""
@@ -349,14 +360,15 @@ def adam_states(device: str, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
     grads = [{name: torch.randn(3, *p.shape, generator=generator).to(device) for name, p in model(0).named_parameters()}
              for _ in range(4)]
-    _, state = packed_adam_run(model, grads, [False, True, False], device, fused)
+    _, state = packed_adam_run(model, grads, [False, True, False], device, fused, copies)
     return state.cpu(), model(1)[2].weight.detach().cpu()
 
 
 def check_interpreted_adam_kernel() -> None:
     """Run with ``TRITON_INTERPRET=1``: the Triton kernel on CPU tensors gives the numba kernel's and the
     element-wise path's states to float32 rounding (the interpreter rounds the lerp's product, which the GPU fuses),
-    with the skipped weight as it was."""
+    with the skipped weight as it was; either kernel writing bfloat16 copies computes the same states, and copies
+    equal to the parameters cast (:func:`packed_adam_run`)."""
     from mtmoe import triton_support
 
     assert triton_support.INTERPRET
@@ -366,6 +378,9 @@ def check_interpreted_adam_kernel() -> None:
     elementwise_state, _ = adam_states("cpu", fused=False)
     for other in (numba_state, elementwise_state):
         assert torch.allclose(triton_state, other, rtol=0, atol=1e-7), (triton_state - other).abs().max()
+    assert torch.equal(adam_states("cpu", fused=True, copies=True)[0], numba_state)
+    triton_support.INTERPRET = True
+    assert torch.equal(adam_states("cpu", fused=True, copies=True)[0], triton_state)
     skipped = triton_state[3 * 4530 + 90:3 * 4530 + 180]  # trial 1's row of the last weight
     assert torch.equal(skipped, initial.flatten())
     print("ok")
@@ -463,3 +478,50 @@ def test_a_checkpointed_trial_continues_in_another_slot_and_pack_exactly() -> No
             assert torch.equal(resumed.best[name][slot], whole_engine.best[name][p]), name
         for name, row in resumed.adam.slot_state(slot).items():
             assert torch.equal(row, whole_engine.adam.slot_state(p)[name]), name
+
+
+class AccumulatingEngine(PackEngine):
+    """The training step as it was before gradients were written in place: the flat gradient zeroed, then autograd
+    accumulating into the leaves' ``.grad`` views of it."""
+
+    def _train_step(self, batch: dict[str, torch.Tensor]) -> None:
+        self.template.train()
+        self.stack.flat_grad.zero_()
+        loss, aux, task_losses, counts, predictions, weights = self._forward(
+            self._tensors(), batch, self.task_weights, True)
+        (loss + aux).float().sum().backward()
+        self.adam.step(*self._schedule_updates())
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+@pytest.mark.parametrize("name", VARIANTS)
+def test_gradients_written_in_place_equal_zeroed_and_accumulated_ones(name: str, autocast: bool) -> None:
+    """Every gate, in float32 and bf16 autocast, over steps inside and after local search's window: the gradients
+    copied into the flat gradient (:meth:`TrialStack.tracked`, blocks no gradient reached zeroed) and the weights
+    Adam makes of them are bitwise those of zeroing and accumulating; under autocast the expert layer reads the
+    bfloat16 copies Adam writes (:meth:`PackedAdam.bfloat16_copies`) instead of autocast's casts, the same values."""
+    data = [batches(p, 6) for p in range(2)]
+    engines = []
+    for kind in (PackEngine, AccumulatingEngine):
+        pack = trials(name, 0.5, 2)
+        for trial in pack:
+            if trial.net.local_search is not None:
+                trial.net.local_search.epochs = 1  # a window of 2 steps: 4 steps after it
+        engine = kind(pack[0].net, info(0.0).tasks, 2, "cpu")
+        engine.set_steps_per_epoch(STEPS_PER_EPOCH)
+        for slot, trial in enumerate(pack):
+            engine.load(slot, trial)
+        engines.append(engine)
+    for i in range(6):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            for engine in engines:
+                step(engine, data, i)
+        written, accumulated = engines
+        assert torch.equal(written.stack.flat_grad, accumulated.stack.flat_grad), i
+        assert torch.equal(written.stack.flat, accumulated.stack.flat), i
+        if autocast:  # the expert layer read Adam's bfloat16 copies, and the step wrote the next ones
+            assert written.adam.half_names == {"experts.linear.weight", "experts.linear.bias"}
+            for name in written.adam.half_names:
+                assert torch.equal(written.stack.block(written.adam.half, name),
+                                   written.stack.params[name].to(torch.bfloat16)), (i, name)
+            assert written.adam._half_version == written.stack.flat._version

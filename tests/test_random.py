@@ -152,9 +152,14 @@ print("ok")
 def test_triton_kernel_equals_the_reference_in_the_interpreter() -> None:
     """The CUDA kernel on CPU tensors in Triton's interpreter: every dtype, one trial and a pack of three over
     several blocks, a fifth of the finite bfloat16 values, and a vmapped forward with its backward."""
+    run_interpreted(TRITON_CHECK)
+
+
+def run_interpreted(code: str) -> None:
+    """``code`` in a Python process with ``TRITON_INTERPRET=1`` (read at import): it must succeed and print
+    ``ok`` first."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-c", TRITON_CHECK], env=env, capture_output=True, text=True,
-                            timeout=300)
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.startswith("ok")
 

@@ -1,13 +1,14 @@
 """Every Triton kernel of ``mtmoe`` compiled ahead of time for real GPUs, on a CPU: ``triton.compile`` for sm_90
 (H100) and sm_80 (A100), each launch signature the code uses, a cubin asserted for each (Triton ships ptxas).
 
-The signatures are recorded, not listed by hand: a process with ``TRITON_INTERPRET=1`` runs the code that launches
-the kernels (:func:`record_launches`: dropout in every dtype it takes, the Sinkhorn forward and backward for the
-search spaces' expert counts and 33, the packed Adam at pack sizes 1, 3 and 16) with each kernel's ``run`` wrapped
-to note its arguments (a tensor's dtype and alignment, a number's value, the constexprs and options). The test
-replays each through Triton's own argument binder for the target, which gives the types, constexprs and specialisations
-(an int's divisibility by 16 or value 1, a pointer's alignment) a launch on that GPU gets, and compiles them. A
-kernel launched (``name[grid](...)``) from code this recording does not reach fails the test.
+The signatures are recorded, not listed by hand: a process with ``TRITON_INTERPRET=1`` runs the code that launches the
+kernels (:func:`record_launches`: dropout in every dtype it takes, the expert layer's epilogue in its dtypes with and
+without dropout, the Sinkhorn forward and backward for the search spaces' expert counts and 33, the packed Adam at pack
+sizes 1, 3 and 16, with and without bfloat16 copies) with each kernel's ``run`` wrapped to note its arguments (a
+tensor's dtype and alignment, a number's value, the constexprs and options). The test replays each through Triton's own
+argument binder for the target, which gives the types, constexprs and specialisations (an int's divisibility by 16 or
+value 1, a pointer's alignment) a launch on that GPU gets, and compiles them. A kernel launched (``name[grid](...)``)
+from code this recording does not reach fails the test.
 """
 from __future__ import annotations
 
@@ -67,8 +68,8 @@ def record_launches() -> None:
     JSON list of ``{kernel, args, kwargs}``."""
     import yaml
 
+    from mtmoe import epilogue, sinkhorn, triton_support
     from mtmoe import random as streams
-    from mtmoe import sinkhorn, triton_support
     from mtmoe.pack.adam import PackedAdam
     from mtmoe.pack.stack import TrialStack
 
@@ -85,6 +86,10 @@ def record_launches() -> None:
         h = torch.randn(2, 3, 40).to(dtype).requires_grad_()
         for site in range(4):  # lanes H(2 site), H(2 site + 1) on either side of 2^31
             streams.dropout(h, torch.tensor(site + 5), site, torch.tensor(3), 0.25).sum().backward()
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):  # the expert layer's epilogue (autocast: bf16)
+        y, bias = torch.randn(2, 3, 40).to(dtype).requires_grad_(), torch.randn(2, 40).to(dtype)
+        for p in (0.25, 0.0):
+            epilogue.bias_relu_dropout(y, bias, p, torch.tensor([5, 6]), torch.tensor(3), 1).sum().backward()
     n_experts = sorted({yaml.safe_load(path.read_text())["fixed"]["model.n_experts"]
                         for path in (ROOT / "mtmoe" / "tuning" / "spaces").glob("*.yaml")} | {33})  # 33: BLOCK 64,
     # as the CUDA tests of tests/test_sinkhorn.py launch it
@@ -102,6 +107,8 @@ def record_launches() -> None:
             adam.reset(slot, 1e-3, 1e-8)
         stack.flat_grad.normal_()
         adam.step({"1.weight": torch.zeros(capacity, dtype=torch.bool)})
+        adam.bfloat16_copies(frozenset({"0.weight", "0.bias"}))  # the copies a step under bf16 autocast reads
+        adam.step(copies=True)
     print(json.dumps(launches))
 
 
@@ -141,9 +148,14 @@ def test_every_kernel_compiles_for_sm90_and_sm80_in_every_launched_signature() -
     launches = json.loads(result.stdout.strip().splitlines()[-1])
     found = kernels()
     assert {launch["kernel"] for launch in launches} == launched_names()
-    called = "\n".join(found[name].src for name in launched_names())
-    helpers = set(found) - launched_names()
-    assert all(re.search(rf"\b{name.rsplit('.', 1)[1]}\(", called) for name in helpers), helpers
+    reached, helpers = launched_names(), set(found) - launched_names()
+    while True:  # every helper is called by a launched kernel, or by a helper one calls
+        called = "\n".join(found[name].src for name in reached)
+        more = {name for name in helpers - reached if re.search(rf"\b{name.rsplit('.', 1)[1]}\(", called)}
+        if not more:
+            break
+        reached |= more
+    assert helpers <= reached, helpers - reached
     compiled = {}
     for launch in launches:
         kernel = found[launch["kernel"]]

@@ -35,6 +35,7 @@ from torch import Tensor
 from mtmoe.host_threads import run_split
 from mtmoe.kernel_traffic import fused_kernel
 from mtmoe.pack.stack import TrialStack
+from mtmoe.random import _bfloat16_bits
 from mtmoe.triton_support import tl, triton, use_triton
 
 BETAS = (0.9, 0.999)  # torch.optim.Adam's defaults, which the unpacked runs use
@@ -57,11 +58,15 @@ _BETA2, _ONE_MINUS_BETA2 = np.float32(BETAS[1]), np.float32(1 - BETAS[1])
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")  # IEEE division: eps = 0 may divide by zero
-def _adam_run(param: np.ndarray, grad: np.ndarray, exp_avg: np.ndarray, exp_avg_sq: np.ndarray, s: np.float32,
-              c: np.float32, e: np.float32) -> None:
+def _adam_run(param: np.ndarray, grad: np.ndarray, exp_avg: np.ndarray, exp_avg_sq: np.ndarray, half: np.ndarray,
+              s: np.float32, c: np.float32, e: np.float32) -> None:
     """The update of one trial's contiguous run of elements (step size ``s``, ``sqrt`` of the second bias
-    correction ``c``, epsilon ``e``). A loop from 0 over slices is what LLVM turns into SIMD lanes (a loop from
-    ``i`` over the whole arrays stays scalar, 8x slower); every lane rounds as the scalar code does."""
+    correction ``c``, epsilon ``e``), each new value also written to ``half`` as its bfloat16 bits (rounded to
+    nearest even, as autocast's cast rounds) unless ``half`` is empty. A loop from 0 over slices is what LLVM
+    turns into SIMD lanes (a loop from ``i`` over the whole arrays stays scalar, 8x slower); every lane rounds as
+    the scalar code does."""
+    copies = half.shape[0] != 0
+    bits = param.view(np.uint32)
     for j in range(param.shape[0]):
         g = grad[j]
         m = _fma(_LERP_WEIGHT, g - exp_avg[j], exp_avg[j])
@@ -69,15 +74,18 @@ def _adam_run(param: np.ndarray, grad: np.ndarray, exp_avg: np.ndarray, exp_avg_
         v = exp_avg_sq[j] * _BETA2 + g * _ONE_MINUS_BETA2 * g
         exp_avg_sq[j] = v
         param[j] = param[j] - s * m / (np.sqrt(v) / c + e)
+        if copies:
+            half[j] = _bfloat16_bits(bits[j])
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
-def _adam_cpu(param: np.ndarray, grad: np.ndarray, exp_avg: np.ndarray, exp_avg_sq: np.ndarray, ends: np.ndarray,
-              widths: np.ndarray, skip: np.ndarray, step_size: np.ndarray, bias_correction2_sqrt: np.ndarray,
-              eps: np.ndarray, lo: int, hi: int) -> None:
+def _adam_cpu(param: np.ndarray, grad: np.ndarray, exp_avg: np.ndarray, exp_avg_sq: np.ndarray, half: np.ndarray,
+              halves: np.ndarray, ends: np.ndarray, widths: np.ndarray, skip: np.ndarray, step_size: np.ndarray,
+              bias_correction2_sqrt: np.ndarray, eps: np.ndarray, lo: int, hi: int) -> None:
     """:meth:`PackedAdam.step`'s element-wise update of the flat float32 tensors' elements ``[lo, hi)``. Block
     ``b`` ends at ``ends[b]`` and holds P rows of ``widths[b]`` (trial ``t``'s row), left alone where
-    ``skip[b, t]``; the per-trial coefficients are ``[P]`` float32."""
+    ``skip[b, t]``, its new values also written to ``half`` (bfloat16 bits, laid out as ``param``) where
+    ``halves[b]``; the per-trial coefficients are ``[P]`` float32."""
     block = 0
     i = lo
     while i < hi:
@@ -88,22 +96,26 @@ def _adam_cpu(param: np.ndarray, grad: np.ndarray, exp_avg: np.ndarray, exp_avg_
         trial = (i - start) // width
         end = min(hi, start + (trial + 1) * width)
         if not skip[block, trial]:
-            _adam_run(param[i:end], grad[i:end], exp_avg[i:end], exp_avg_sq[i:end], step_size[trial],
-                      bias_correction2_sqrt[trial], eps[trial])
+            _adam_run(param[i:end], grad[i:end], exp_avg[i:end], exp_avg_sq[i:end], half[i:end] if halves[block]
+                      else half[:0], step_size[trial], bias_correction2_sqrt[trial], eps[trial])
         i = end
 
 
 if triton is not None:
+    from mtmoe.random import _rounded
 
     @triton.jit
-    def _adam_cuda(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, unit_start_ptr, unit_length_ptr, unit_trial_ptr,
-                   unit_skip_row_ptr, skip_ptr, step_size_ptr, bias_correction2_sqrt_ptr, eps_ptr, capacity,
-                   lerp_weight, beta2, one_minus_beta2, UNIT: tl.constexpr):
+    def _adam_cuda(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, half_ptr, halves_ptr, unit_start_ptr,
+                   unit_length_ptr, unit_trial_ptr, unit_skip_row_ptr, skip_ptr, step_size_ptr,
+                   bias_correction2_sqrt_ptr, eps_ptr, capacity, lerp_weight, beta2, one_minus_beta2,
+                   UNIT: tl.constexpr, HALF: tl.constexpr):
         """Program ``u``: :func:`_adam_run` on work unit ``u``, the ``unit_length[u]`` elements from
-        ``unit_start[u]`` of trial ``unit_trial[u]``, unless ``skip[unit_skip_row[u], trial]``."""
+        ``unit_start[u]`` of trial ``unit_trial[u]``, unless ``skip[unit_skip_row[u], trial]``; with ``HALF``, the
+        new values also written to ``half`` (bfloat16) where ``halves[unit_skip_row[u]]``."""
         unit = tl.program_id(0)
         trial = tl.load(unit_trial_ptr + unit)
-        if tl.load(skip_ptr + tl.load(unit_skip_row_ptr + unit) * capacity + trial) == 0:
+        row = tl.load(unit_skip_row_ptr + unit)
+        if tl.load(skip_ptr + row * capacity + trial) == 0:
             s = tl.load(step_size_ptr + trial)
             c = tl.load(bias_correction2_sqrt_ptr + trial)
             e = tl.load(eps_ptr + trial)
@@ -119,6 +131,9 @@ if triton is not None:
             tl.store(exp_avg_ptr + offsets, m, mask=inside)
             tl.store(exp_avg_sq_ptr + offsets, v, mask=inside)
             tl.store(param_ptr + offsets, p, mask=inside)
+            if HALF:
+                if tl.load(halves_ptr + row) != 0:
+                    tl.store(half_ptr + offsets, _rounded(p, True), mask=inside)
 
 
 _UNIT = 1024  # elements per program of the Triton kernel
@@ -149,6 +164,10 @@ class PackedAdam:
         self.widths = np.array([(b.stop - b.start) // capacity for b in blocks], dtype=np.int64)
         self._units: tuple[Tensor, ...] | None = None  # the Triton kernel's work units, built on first use
         self._skipped: Tensor | None = None
+        self.half: Tensor | None = None  # bfloat16 copies of the parameters half_names (bfloat16_copies)
+        self.half_names: frozenset[str] | None = None
+        self._half_version: int | None = None  # stack.flat's version counter when the copies were last written
+        self._halves_on_device: tuple[np.ndarray, Tensor] | None = None  # the Triton kernel's block flags
 
     def _blocks(self, name: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Parameter ``name``'s values, gradients and moments as ``[P, size]``."""
@@ -199,10 +218,34 @@ class PackedAdam:
             tensor.copy_(state[name])
 
     @torch.no_grad()
-    def step(self, skip: dict[str, Tensor] | None = None, lr_scale: Tensor | None = None) -> None:
+    def bfloat16_copies(self, names: frozenset[str]) -> dict[str, Tensor]:
+        """bfloat16 copies of the parameters ``names`` (``[P, *shape]`` each), rounded as autocast's cast rounds:
+        the fused step (:meth:`step` with ``copies=True``) writes them in its pass over the parameters, so a step
+        under autocast reads 2 bytes a parameter instead of casting 4 into 2. They are cast again here (one copy)
+        when the parameters changed otherwise since: a load, a restore, a checkpoint, the element-wise update,
+        anything that moves ``stack.flat``'s version counter, or a step that did not write them."""
+        flat = self.stack.flat
+        if self.half is None:
+            self.half = torch.empty(flat.shape, dtype=torch.bfloat16, device=flat.device)
+        if self.half_names != names or self._half_version != flat._version:
+            for name in names:
+                self.stack.block(self.half, name).copy_(self.stack.params[name])
+            self.half_names, self._half_version = names, flat._version
+        return {name: self.stack.block(self.half, name) for name in names}
+
+    @torch.no_grad()
+    def step(self, skip: dict[str, Tensor] | None = None, lr_scale: Tensor | None = None,
+             copies: bool = False) -> None:
         """One Adam step of every trial from the gradients in ``stack.flat_grad``; ``skip[name]`` (``[P]`` bool)
         names the trials that leave parameter ``name`` and its moments as they are; ``lr_scale`` (``[P]``) scales
-        each trial's learning rate for this step (a schedule's)."""
+        each trial's learning rate for this step (a schedule's). With ``copies``, the fused kernels also write the
+        bfloat16 copies of :meth:`bfloat16_copies`' latest parameters."""
+        copies = copies and self.half_names is not None and self.fused and self.stack.flat.dtype == torch.float32 \
+            and (use_triton(self.stack.device) or self.stack.device.type == "cpu")
+        self._step(skip, lr_scale, copies)
+        self._half_version = self.stack.flat._version if copies else None
+
+    def _step(self, skip: dict[str, Tensor] | None, lr_scale: Tensor | None, copies: bool) -> None:
         self.steps.add_(1.0)
         beta1, beta2 = BETAS
         dtype = self.stack.flat.dtype
@@ -214,9 +257,9 @@ class PackedAdam:
         if not self.fused or dtype != torch.float32:
             self._step_elementwise(skip, step_size, bias_correction2_sqrt, eps)
         elif use_triton(self.stack.device):
-            self._step_triton(skip, step_size, bias_correction2_sqrt, eps)
+            self._step_triton(skip, step_size, bias_correction2_sqrt, eps, copies)
         elif self.stack.device.type == "cpu":
-            self._step_cpu(skip, step_size, bias_correction2_sqrt, eps)
+            self._step_cpu(skip, step_size, bias_correction2_sqrt, eps, copies)
         else:
             self._step_elementwise(skip, step_size, bias_correction2_sqrt, eps)
 
@@ -242,25 +285,33 @@ class PackedAdam:
         stack = self.stack
         return stack.flat.detach(), stack.flat_grad, self.exp_avg, self.exp_avg_sq
 
-    def _report(self, name: str) -> None:
+    def _report(self, name: str, halves: np.ndarray) -> None:
         """The fused update's traffic, to the operation counters (:func:`mtmoe.kernel_traffic.fused_kernel`):
-        parameters, gradients and both moments read, parameters and moments written."""
+        parameters, gradients and both moments read, parameters and moments written, and the bfloat16 copies of
+        the blocks flagged in ``halves`` written."""
         size = self.stack.flat.nbytes
-        fused_kernel(name, 4 * size, 3 * size)
+        copied = sum(int(width) * self.stack.capacity for width, half in zip(self.widths, halves) if half)
+        fused_kernel(name, 4 * size, 3 * size + 2 * copied)
 
-    def _step_cpu(self, skip: dict[str, Tensor], step_size: Tensor, bias_correction2_sqrt: Tensor,
-                  eps: Tensor) -> None:
+    def _halves(self, copies: bool) -> np.ndarray:
+        """Per block, in the flat order: whether the step writes its bfloat16 copy."""
+        return np.array([copies and name in self.half_names for name in self.names], dtype=np.bool_)
+
+    def _step_cpu(self, skip: dict[str, Tensor], step_size: Tensor, bias_correction2_sqrt: Tensor, eps: Tensor,
+                  copies: bool) -> None:
         """The same update by :func:`_adam_cpu`, over all blocks at once, on torch's threads."""
         skipped = np.zeros((len(self.names), self.stack.capacity), dtype=np.bool_)
         for row, name in enumerate(self.names):
             if name in skip:
                 skipped[row] = skip[name].numpy()
-        self._report("adam (numba)")
-        run_split(_adam_cpu, self.stack.flat.numel(), *(t.numpy() for t in self._flats()), self.ends, self.widths,
-                  skipped, *(t.view(-1).numpy() for t in (step_size, bias_correction2_sqrt, eps)))
+        halves = self._halves(copies)
+        half = self.half.view(torch.uint16).numpy() if copies else np.empty(0, np.uint16)
+        self._report("adam (numba)", halves)
+        run_split(_adam_cpu, self.stack.flat.numel(), *(t.numpy() for t in self._flats()), half, halves, self.ends,
+                  self.widths, skipped, *(t.view(-1).numpy() for t in (step_size, bias_correction2_sqrt, eps)))
 
-    def _step_triton(self, skip: dict[str, Tensor], step_size: Tensor, bias_correction2_sqrt: Tensor,
-                     eps: Tensor) -> None:
+    def _step_triton(self, skip: dict[str, Tensor], step_size: Tensor, bias_correction2_sqrt: Tensor, eps: Tensor,
+                     copies: bool) -> None:
         """The same update by :func:`_adam_cuda`, one program per work unit; ``skip`` is read on the device."""
         capacity, device = self.stack.capacity, self.stack.device
         if self._units is None:
@@ -282,8 +333,12 @@ class PackedAdam:
         for row, name in enumerate(self.names):
             if name in skip:
                 self._skipped[row].copy_(skip[name])
+        halves = self._halves(copies)
+        if copies and (self._halves_on_device is None or not np.array_equal(self._halves_on_device[0], halves)):
+            self._halves_on_device = halves, torch.from_numpy(halves.astype(np.uint8)).to(device)
         lerp_weight, beta2, one_minus_beta2 = (float(x) for x in (_LERP_WEIGHT, _BETA2, _ONE_MINUS_BETA2))
-        self._report("adam (triton)")
-        _adam_cuda[(len(self._units[0]),)](*self._flats(), *self._units, self._skipped, step_size,
+        self._report("adam (triton)", halves)
+        half, flags = (self.half, self._halves_on_device[1]) if copies else (self.stack.flat, self._skipped)  # unread
+        _adam_cuda[(len(self._units[0]),)](*self._flats(), half, flags, *self._units, self._skipped, step_size,
                                           bias_correction2_sqrt, eps, capacity, lerp_weight, beta2, one_minus_beta2,
-                                          UNIT=_UNIT, enable_fp_fusion=False)
+                                          UNIT=_UNIT, HALF=copies, enable_fp_fusion=False)

@@ -154,6 +154,10 @@ class PackEngine:
         self.slots: list[Trial | None] = [None] * capacity
         self.best: dict[str, Tensor] | None = None
         self.captured = CapturedStep(self._train_step) if cuda_graphs and self.device.type == "cuda" else None
+        self.cast_names = frozenset(f"{prefix}.{name}" if prefix else name
+                                    for prefix, module in self.template.named_modules()
+                                    for name in getattr(module, "autocast_parameters", ()))
+        self._copies: dict[str, Tensor] = {}
         self._forward = vmap(self._trial_losses, in_dims=(0, 0, 0, None), randomness="error")
 
     def _metrics(self, capacity: int, task_weights: Tensor) -> PackMetrics:
@@ -266,6 +270,18 @@ class PackEngine:
         aux = output.aux_loss if training else loss.new_zeros(())
         return loss, aux, torch.stack(task_losses), torch.stack(counts).to(loss.dtype), output.predictions, weights
 
+    def _schedule_updates(self) -> tuple[dict[str, Tensor], Tensor | None]:
+        """This step's Adam arguments from the schedules: the parameters each trial leaves as they are
+        (``frozen_parameters``, by full name) and the product of their learning-rate factors (``None``: none)."""
+        skip, lr_scale = {}, None
+        for (prefix, schedule), state in zip(self.schedules, self.schedule_states):
+            frozen = schedule.frozen_parameters(state)
+            skip.update({f"{prefix}.{name}" if prefix else name: mask for name, mask in frozen.items()})
+            scale = schedule.lr_scale(state)
+            if scale is not None:
+                lr_scale = scale if lr_scale is None else lr_scale * scale
+        return skip, lr_scale
+
     def _tensors(self) -> dict[str, Tensor]:
         return {**self.stack.params, **self.stack.buffers}
 
@@ -275,26 +291,31 @@ class PackEngine:
             schedule.before_step(state, self._trials(prefix))
         for _, trial in self.running:
             trial.steps += 1
+        self._copies = self._bfloat16_copies()
         if self.captured is None:
             self._train_step(batch)
         else:
             size = next(iter(batch.values())).shape[1]
             self.captured((size, *(flag for _, schedule in self.schedules for flag in schedule.flags())), batch)
 
+    def _bfloat16_copies(self) -> dict[str, Tensor]:
+        """Under bfloat16 autocast, the parameters that the model only ever uses cast to bfloat16 (a module's
+        ``autocast_parameters``: the expert layer's), as the bfloat16 copies Adam writes
+        (:meth:`PackedAdam.bfloat16_copies`), in place of autocast's cast of each of them each step: the same
+        values. Outside autocast, none. On the host, before a captured step: the copies' tensors stay the same."""
+        device = self.device.type
+        if not (self.cast_names and torch.is_autocast_enabled(device)
+                and torch.get_autocast_dtype(device) == torch.bfloat16):
+            return {}
+        return self.adam.bfloat16_copies(self.cast_names)
+
     def _train_step(self, batch: dict[str, Tensor]) -> None:
         self.template.train()
-        self.stack.flat_grad.zero_()
         loss, aux, task_losses, counts, predictions, weights = self._forward(
-            self._tensors(), batch, self.task_weights, True)
+            {**self.stack.tracked(self._copies), **self.stack.buffers}, batch, self.task_weights, True)
         (loss + aux).float().sum().backward()
-        skip, lr_scale = {}, None
-        for (prefix, schedule), state in zip(self.schedules, self.schedule_states):
-            frozen = schedule.frozen_parameters(state)
-            skip.update({f"{prefix}.{name}" if prefix else name: mask for name, mask in frozen.items()})
-            scale = schedule.lr_scale(state)
-            if scale is not None:
-                lr_scale = scale if lr_scale is None else lr_scale * scale
-        self.adam.step(skip, lr_scale)
+        self.stack.zero_unreached()
+        self.adam.step(*self._schedule_updates(), copies=bool(self._copies))
         with torch.no_grad():
             for (_, schedule), state in zip(self.schedules, self.schedule_states):
                 schedule.on_step(state)

@@ -1,13 +1,13 @@
 """P modules of one structure as stacked tensors with a leading trial axis (horizontal fusion, as HFTA does).
 
 Parameters live in one flat float32 tensor (``flat``), their gradients in another (``flat_grad``), parameter by
-parameter: each named parameter is a contiguous leaf tensor ``[P, *shape]`` that aliases its block of ``flat``, with
-its ``.grad`` aliasing the same block of ``flat_grad``, so autograd accumulates every gradient in place and the
-optimiser updates all trials with element-wise operations per parameter, each with per-trial ``[P, 1]``
-coefficients (:class:`mtmoe.pack.adam.PackedAdam`). Contiguous leaves are what ``vmap``'s rules expect: an
-embedding table ``[P, V, D]`` is looked up as ``[P * V, D]`` without a copy. Every buffer (counters, a gate's
-float64 settings, local search's state, ...) is one stacked tensor ``[P, *shape]``. A per-trial operation (a refill,
-a best-weights snapshot) is one indexed copy per tensor.
+parameter: each named parameter is a contiguous leaf tensor ``[P, *shape]`` that aliases its block of ``flat``, with its
+``.grad`` aliasing the same block of ``flat_grad``; a training step writes each gradient there in place
+(:meth:`TrialStack.tracked`) and the optimiser updates all trials with element-wise operations per parameter, each with
+per-trial ``[P, 1]`` coefficients (:class:`mtmoe.pack.adam.PackedAdam`). Contiguous leaves are what ``vmap``'s rules
+expect: an embedding table ``[P, V, D]`` is looked up as ``[P * V, D]`` without a copy. Every buffer (counters, a gate's
+float64 settings, local search's state, ...) is one stacked tensor ``[P, *shape]``. A per-trial operation (a refill, a
+best-weights snapshot) is one indexed copy per tensor.
 
 A trial's own module, once loaded, holds views of its slot (parameters that do not require grad, and buffers), so
 its own methods (statistics, checkpoints) see the packed state; :meth:`TrialStack.unload` gives it back tensors of
@@ -41,6 +41,23 @@ def structure(module: nn.Module) -> dict[str, object]:
     return out
 
 
+class _WriteGradient(torch.autograd.Function):
+    """The identity on a parameter's stacked values, whose backward writes the gradient into the parameter's block
+    of ``flat_grad`` (casting it to float32 on the way) and notes the parameter's name in ``written``. ``anchor``,
+    a scalar leaf that requires grad, puts the node in the graph; it gets no gradient."""
+
+    @staticmethod
+    def forward(ctx, anchor: Tensor, value: Tensor, grad: Tensor, written: set[str], name: str) -> Tensor:
+        ctx.grad, ctx.written, ctx.name = grad, written, name
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx, upstream: Tensor) -> tuple[None, ...]:
+        ctx.grad.copy_(upstream)
+        ctx.written.add(ctx.name)
+        return None, None, None, None, None
+
+
 def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
     path, _, leaf = name.rpartition(".")
     return (module.get_submodule(path) if path else module), leaf
@@ -72,6 +89,28 @@ class TrialStack:
             self.params[name] = leaf
         self.buffers = {name: torch.zeros(capacity, *b.shape, dtype=b.dtype, device=self.device)
                         for name, b in example.named_buffers()}
+        self._anchor = torch.zeros((), device=self.device, requires_grad=True)  # see _WriteGradient
+        self._written: set[str] = set()
+
+    def tracked(self, values: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
+        """The parameters as a training step's forward takes them: each the identity of its stacked values (or of
+        ``values[name]``, a bfloat16 copy, say), whose backward writes (copies) the gradient into its block of
+        :attr:`flat_grad`, where autograd's accumulation into the leaf's gradient would read the block, add and
+        write it, after a pass zeroing it. The same values as zeroing and accumulating: a parameter's gradients are
+        summed by autograd before they reach it. After the backward, :meth:`zero_unreached` zeroes the blocks no
+        gradient reached."""
+        values = values or {}
+        self._written = set()
+        return {name: _WriteGradient.apply(self._anchor, values.get(name, leaf.detach()), leaf.grad, self._written,
+                                           name)
+                for name, leaf in self.params.items()}
+
+    def zero_unreached(self) -> None:
+        """Zero the gradient blocks of the parameters the backward after :meth:`tracked` did not reach (decided on
+        the host, from the graph: nothing is read from the device)."""
+        for name, leaf in self.params.items():
+            if name not in self._written:
+                leaf.grad.zero_()
 
     def block(self, flat: Tensor, name: str) -> Tensor:
         """Parameter ``name``'s block of a flat tensor laid out as :attr:`flat` (its moments, say), ``[P, *shape]``."""
