@@ -14,7 +14,8 @@ from mtmoe.data import MovieLens100KDataModule
 from mtmoe.gates import gate_class
 from mtmoe.gates.base import GateOutput, RoutingInput
 from mtmoe.gates.softmax import SoftmaxGate
-from mtmoe.lit.module import MultiTaskMoE, PackModule, build_trial
+from mtmoe.lit.module import MultiTaskMoE, PackModule
+from mtmoe.pack.settings import ModelSettings, build_trial
 from mtmoe.pack.engine import PackEngine
 from mtmoe.schedules import Schedule, schedules
 
@@ -82,7 +83,7 @@ def trainer() -> pl.Trainer:
 
 
 def test_a_schedule_is_found_by_walking_the_net(tiny_root: Path) -> None:
-    model = MultiTaskMoE(gate=gate(1.0, 0.9), info=data_module(tiny_root).info)
+    model = MultiTaskMoE.build(data_module(tiny_root).info, ModelSettings(gate=gate(1.0, 0.9)))
     found = schedules(model.net)
     assert [name for name, _ in found] == [f"gates.{t}" for t in range(len(model.net.gates))]
     assert all(isinstance(s, AnnealedSoftmaxGate) for _, s in found)
@@ -96,7 +97,7 @@ def test_a_new_schedule_is_one_class_that_fit_and_a_pack_both_drive(tiny_root: P
     alone = []
     for temperature, decay, seed in CONFIGS:
         torch.manual_seed(seed)
-        model = MultiTaskMoE(gate=gate(temperature, decay), info=data.info, lr=LR, cuda_graphs=False)
+        model = MultiTaskMoE.build(data.info, ModelSettings(gate=gate(temperature, decay), lr=LR, cuda_graphs=False))
         trainer().fit(model, datamodule=data)
         alone.append(model)
         for g in model.net.gates:
@@ -106,7 +107,7 @@ def test_a_new_schedule_is_one_class_that_fit_and_a_pack_both_drive(tiny_root: P
     built = []
     for key, (temperature, decay, seed) in enumerate(CONFIGS):
         torch.manual_seed(seed)
-        built.append(build_trial(data.info, key, gate=gate(temperature, decay), lr=LR, data_seed=0,
+        built.append(build_trial(data.info, key, ModelSettings(gate=gate(temperature, decay), lr=LR), data_seed=0,
                                  max_epochs=EPOCHS))
     source, results = iter(list(built)), {}
     module = PackModule(data.info, data.splits, data.batch_size, data.eval_batch_size, len(CONFIGS),
@@ -134,8 +135,8 @@ def test_the_learning_rate_scale_reaches_adam(tiny_root: Path, warmup: int) -> N
     pack = []
     for key, (temperature, decay, seed) in enumerate(CONFIGS):
         torch.manual_seed(seed)
-        pack.append(build_trial(info, key, gate=partial(gate(temperature, decay), warmup=warmup), lr=LR,
-                                adam_eps=1e-12))
+        pack.append(build_trial(info, key, ModelSettings(gate=partial(gate(temperature, decay), warmup=warmup), lr=LR,
+                                                      adam_eps=1e-12)))
     engine = PackEngine(pack[0].net, info.tasks, len(pack), "cpu", cuda_graphs=False)
     engine.set_steps_per_epoch(BATCHES)
     for slot, trial in enumerate(pack):
@@ -158,8 +159,8 @@ def test_a_fit_resumed_inside_the_window_continues_its_schedules(tiny_root: Path
 
     def model() -> MultiTaskMoE:
         torch.manual_seed(0)
-        return MultiTaskMoE(gate=partial(gate_class("topk")), info=data.info, lr=LR, perm_epochs=2,
-                            cuda_graphs=False)
+        return MultiTaskMoE.build(data.info, ModelSettings(gate=partial(gate_class("topk")), lr=LR, perm_epochs=2,
+                                                        cuda_graphs=False))
 
     def run(epochs: int, net: MultiTaskMoE, ckpt_path: Path | None = None) -> pl.Trainer:
         fitter = pl.Trainer(max_epochs=epochs, limit_train_batches=BATCHES, limit_val_batches=0, logger=False,
