@@ -92,6 +92,36 @@ def test_a_pack_resumed_after_sigterm_computes_what_the_uninterrupted_pack_compu
     assert not list(folder.glob("*.pt"))
 
 
+@pytest.mark.integration
+def test_without_checkpoints_an_interrupted_trial_reruns_from_its_first_epoch(root_and_tmp) -> None:
+    """``--no-checkpoints``: SIGTERM after the first epoch leaves no checkpoint and no ``checkpoint`` attribute; the
+    rerun trains the interrupted trials from their first epoch, to the results of the study run without a stop."""
+    root, tmp = root_and_tmp
+    extra = [*SLOW, "--pack", "2"]
+    whole = f"sqlite:///{tmp / 'whole.db'}"
+    code, _, err = run_tune(tune_args(whole, root, tmp / "whole", *extra, trials=2, name=NAME), tmp, root, "whole")
+    assert code == 0, err[-3000:]
+    url = f"sqlite:///{tmp / 'cut.db'}"
+    args = tune_args(url, root, tmp / "cut", *extra, "--no-checkpoints", trials=2, name=NAME)
+    assert sigterm_after_epochs(args, tmp, root, url, 1) == 143
+    interrupted = [t for t in trials_of(url, NAME) if t.state == TrialState.FAIL]
+    assert interrupted and not any("checkpoint" in t.user_attrs for t in interrupted)
+    assert not (tmp / "checkpoints").exists()
+    code, _, err = run_tune(args, tmp, root, "second")
+    assert code == 0, err[-3000:]
+    assert results(url) == results(whole)
+
+
+@pytest.mark.integration
+def test_no_checkpoints_and_checkpoint_every_are_refused_together(root_and_tmp) -> None:
+    root, tmp = root_and_tmp
+    url = f"sqlite:///{tmp / 'refused.db'}"
+    code, out, err = run_tune(tune_args(url, root, tmp / "runs", "--no-checkpoints", "--checkpoint-every", "60",
+                                        trials=2, name=NAME), tmp, root, "refused")
+    assert code == 2 and err.strip().startswith("error: --checkpoint-every and --no-checkpoints"), err
+    assert not (tmp / "refused.db").exists()
+
+
 IDENTITY = {"space_fingerprint": "abc", "seed": 0, "settings": {"trainer.max_epochs": 2}}
 
 

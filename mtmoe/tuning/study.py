@@ -172,10 +172,12 @@ def quiet_libraries() -> None:
 
 
 def run_worker(url: str, study_name: str, space: SearchSpace, overrides: list[str], seed: int, workers: int,
-               log_dir: Path | None = None, pack: int | str = 1, checkpoint_every: float | None = None) -> None:
+               log_dir: Path | None = None, pack: int | str = 1, checkpoint_every: float | None = None,
+               keep_checkpoints: bool = True) -> None:
     """One worker: pops enqueued configurations until none is left, ``pack`` at a time (:mod:`mtmoe.tuning.packs`);
     every heartbeat interval it also takes back the trials of workers that died (:func:`reclaim_lost_trials`).
-    Interrupted, it saves its trials' state for the next one (:mod:`mtmoe.tuning.checkpoints`)."""
+    Interrupted, it saves its trials' state for the next one (:mod:`mtmoe.tuning.checkpoints`), unless
+    ``keep_checkpoints`` is false: then it neither keeps, writes nor resumes any."""
     from mtmoe.tuning.checkpoints import PackCheckpoints, checkpoint_folder
     from mtmoe.tuning.packs import PackWorker
 
@@ -193,7 +195,8 @@ def run_worker(url: str, study_name: str, space: SearchSpace, overrides: list[st
 
     bar = workers == 1 and sys.stderr.isatty()  # a progress bar at a terminal; N workers' bars would fight over it
     identity = {key: study.user_attrs.get(key) for key in ("space_fingerprint", "seed", "settings")}
-    checkpoints = PackCheckpoints(checkpoint_folder(url, study_name, log_dir), identity, checkpoint_every)
+    checkpoints = PackCheckpoints(checkpoint_folder(url, study_name, log_dir), identity, checkpoint_every) \
+        if keep_checkpoints else None
     PackWorker(study, storage, space, overrides, seed, log_dir, pack, configurations, reclaim, bar, checkpoints).run()
 
 
@@ -402,6 +405,10 @@ def parse_tune_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--checkpoint-every", type=float, default=None, metavar="SECONDS",
                         help="also save the running trials' state at the first epoch end this long after the last "
                              "save (always saved on Ctrl-C or SIGTERM; a rerun continues them)")
+    parser.add_argument("--no-checkpoints", action="store_true",
+                        help="keep no state of the running trials (an interrupted trial reruns from its first "
+                             "epoch): spares the copy of the pack's state to the host at every epoch end and its "
+                             "write on Ctrl-C or SIGTERM, e.g. where the checkpoints could not be kept anyway")
     try:
         args, overrides = parser.parse_known_args(argv)
     except argparse.ArgumentError as error:
@@ -547,6 +554,8 @@ def _tune(argv: list[str]) -> None:
         raise UsageError(f"--workers must be >= 1, got {args.workers}")
     if args.checkpoint_every is not None and not args.checkpoint_every > 0:
         raise UsageError(f"--checkpoint-every must be a positive number of seconds, got {args.checkpoint_every}")
+    if args.checkpoint_every is not None and args.no_checkpoints:
+        raise UsageError("--checkpoint-every and --no-checkpoints contradict each other: give one of them")
     space = SearchSpace(space.data, space.gate, trials, space.fixed, space.distributions)
     if args.storage is None:
         STUDIES_DIR.mkdir(exist_ok=True)
@@ -567,7 +576,7 @@ def _tune(argv: list[str]) -> None:
     log_dir = Path(args.log_dir) if args.log_dir else STUDIES_DIR / "runs"
     run_until_accounted(url, study_name, space, configurations,
                         (url, study_name, space, overrides, args.seed, args.workers, log_dir, pack,
-                         args.checkpoint_every))
+                         args.checkpoint_every, not args.no_checkpoints))
 
 
 def run_until_accounted(url: str, study_name: str, space: SearchSpace, configurations: list[dict],
