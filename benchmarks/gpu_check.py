@@ -56,6 +56,7 @@ RETURN_LIMIT = 16 * 2**20  # the device tool's limit on a file it returns from $
 # bench_packs.py's options for each precision it benchmarks: the one place to add a precision
 PRECISIONS = {"fp32": ["--precision", "32"], "tf32": ["--precision", "32", "--matmul-precision", "high"],
               "bf16": ["--precision", "bf16-mixed"]}
+GPU_PRECISIONS = ("tf32", "bf16")  # a lease's default: the study's precision and the fastest
 CUDA_TESTS = ["tests/test_engine_cuda.py",
               "tests/test_sinkhorn.py::test_cuda_kernels_equal_the_cpu_loops_without_synchronising",
               "tests/test_sinkhorn.py::test_a_cuda_graph_replays_a_pack_step_with_new_schedules",
@@ -77,19 +78,25 @@ class Sizes:
     bench_args: list[str]
     tune_args: list[str]
     bootstrap_args: list[str]
-    budgets: dict[str, int] = field(default_factory=dict)
+    budgets: dict[str, int] = field(default_factory=dict)  # seconds; "bench": each precision's
     total: int = 540
     stop: int = 30  # the study's SIGTERM comes this long before its budget ends
 
 
-GPU = Sizes("256,512", 500, ["--device", "cuda"], ["--trainer.accelerator=gpu", "--model.matmul_precision=high"], ["--device", "cuda"],
-            {"install": 40, "tests": 100, "bench": 180, "report": 30, "bootstrap": 30})
+# The study: TF32 (the official code's precision on Ampere and later GPUs), packs of 128, no checkpoints. A trial
+# interrupted at a lease's end reruns from its first epoch (a pack's checkpoints, about 24 MiB a trial, cannot travel
+# back, and writing gigabytes of them could outlast the SIGTERM's grace), so a lease keeps only the trials that
+# finish inside it: packs small enough that a trial's 26 to 100 epochs end within one lease's study, rather than the
+# pack ``--pack auto`` finds fastest (all 500 at once, measured on an H200: none finished in a lease).
+GPU = Sizes("256", 500, ["--device", "cuda"], ["--trainer.accelerator=gpu", "--model.matmul_precision=high",
+                                               "--pack=128", "--no-checkpoints"], ["--device", "cuda"],
+            {"install": 40, "tests": 100, "bench": 60, "report": 30, "bootstrap": 30})
 # the interpreter's pace: each program of a kernel costs milliseconds, each 1,024 parameters one Adam program
 TINY = "--data.batch_size=8 --model.n_experts=4 --model.embedding_dim=4 --model.expert_units=8 --model.tower_units=8"
 DRY = Sizes("2", 2, ["--limit-batches", "2", f"--trial-args={TINY}"],
             ["--pack=2", "--trainer.max_epochs=2", "--trainer.limit_train_batches=2", "--trainer.limit_val_batches=2",
              "--trainer.limit_test_batches=2", *TINY.split()], ["--draws", "20", "--confidence", "0.5"],
-            {"install": 30, "tests": 120, "bench": 240, "report": 60, "bootstrap": 60}, total=700, stop=10)
+            {"install": 30, "tests": 120, "bench": 80, "report": 60, "bootstrap": 60}, total=700, stop=10)
 
 
 def fail(message: str) -> None:
@@ -203,10 +210,10 @@ def environment(dry_run: bool) -> dict:
         found["device"] = "cpu (no CUDA device)"
     git = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True)
     gathered = CARRIED / "commit"
-    if git.returncode == 0:
-        found["commit"] = git.stdout.strip()
-    else:
-        found["commit"] = (gathered.read_text().strip() + " (at gather)") if gathered.exists() else "unknown"
+    # the device tool sends the working tree as it is but git's metadata as it was when the session began: the
+    # commit ``gather`` recorded names the code (run gather after the last commit); git's is kept beside it
+    found["git_describe"] = git.stdout.strip() if git.returncode == 0 else None
+    found["commit"] = gathered.read_text().strip() if gathered.exists() and not dry_run else found["git_describe"]
     return found
 
 
@@ -238,19 +245,21 @@ trials = [t for name in optuna.get_all_study_names(storage)
 complete = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
 epochs = [t.user_attrs["epochs_run"] for t in complete if t.user_attrs.get("epochs_run") is not None]
 print(json.dumps({"trials": len(trials), "trials_complete": len(complete),
-                  "mean_epochs": sum(epochs) / len(epochs) if epochs else None}))
+                  "mean_epochs": sum(epochs) / len(epochs) if epochs else None,
+                  "trial_epochs": sum(len(t.intermediate_values) for t in trials)}))
 """
 
 
 def study_state(journal: Path, env: dict) -> dict:
     if not journal.exists():
-        return {"trials": 0, "trials_complete": 0, "mean_epochs": None}
+        return {"trials": 0, "trials_complete": 0, "mean_epochs": None, "trial_epochs": 0}
     result = subprocess.run([sys.executable, "-c", STUDY_STATE, str(journal)], capture_output=True, text=True,
                             env=env, timeout=120)
     return json.loads(result.stdout) if result.returncode == 0 else {"error": result.stderr.strip()[-500:]}
 
 
-def run(out: Path, sizes: Sizes, study_dir: Path, dry_run: bool = False, chosen: tuple[str, ...] = STEPS) -> dict:
+def run(out: Path, sizes: Sizes, study_dir: Path, dry_run: bool = False, chosen: tuple[str, ...] = STEPS,
+        precisions: tuple[str, ...] = tuple(PRECISIONS)) -> dict:
     """The ``chosen`` steps, their logs and the summary in ``out`` (see the module's docstring); returns the
     summary."""
     start = time.perf_counter()
@@ -293,10 +302,10 @@ def run(out: Path, sizes: Sizes, study_dir: Path, dry_run: bool = False, chosen:
                  budgets["tests"])
     summary["tests"] = tests_summary(tests.output)
     rows = []
-    for precision, options in PRECISIONS.items():
+    for precision in precisions:
         bench = step(f"bench-{precision}", [python, "benchmarks/bench_packs.py", "--gates", GATE, "--packs",
                                             sizes.packs, "--graphs", "on", "--out", str(scratch / f"bench-{precision}"),
-                                            *options, *sizes.bench_args], budgets["bench"] // len(PRECISIONS))
+                                            *PRECISIONS[precision], *sizes.bench_args], budgets["bench"])
         rows += throughput(bench.output, precision)
     summary["throughput"] = rows
     study_dir.mkdir(parents=True, exist_ok=True)
@@ -309,8 +318,10 @@ def run(out: Path, sizes: Sizes, study_dir: Path, dry_run: bool = False, chosen:
                           str(sizes.trials), "--storage", storage, "--log-dir", str(scratch / "runs"),
                           *sizes.tune_args], study_budget, sizes.stop, stop_early=sizes.stop)
     after = study_state(journal, env)
+    trained = (after.get("trial_epochs") or 0) - (before.get("trial_epochs") or 0)  # interrupted trials' included
     summary["study"] = {"journal": str(journal), "before": before, **after, "wall_s": tune.seconds,
-                        "status": tune.status}
+                        "status": tune.status,
+                        "trial_epochs_per_hour": round(trained / tune.seconds * 3600) if tune.seconds else None}
     summary["trials_complete"], summary["wall_s"] = after.get("trials_complete"), tune.seconds
     summary["study"]["checkpoints"] = return_checkpoints(study_dir, out)
     results = scratch / "results"
@@ -365,7 +376,8 @@ def short_table(summary: dict) -> str:
               for r in summary["throughput"]]
     lines += ["", f"study: {study.get('trials_complete')} of {study.get('trials')} trials complete "
                   f"({study['before'].get('trials_complete')} before this run), mean epochs "
-                  f"{study.get('mean_epochs')}, {study['wall_s']:.0f} s this run ({study['status']})"]
+                  f"{study.get('mean_epochs')}, {study['wall_s']:.0f} s this run ({study['status']}), "
+                  f"{study.get('trial_epochs_per_hour')} trial-epochs per hour (set-up included)"]
     saved = study.get("checkpoints", {})
     if saved.get("files"):
         lines += [f"checkpoints: {saved['files']} file(s), {saved['bytes'] / 2**20:.1f} MiB, " +
@@ -382,18 +394,25 @@ def main() -> None:
     parser.add_argument("--dry-run", action="store_true", help="the run's steps on this CPU, tiny, under 90 s")
     parser.add_argument("--total", type=int, help=f"run: seconds for all the steps (default {GPU.total}; less when "
                         "the lease has less left): the study gets what the others leave")
+    parser.add_argument("--precisions", help=f"bench_packs.py's precisions, of {','.join(PRECISIONS)} (default: "
+                        f"{','.join(GPU_PRECISIONS)} on the GPU, where fp32 at P = 256 needs more than a minute; all "
+                        "in the dry run)")
     parser.add_argument("--steps", default=",".join(STEPS),
                         help=f"run: the steps to run, of {','.join(STEPS)} (a resumed study: study,report,bootstrap)")
     args = parser.parse_args()
     chosen = tuple(args.steps.split(","))
+    precisions = tuple(args.precisions.split(",")) if args.precisions else \
+        tuple(PRECISIONS) if args.dry_run else GPU_PRECISIONS
     if not set(chosen) <= set(STEPS):
         fail(f"--steps {args.steps}: choose among {','.join(STEPS)}")
+    if not set(precisions) <= set(PRECISIONS):
+        fail(f"--precisions {args.precisions}: choose among {','.join(PRECISIONS)}")
     if args.command == "gather":
         gather()
     elif args.dry_run:
         out = args.out or Path(tempfile.mkdtemp(prefix="gpu-check-dry-"))
         study = Path(tempfile.mkdtemp(prefix="gpu-check-study-"))
-        summary = run(out, DRY, study, dry_run=True, chosen=chosen)
+        summary = run(out, DRY, study, dry_run=True, chosen=chosen, precisions=precisions)
         shutil.rmtree(study)
         broken = {name: s["status"] for name, s in summary["steps"].items()
                   if not (s["status"] == "ok" or s["status"].startswith("skipped"))}
@@ -405,7 +424,7 @@ def main() -> None:
     elif args.command == "run":
         if args.out is None:
             fail("run needs --out DIR (on the device: --out $OUT)")
-        run(args.out, replace(GPU, total=args.total or GPU.total), STUDY_DIR, chosen=chosen)
+        run(args.out, replace(GPU, total=args.total or GPU.total), STUDY_DIR, chosen=chosen, precisions=precisions)
     else:
         fail("give a command: gather, run --out DIR, or --dry-run")
 

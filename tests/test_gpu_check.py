@@ -50,6 +50,7 @@ def test_the_dry_run_runs_every_step_and_writes_the_summary(tmp_path: Path) -> N
     assert result.stdout.strip().splitlines()[-1].startswith("gpu-check dry-run ok")
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["trials_complete"] == gpu_check.DRY.trials and summary["wall_s"] > 0
+    assert summary["study"]["trial_epochs_per_hour"] > 0  # from the trial-epochs the journal gained
     assert summary["device"] and summary["commit"] and summary["tests"]["line"]
     assert {row["precision"] for row in summary["throughput"]} == set(gpu_check.PRECISIONS)
     assert all(s["status"] == "ok" or s["status"].startswith("skipped") for s in summary["steps"].values())
