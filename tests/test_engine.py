@@ -471,7 +471,7 @@ def test_a_checkpointed_trial_continues_in_another_slot_and_pack_exactly() -> No
     assert all(torch.equal(a, b) for a, b in zip(losses, expected[cut * STEPS_PER_EPOCH:]))
     for p in range(3):
         slot = order.index(p)
-        for name in ("epochs_run", "steps", "best_score", "best_epoch", "wait", "rounded_at", "history"):
+        for name in ("epochs_run", "steps", "best_score", "best_epoch", "wait", "history"):
             assert getattr(again[p], name) == getattr(whole[p], name), name
         for name, tensor in resumed.stack.tensors().items():
             assert torch.equal(tensor[slot], whole_engine.stack.tensors()[name][p]), name
