@@ -106,3 +106,28 @@ def test_planned_values_set_as_values_build_the_run_their_flags_build(tiny_root:
     assert given.model.net.experts.n_experts == 4
     initial = flagged.model.state_dict()
     assert all(torch.equal(value, initial[key]) for key, value in given.model.state_dict().items())
+
+
+def test_pack_structure_is_read_from_the_fields_per_trial_flags() -> None:
+    """A setting's ``per_trial`` flag is what lets trials that differ in it share a pack (``pack_key``): two planned
+    configurations differing in one per-trial setting pack together, in any other setting they do not."""
+    from mtmoe.mmoe import documented, per_trial_settings, setting
+    from mtmoe.tuning.packs import PER_TRIAL_KEYS, pack_key
+    from mtmoe.tuning.space import SearchSpace
+
+    per_trial = per_trial_settings(ModelSettings)
+    assert {"lr", "adam_eps", "alpha", "perm_epochs", "zeta"} <= per_trial < set(SETTINGS)
+    assert {f"model.{name}" for name in per_trial} <= PER_TRIAL_KEYS
+    space = SearchSpace(data="movielens-100k", gate="comet+", trials=2, fixed={"model.gate.k": 2}, distributions={})
+    for name in set(SETTINGS) - {"gate"}:
+        planned = [{f"model.{name}": value} for value in (0.5, 7)]
+        assert (pack_key(space, planned[0]) == pack_key(space, planned[1])) == (name in per_trial), name
+
+    @documented
+    class Schedule:
+        """A per-trial schedule and a shared switch."""
+
+        warmup: int = setting(0, "warm-up epochs.", per_trial=True)
+        shared: bool = setting(False, "a structural switch.")
+
+    assert per_trial_settings(Schedule) == {"warmup"}

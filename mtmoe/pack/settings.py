@@ -23,9 +23,9 @@ class OptimSettings:
     """What a net is trained for and how fast: Adam's learning rate and the task weights of the loss
     ``sum_t w_t L_t`` (comet-protocol.md §5)."""
 
-    lr: float = setting(1e-4, "Adam's learning rate.")
+    lr: float = setting(1e-4, "Adam's learning rate.", per_trial=True)
     alpha: float | None = setting(None, "weight of task 1 for the two-task recommenders (paper: 0.1 and 0.9; "
-                                        "default 0.9).")
+                                        "default 0.9).", per_trial=True)
 
 
 @documented
@@ -33,7 +33,8 @@ class EngineSettings:
     """How the training engine (:mod:`mtmoe.pack.engine`) computes a step: Adam's epsilon and kernels, CUDA
     graphs, the precision of float32 matmuls; and which experts its routing statistics count as selected."""
 
-    adam_eps: float = setting(1e-7, "Adam's epsilon; 1e-7 is Keras' default (the official code), 1e-8 PyTorch's.")
+    adam_eps: float = setting(1e-7, "Adam's epsilon; 1e-7 is Keras' default (the official code), 1e-8 PyTorch's.",
+                              per_trial=True)
     cuda_graphs: bool = setting(True, "on a GPU, capture the training step in a CUDA graph and replay it (the same "
                                       "results); False runs it eagerly.")
     fused_adam: bool = setting(True, "Adam's update in one kernel (numba on a CPU, Triton on a GPU); False: "
