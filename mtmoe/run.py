@@ -124,9 +124,9 @@ class MTMoECLI(LightningCLI):
 
     # Private uses of argparse and jsonargparse: an option already added (Lightning adds the trainer's and --data)
     # is reached through argparse's _option_string_actions, and its type set through jsonargparse's _typehint; neither
-    # library has a public way to change an added option. tests/test_cli.py::
-    # test_a_whole_number_of_batches_is_a_count and test_fit_help_lists_the_shortcuts_with_their_choices fail when
-    # they change.
+    # library has a public way to change an added option. tests/test_tuning_overrides.py::
+    # test_limit_batches_count_or_fraction_in_fit and tests/test_cli.py::
+    # test_fit_help_lists_the_shortcuts_with_their_choices fail when they change.
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         for split in BATCH_LIMITS:  # Lightning's rule: an integer is a count of batches, a float a fraction
             parser._option_string_actions[f"--trainer.limit_{split}_batches"]._typehint = Optional[Union[int, float]]

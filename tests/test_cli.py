@@ -243,17 +243,6 @@ def test_a_bad_value_or_option_names_the_key_in_one_line(tiny_root: Path, extra:
     assert not Path("runs").exists()
 
 
-def test_a_whole_number_of_batches_is_a_count(tiny_root: Path) -> None:
-    """Lightning's rule (an integer limits the batches to that count, a float is a fraction), which the run builder
-    keeps by setting jsonargparse's private ``_typehint`` of ``--trainer.limit_*_batches``: ``1`` is one batch,
-    not ``1.0``, all of them."""
-    from mtmoe.run import build_run
-
-    trainer = build_run(fit(tiny_root, "--trainer.limit_train_batches=1", "--trainer.limit_val_batches=0.5")[1:]).trainer
-    assert (trainer.limit_train_batches, trainer.limit_val_batches) == (1, 0.5)
-    assert type(trainer.limit_train_batches) is int
-
-
 def test_an_unknown_key_of_a_config_file_names_the_file_and_the_closest_key(tiny_root: Path, capsys) -> None:
     Path("run.yaml").write_text("trainer:\n  max_epochz: 3\n")
     assert run_cli(fit(tiny_root, "--config=run.yaml")) == 2
