@@ -59,8 +59,8 @@ from mtmoe.routing_names import routing_history
 from mtmoe.pack.precision import matmul_precision
 from mtmoe.pack.settings import ModelSettings
 from mtmoe.run_settings import (
-    check_run_settings, config_key, dataset_info, disagreements, given_model_settings, read_checkpoint,
-    resolve_dataset_settings,
+    check_run_settings, dataset_info, disagreements, given_model_settings, read_checkpoint, resolve_dataset_settings,
+    set_values,
 )
 
 LIGHTNING_COMMANDS = ("fit", "validate", "test")
@@ -202,8 +202,7 @@ class MTMoECLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         config = self.of_command(self.config)
-        for name, value in self.values.items():
-            config[config_key(name)] = value
+        set_values(config, self.values)
         info = dataset_info(config.data)
         if info is not None:
             resolve_dataset_settings(config.model, info)

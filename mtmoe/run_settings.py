@@ -71,6 +71,13 @@ def config_key(name: str) -> str:
     return name
 
 
+def set_values(config: Namespace, values: dict[str, Any]) -> None:
+    """Set ``values`` keyed as a search space keys them (``model.lr``, ``model.gate.k``, ``data.batch_size``: a
+    study's planned values) over a parsed configuration, as they are: no command-line strings."""
+    for name, value in values.items():
+        config[config_key(name)] = value
+
+
 def model_settings(model: Namespace) -> ModelSettings:
     """The settings object of a parsed ``model`` configuration (its gate as a class path and arguments; a setting
     it leaves out keeps its default), as the command line instantiates it."""

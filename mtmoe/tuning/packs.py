@@ -68,7 +68,7 @@ from mtmoe.pack.precision import matmul_precision
 from mtmoe.pack.settings import ModelSettings, build_trial
 from mtmoe.routing_names import routing_history
 from mtmoe.run import Run, build_run
-from mtmoe.run_settings import config_key, model_settings
+from mtmoe.run_settings import model_settings, set_values
 from mtmoe.tuning.checkpoints import PackCheckpoints
 from mtmoe.tuning.objective import (
     LOST_ATTEMPTS,
@@ -118,8 +118,7 @@ class TrialFactory:
         the display and log settings ``tune`` gives its trials are ``fit``'s defaults again."""
         config = self.run.config.clone()
         config.seed_everything = seed
-        for name, value in params.items():
-            config[config_key(name)] = value
+        set_values(config, params)
         for name in TUNE_DISPLAY:
             config[name] = self.defaults[name]
         return config
