@@ -82,10 +82,13 @@ def test_load_from_checkpoint_rebuilds_the_fitted_model(tiny_root: Path) -> None
         assert model.net.local_search.assignment() == fitted["permutation"]["assignment"]
         pl.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False).test(model, datamodule)
         assert model.last_results["test"] == fitted["test"], path
+    older["hyper_parameters"]["banana"] = 1
+    torch.save(older, "newer.ckpt")
     with pytest.raises(UsageError, match="unknown model settings banana"):
-        older["hyper_parameters"]["banana"] = 1
-        torch.save(older, "foreign.ckpt")
-        MultiTaskMoE.load_from_checkpoint("foreign.ckpt", info=datamodule.info)
+        MultiTaskMoE.load_from_checkpoint("newer.ckpt", info=datamodule.info)
+    torch.save({"state_dict": older["state_dict"]}, "bare.ckpt")
+    with pytest.raises(UsageError, match="bare.ckpt holds no model settings"):
+        MultiTaskMoE.load_from_checkpoint("bare.ckpt", info=datamodule.info)
 
 
 # -------------------------------------------------------------- 14.3: val and test of the same weights

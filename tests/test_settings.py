@@ -131,3 +131,43 @@ def test_pack_structure_is_read_from_the_fields_per_trial_flags() -> None:
         shared: bool = setting(False, "a structural switch.")
 
     assert per_trial_settings(Schedule) == {"warmup"}
+
+
+#: The ``model`` section of a ``config.yaml`` as runs and trials wrote it before ModelSettings (written by
+#: ``python -m mtmoe fit --gate comet+ --model.perm_epochs=1`` at the commit before the settings object).
+PRE_SETTINGS_MODEL = """model:
+  gate:
+    class_path: mtmoe.gates.COMETGate
+    init_args:
+      k: 2
+      gamma: 1.0
+      entropy_reg: 1.0
+      split_bias: true
+  lr: 0.0001
+  alpha: 0.9
+  n_experts: 16
+  embedding_dim: 128
+  expert_units: 256
+  tower_units: 256
+  expert_dropout: 0.5
+  keras_init: true
+  adam_eps: 1.0e-07
+  perm_epochs: 1
+  zeta: 0.0001
+  perm_per_task: false
+  perm_eval_rounded: true
+  cuda_graphs: true
+  fused_adam: true
+  matmul_precision: highest
+  dense_selection: topk
+"""
+
+
+def test_fit_config_of_an_older_run_or_trial_trains(tiny_root: Path) -> None:
+    """``fit --config config.yaml`` of a run or trial folder written before the settings object still trains."""
+    Path("old.yaml").write_text(PRE_SETTINGS_MODEL)
+    args = ["fit", "--data", "movielens-100k", f"--data.root={tiny_root}", *FAST, "--config=old.yaml",
+            "--trainer.max_epochs=2"]
+    assert run_cli(args) == 0
+    results = json.loads(next(Path("runs").rglob("results.json")).read_text())
+    assert results["gate"] == "comet+" and results["epochs_run"] == 2

@@ -173,6 +173,8 @@ class MultiTaskMoE(EngineModule):
         checkpoint = torch.load(checkpoint_path, map_location=map_location, weights_only=True)
         hparams = {key: value for key, value in checkpoint.get(cls.CHECKPOINT_HYPER_PARAMS_KEY, {}).items()
                    if not key.startswith("_")}  # Lightning's ``_instantiator`` (checkpoints before ModelSettings)
+        if not hparams:
+            raise UsageError(f"{checkpoint_path} holds no model settings: not a checkpoint of python -m mtmoe fit")
         module = cls.build(info, settings_of(hparams), stopping, hparams)
         module.on_load_checkpoint(checkpoint)
         module.load_state_dict(checkpoint["state_dict"], strict=strict)
