@@ -161,9 +161,16 @@ def build_mmoe(
     return MMoE(bottom, experts, gates, towers, search)
 
 
-def setting(default: Any, help: str) -> Any:
-    """A field of a settings dataclass: its default and its help, which ``--help`` shows (:func:`documented`)."""
-    return field(default=default, metadata={"help": help})
+def setting(default: Any, help: str, per_trial: bool = False) -> Any:
+    """A field of a settings dataclass: its default and its help, which ``--help`` shows (:func:`documented`);
+    ``per_trial``: each trial of a pack may have its own value (the engine keeps it per slot), so trials that differ
+    in it still share a pack (:func:`per_trial_settings`)."""
+    return field(default=default, metadata={"help": help, "per_trial": per_trial})
+
+
+def per_trial_settings(cls: type) -> frozenset[str]:
+    """The names of the fields of the settings dataclass ``cls`` declared ``per_trial``."""
+    return frozenset(f.name for f in fields(cls) if f.metadata.get("per_trial"))
 
 
 def documented(cls: type) -> type:
@@ -195,8 +202,10 @@ class NetSettings:
                                      "False: PyTorch's.")
     perm_epochs: int | None = setting(
         None, "E_perm, the permutation-learning window in epochs; set, it makes the \"+\" variant of the gate "
-        "(``--gate comet+`` sets it to 5, Table 1's value; the paper searches 1..10). ``None``: no local search.")
-    zeta: float = setting(1e-4, "the permutation's row/column entropy coefficient (paper: 1e-4; Table 1: 1e-5).")
+        "(``--gate comet+`` sets it to 5, Table 1's value; the paper searches 1..10). ``None``: no local search.",
+        per_trial=True)
+    zeta: float = setting(1e-4, "the permutation's row/column entropy coefficient (paper: 1e-4; Table 1: 1e-5).",
+                         per_trial=True)
     perm_per_task: bool = setting(False, "one permutation per task gate instead of one shared by all (the official "
                                          "code shares one).")
     perm_eval_rounded: bool = setting(True, "evaluate with the rounded permutation inside the window (official); "

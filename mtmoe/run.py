@@ -59,8 +59,8 @@ from mtmoe.routing_names import routing_history
 from mtmoe.pack.precision import matmul_precision
 from mtmoe.pack.settings import ModelSettings
 from mtmoe.run_settings import (
-    check_run_settings, config_key, dataset_info, disagreements, given_model_settings, read_checkpoint,
-    resolve_dataset_settings,
+    check_run_settings, dataset_info, disagreements, given_model_settings, read_checkpoint, resolve_dataset_settings,
+    set_values,
 )
 
 LIGHTNING_COMMANDS = ("fit", "validate", "test")
@@ -122,6 +122,11 @@ class MTMoECLI(LightningCLI):
         self.checkpoint: dict[str, Any] | None = None  # --ckpt_path's, read before Lightning applies it
         super().__init__(*args, **kwargs)
 
+    # Private uses of argparse and jsonargparse: an option already added (Lightning adds the trainer's and --data)
+    # is reached through argparse's _option_string_actions, and its type set through jsonargparse's _typehint; neither
+    # library has a public way to change an added option. tests/test_tuning_overrides.py::
+    # test_limit_batches_count_or_fraction_in_fit and tests/test_cli.py::
+    # test_fit_help_lists_the_shortcuts_with_their_choices fail when they change.
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         for split in BATCH_LIMITS:  # Lightning's rule: an integer is a count of batches, a float a fraction
             parser._option_string_actions[f"--trainer.limit_{split}_batches"]._typehint = Optional[Union[int, float]]
@@ -148,12 +153,21 @@ class MTMoECLI(LightningCLI):
         """The DataModule, the model (its net built from the settings under the run's seed, with
         ``--early_stopping.*``; the model settings in force as its checkpoints' hyperparameters) and the trainer."""
         self.config_init = self.parser.instantiate_classes(self.config)
-        self.datamodule = self._get(self.config_init, "data")
-        config = self.config[self.subcommand] if self.subcommand else self.config
-        self.model = MultiTaskMoE.build(self.datamodule.info, self._get(self.config_init, "model"),
-                                        self._get(self.config_init, "early_stopping"), config.model.as_dict())
+        built = self.of_command(self.config_init)
+        self.datamodule = built.data
+        self.model = MultiTaskMoE.build(self.datamodule.info, built.model, built.early_stopping,
+                                        self.of_command(self.config).model.as_dict())
         self.trainer = self.instantiate_trainer()
 
+    def of_command(self, config: Namespace) -> Namespace:
+        """``config``'s (the parsed or the instantiated configuration) section of the command run, or all of it
+        for a CLI built without one (:func:`build_run`)."""
+        return config[self.subcommand] if self.subcommand else config
+
+    # A private use of Lightning: the subcommands' parsers are made in LightningCLI's private _add_subcommands, after
+    # the public add_arguments_to_parser hook (--ckpt_path and --weights_only come later, from Trainer.fit's
+    # signature) and before parse_arguments, which answers --help; no public hook sees the finished parsers.
+    # tests/test_cli.py::test_run_help_lists_what_a_run_honours_shortcuts_first fails when Lightning renames it.
     def _add_subcommands(self, parser: LightningArgumentParser, **kwargs: Any) -> None:
         super()._add_subcommands(parser, **kwargs)
         for subparser in parser._subcommands_action._name_parser_map.values():
@@ -187,9 +201,8 @@ class MTMoECLI(LightningCLI):
             raise UsageError(f"{path}: its model settings do not fit this version of mtmoe ({error})") from None
 
     def before_instantiate_classes(self) -> None:
-        config = self.config[self.subcommand] if self.subcommand else self.config
-        for name, value in self.values.items():
-            config[config_key(name)] = value
+        config = self.of_command(self.config)
+        set_values(config, self.values)
         info = dataset_info(config.data)
         if info is not None:
             resolve_dataset_settings(config.model, info)
@@ -222,7 +235,7 @@ class MTMoECLI(LightningCLI):
         """The trainer; a fit's with the run's checkpoints (unless ``enable_checkpointing`` is false or another
         ``ModelCheckpoint`` is given), written atomically, and the random states in them. A setting this machine
         cannot run (an accelerator, a device count, a precision) is one error line."""
-        config = self._get(self.config_init, "trainer", default={})
+        config = self.of_command(self.config_init).get("trainer", {})
         given = config.get("callbacks") or []
         callbacks = [*(given if isinstance(given, list) else [given])]
         checkpointing = config.get("enable_checkpointing") is not False and self.subcommand in (None, "fit")
@@ -262,7 +275,7 @@ class MTMoECLI(LightningCLI):
         from lightning.fabric.loggers import TensorBoardLogger
         from lightning.pytorch.core.saving import save_hparams_to_yaml
 
-        config = self.config[self.subcommand] if self.subcommand else self.config
+        config = self.of_command(self.config)
         settings = yaml.safe_load(self._parser(self.subcommand).dump(shown_config(config)))
         params = {"gate": results["gate"], "dataset": results["dataset"], **settings}
         metrics = {f"hparams/{split}/{key}": value for split in ("val", "test")
@@ -339,7 +352,7 @@ class MTMoECLI(LightningCLI):
             "dataset": datamodule.info.name,
             "gate": getattr(model.net.gates[0], "registry_name", type(model.net.gates[0]).__name__)
             + ("+" if model.net.local_search is not None else ""),
-            "seed": (self.config[self.subcommand] if self.subcommand else self.config).get("seed_everything"),
+            "seed": self.of_command(self.config).get("seed_everything"),
             **summary,
             **model.last_results,
         }
@@ -397,7 +410,11 @@ def format_results(results: dict[str, Any]) -> str:
 def honoured_help(parser: LightningArgumentParser) -> None:
     """``--help`` lists what a run honours, the shortcuts first: the trainer settings the engine does not honour
     (refused unless left at the honoured value), the dataset description the data links to the model and
-    ``--verbose`` (the results table replaces Lightning's) are not shown; the trainer's group comes last."""
+    ``--verbose`` (the results table replaces Lightning's) are not shown; the trainer's group comes last.
+
+    Private uses of argparse (``_option_string_actions``, ``_action_groups``, ``_group_actions``): it has no public
+    way to change an added option's help or the order of the groups; ``tests/test_cli.py::
+    test_run_help_lists_what_a_run_honours_shortcuts_first`` fails when they change."""
     hidden = ("--verbose", *(f"--trainer.{key}" for key in UNSUPPORTED_TRAINER_SETTINGS))
     for option, action in parser._option_string_actions.items():
         if option.removesuffix("+").removesuffix(".help") in hidden:
@@ -469,7 +486,13 @@ def _keys(document: Any, prefix: str = "") -> set[str]:
 
 def describe_parse_error(message: str, parser: Any, args: list[str]) -> str:
     """jsonargparse's parse error as one line: a value of the wrong type names the key and the types it takes; an
-    unknown option (on the command line or in a ``--config`` file, then named) its closest valid key."""
+    unknown option (on the command line or in a ``--config`` file, then named) its closest valid key.
+
+    Regular expressions over jsonargparse's wording: its ``ArgumentError`` carries the message only (no key, type or
+    value), so no public API gives these; ``tests/test_cli.py::test_a_bad_value_or_option_names_the_key_in_one_line``
+    and ``test_an_unknown_key_of_a_config_file_names_the_file_and_the_closest_key`` fail when the wording changes
+    (the message would then pass through whole). The options a command takes are its parser's, reached through
+    argparse's private ``_subcommands_action`` and ``_option_string_actions`` (no public listing exists)."""
     message = " ".join(message.split())
     keys = re.findall(r'Parser key "([^"]+)"', message)
     if keys:  # a value of the wrong type: the innermost key (model.gate -> k), the types it takes, the value given

@@ -18,7 +18,6 @@ import importlib
 import inspect
 import sys
 import zipfile
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +28,7 @@ from mtmoe.arguments import UNSUPPORTED_TRAINER_SETTINGS, unsupported_setting
 from mtmoe.dataset_info import DatasetInfo
 from mtmoe.errors import UsageError
 from mtmoe.losses import task_weights
-from mtmoe.pack.settings import ModelSettings
+from mtmoe.pack.settings import ModelSettings, settings_of
 
 #: Model settings whose ``None`` stands for the dataset's value (Supplement S1.2; ``mtmoe.mmoe.build_mmoe``).
 DATASET_SETTINGS = ("n_experts", "embedding_dim", "expert_units", "tower_units", "expert_dropout")
@@ -72,13 +71,17 @@ def config_key(name: str) -> str:
     return name
 
 
+def set_values(config: Namespace, values: dict[str, Any]) -> None:
+    """Set ``values`` keyed as a search space keys them (``model.lr``, ``model.gate.k``, ``data.batch_size``: a
+    study's planned values) over a parsed configuration, as they are: no command-line strings."""
+    for name, value in values.items():
+        config[config_key(name)] = value
+
+
 def model_settings(model: Namespace) -> ModelSettings:
     """The settings object of a parsed ``model`` configuration (its gate as a class path and arguments; a setting
     it leaves out keeps its default), as the command line instantiates it."""
-    values = model.as_dict()
-    gate = values.pop("gate", None)
-    factory = None if gate is None else partial(import_class(gate["class_path"]), **gate.get("init_args", {}))
-    return ModelSettings(gate=factory, **values)
+    return settings_of(model.as_dict())
 
 
 def gate_name(model: Namespace) -> str:

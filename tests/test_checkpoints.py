@@ -62,6 +62,35 @@ def test_test_on_best_ckpt_reproduces_the_fits_test_results(tiny_root: Path) -> 
         assert not list((Path("runs") / name).rglob("*.ckpt"))  # evaluating writes no checkpoint
 
 
+def test_load_from_checkpoint_rebuilds_the_fitted_model(tiny_root: Path) -> None:
+    """Lightning's route, ``MultiTaskMoE.load_from_checkpoint(path, info=...)`` (issue 34): the module of a "+"
+    fit's best.ckpt, its weights, permutation and engine state, tests as the fit did; so does a checkpoint of
+    before the settings object, whose hyperparameters carry Lightning's ``_instantiator``."""
+    import lightning.pytorch as pl
+
+    from mtmoe.data.movielens import MovieLens100KDataModule
+    from mtmoe.lit.module import MultiTaskMoE
+
+    assert run_cli(["fit", "--gate", "topk+", "--model.perm_epochs=1", *data(tiny_root), *OVERSHOOTING]) == 0
+    fitted, best = results(), CHECKPOINTS / "best.ckpt"
+    older = torch.load(best, weights_only=True)
+    older["hyper_parameters"]["_instantiator"] = "lightning.pytorch.cli.instantiate_module"
+    torch.save(older, "older.ckpt")
+    datamodule = MovieLens100KDataModule(root=tiny_root, batch_size=64)
+    for path in (best, "older.ckpt"):
+        model = MultiTaskMoE.load_from_checkpoint(path, info=datamodule.info)
+        assert model.net.local_search.assignment() == fitted["permutation"]["assignment"]
+        pl.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False).test(model, datamodule)
+        assert model.last_results["test"] == fitted["test"], path
+    older["hyper_parameters"]["banana"] = 1
+    torch.save(older, "newer.ckpt")
+    with pytest.raises(UsageError, match="unknown model settings banana"):
+        MultiTaskMoE.load_from_checkpoint("newer.ckpt", info=datamodule.info)
+    torch.save({"state_dict": older["state_dict"]}, "bare.ckpt")
+    with pytest.raises(UsageError, match="bare.ckpt holds no model settings"):
+        MultiTaskMoE.load_from_checkpoint("bare.ckpt", info=datamodule.info)
+
+
 # -------------------------------------------------------------- 14.3: val and test of the same weights
 
 

@@ -106,3 +106,68 @@ def test_planned_values_set_as_values_build_the_run_their_flags_build(tiny_root:
     assert given.model.net.experts.n_experts == 4
     initial = flagged.model.state_dict()
     assert all(torch.equal(value, initial[key]) for key, value in given.model.state_dict().items())
+
+
+def test_pack_structure_is_read_from_the_fields_per_trial_flags() -> None:
+    """A setting's ``per_trial`` flag is what lets trials that differ in it share a pack (``pack_key``): two planned
+    configurations differing in one per-trial setting pack together, in any other setting they do not."""
+    from mtmoe.mmoe import documented, per_trial_settings, setting
+    from mtmoe.tuning.packs import PER_TRIAL_KEYS, pack_key
+    from mtmoe.tuning.space import SearchSpace
+
+    per_trial = per_trial_settings(ModelSettings)
+    assert {"lr", "adam_eps", "alpha", "perm_epochs", "zeta"} <= per_trial < set(SETTINGS)
+    assert {f"model.{name}" for name in per_trial} <= PER_TRIAL_KEYS
+    space = SearchSpace(data="movielens-100k", gate="comet+", trials=2, fixed={"model.gate.k": 2}, distributions={})
+    for name in set(SETTINGS) - {"gate"}:
+        planned = [{f"model.{name}": value} for value in (0.5, 7)]
+        assert (pack_key(space, planned[0]) == pack_key(space, planned[1])) == (name in per_trial), name
+
+    @documented
+    class Schedule:
+        """A per-trial schedule and a shared switch."""
+
+        warmup: int = setting(0, "warm-up epochs.", per_trial=True)
+        shared: bool = setting(False, "a structural switch.")
+
+    assert per_trial_settings(Schedule) == {"warmup"}
+
+
+#: The ``model`` section of a ``config.yaml`` as runs and trials wrote it before ModelSettings (written by
+#: ``python -m mtmoe fit --gate comet+ --model.perm_epochs=1`` at the commit before the settings object).
+PRE_SETTINGS_MODEL = """model:
+  gate:
+    class_path: mtmoe.gates.COMETGate
+    init_args:
+      k: 2
+      gamma: 1.0
+      entropy_reg: 1.0
+      split_bias: true
+  lr: 0.0001
+  alpha: 0.9
+  n_experts: 16
+  embedding_dim: 128
+  expert_units: 256
+  tower_units: 256
+  expert_dropout: 0.5
+  keras_init: true
+  adam_eps: 1.0e-07
+  perm_epochs: 1
+  zeta: 0.0001
+  perm_per_task: false
+  perm_eval_rounded: true
+  cuda_graphs: true
+  fused_adam: true
+  matmul_precision: highest
+  dense_selection: topk
+"""
+
+
+def test_fit_config_of_an_older_run_or_trial_trains(tiny_root: Path) -> None:
+    """``fit --config config.yaml`` of a run or trial folder written before the settings object still trains."""
+    Path("old.yaml").write_text(PRE_SETTINGS_MODEL)
+    args = ["fit", "--data", "movielens-100k", f"--data.root={tiny_root}", *FAST, "--config=old.yaml",
+            "--trainer.max_epochs=2"]
+    assert run_cli(args) == 0
+    results = json.loads(next(Path("runs").rglob("results.json")).read_text())
+    assert results["gate"] == "comet+" and results["epochs_run"] == 2

@@ -21,6 +21,7 @@ losses are pure task losses, and ``loss`` is the official code's batch-size-weig
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -34,7 +35,7 @@ from mtmoe.dataset_info import DatasetInfo
 from mtmoe.errors import UsageError
 from mtmoe.mmoe import MMoE, build_net
 from mtmoe.pack.engine import EarlyStopping, PackEngine, Trial, TrialResult
-from mtmoe.pack.settings import EngineSettings, ModelSettings, OptimSettings, new_trial
+from mtmoe.pack.settings import EngineSettings, ModelSettings, OptimSettings, new_trial, settings_of
 
 
 class EngineStep(torch.optim.Optimizer):
@@ -160,6 +161,24 @@ class MultiTaskMoE(EngineModule):
               hparams: dict[str, Any] | None = None) -> MultiTaskMoE:
         """The module of ``settings``' net, built from torch's global generator as it stands (seed it first)."""
         return cls(build_net(info, settings), info, settings, settings, stopping, hparams)
+
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path: str | Path, map_location: Any = None, strict: bool = True, *,
+                             info: DatasetInfo, stopping: EarlyStopping = EarlyStopping()) -> MultiTaskMoE:
+        """The module of a ``fit`` checkpoint for ``info``'s dataset (``datamodule.info``), Lightning's route
+        (``MultiTaskMoE.load_from_checkpoint(path, info=...)``): the net built from the ``--model.*`` settings the
+        checkpoint holds (its weights then loaded, whatever torch's generator gives), the engine's state restored
+        when an engine is made. Lightning's own ``load_from_checkpoint`` would pass those settings to ``__init__``,
+        which takes a built net."""
+        checkpoint = torch.load(checkpoint_path, map_location=map_location, weights_only=True)
+        hparams = {key: value for key, value in checkpoint.get(cls.CHECKPOINT_HYPER_PARAMS_KEY, {}).items()
+                   if not key.startswith("_")}  # Lightning's ``_instantiator`` (checkpoints before ModelSettings)
+        if not hparams:
+            raise UsageError(f"{checkpoint_path} holds no model settings: not a checkpoint of python -m mtmoe fit")
+        module = cls.build(info, settings_of(hparams), stopping, hparams)
+        module.on_load_checkpoint(checkpoint)
+        module.load_state_dict(checkpoint["state_dict"], strict=strict)
+        return module
 
     def configure_optimizers(self) -> EngineStep:
         return EngineStep(self, self.trial.lr)

@@ -8,9 +8,13 @@ the command line or a config file (the run builder, :mod:`mtmoe.run`), the Pytho
 study's planned values (:mod:`mtmoe.tuning.packs`); :func:`build_trial` makes the engine's trial of them.
 """
 
-from typing import Literal
+from collections.abc import Mapping
+from dataclasses import fields
+from functools import partial
+from typing import Any, Literal
 
 from mtmoe.dataset_info import DatasetInfo
+from mtmoe.discovery import import_object
 from mtmoe.errors import UsageError
 from mtmoe.losses import task_weights
 from mtmoe.mmoe import MMoE, NetSettings, build_net, documented, setting
@@ -23,9 +27,9 @@ class OptimSettings:
     """What a net is trained for and how fast: Adam's learning rate and the task weights of the loss
     ``sum_t w_t L_t`` (comet-protocol.md §5)."""
 
-    lr: float = setting(1e-4, "Adam's learning rate.")
+    lr: float = setting(1e-4, "Adam's learning rate.", per_trial=True)
     alpha: float | None = setting(None, "weight of task 1 for the two-task recommenders (paper: 0.1 and 0.9; "
-                                        "default 0.9).")
+                                        "default 0.9).", per_trial=True)
 
 
 @documented
@@ -33,7 +37,8 @@ class EngineSettings:
     """How the training engine (:mod:`mtmoe.pack.engine`) computes a step: Adam's epsilon and kernels, CUDA
     graphs, the precision of float32 matmuls; and which experts its routing statistics count as selected."""
 
-    adam_eps: float = setting(1e-7, "Adam's epsilon; 1e-7 is Keras' default (the official code), 1e-8 PyTorch's.")
+    adam_eps: float = setting(1e-7, "Adam's epsilon; 1e-7 is Keras' default (the official code), 1e-8 PyTorch's.",
+                              per_trial=True)
     cuda_graphs: bool = setting(True, "on a GPU, capture the training step in a CUDA graph and replay it (the same "
                                       "results); False runs it eagerly.")
     fused_adam: bool = setting(True, "Adam's update in one kernel (numba on a CPU, Triton on a GPU); False: "
@@ -54,6 +59,19 @@ class EngineSettings:
 class ModelSettings(EngineSettings, NetSettings, OptimSettings):
     """A multi-gate MoE on one dataset with one gate type and how it is trained, one trial of the engine: the
     ``--model.*`` settings (fields in the order ``--help`` lists them)."""
+
+
+def settings_of(values: Mapping[str, Any]) -> ModelSettings:
+    """The settings of a ``--model.*`` configuration as a mapping (a ``config.yaml``'s ``model``, a checkpoint's
+    hyperparameters): its gate a class path and arguments; a setting it leaves out keeps its default."""
+    values = dict(values)
+    unknown = sorted(set(values) - {f.name for f in fields(ModelSettings)})
+    if unknown:
+        raise UsageError(f"unknown model settings {', '.join(unknown)}: not settings of this version of mtmoe")
+    gate = values.pop("gate", None)
+    factory = None if gate is None else partial(import_object(":".join(gate["class_path"].rsplit(".", 1)), "gate"),
+                                                **gate.get("init_args", {}))
+    return ModelSettings(gate=factory, **values)
 
 
 def new_trial(info: DatasetInfo, key: object, net: MMoE, optim: OptimSettings, engine: EngineSettings,

@@ -43,6 +43,7 @@ import socket
 import sys
 import threading
 import time
+from dataclasses import fields
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -59,14 +60,15 @@ from mtmoe.errors import UsageError
 from mtmoe.files import write_atomic, write_csv_atomic
 from mtmoe.gate_names import split_gate_name
 from mtmoe.gates import gate_class
+from mtmoe.mmoe import per_trial_settings
 from mtmoe.lit.module import PackModule
 from mtmoe.pack.engine import EarlyStopping, Trial, TrialResult
 from mtmoe.pack.memory import memory_per_trial
 from mtmoe.pack.precision import matmul_precision
-from mtmoe.pack.settings import build_trial
+from mtmoe.pack.settings import ModelSettings, build_trial
 from mtmoe.routing_names import routing_history
 from mtmoe.run import Run, build_run
-from mtmoe.run_settings import config_key, model_settings
+from mtmoe.run_settings import model_settings, set_values
 from mtmoe.tuning.checkpoints import PackCheckpoints
 from mtmoe.tuning.objective import (
     LOST_ATTEMPTS,
@@ -80,9 +82,11 @@ from mtmoe.tuning.objective import (
 from mtmoe.tuning.space import SearchSpace
 from mtmoe.tuning.storage import Heartbeats, Periodic, heartbeat_settings, trial_id
 
-#: Settings each trial of a pack may have its own value of (besides a gate's ``scalar_names``).
-PER_TRIAL_KEYS = frozenset({"model.lr", "model.adam_eps", "model.alpha", "model.perm_epochs", "model.zeta",
-                            "trainer.max_epochs", "early_stopping.patience", "early_stopping.min_delta"})
+#: Settings each trial of a pack may have its own value of (besides a gate's ``scalar_names``): the model settings
+#: declared ``per_trial`` (:func:`mtmoe.mmoe.setting`), early stopping and the epochs (the engine's per-trial
+#: :class:`~mtmoe.pack.engine.Trial` fields).
+PER_TRIAL_KEYS = frozenset({*(f"model.{name}" for name in per_trial_settings(ModelSettings)),
+                            *(f"early_stopping.{f.name}" for f in fields(EarlyStopping)), "trainer.max_epochs"})
 #: Trainer settings of a pack: the pack runs until its trials end (each by its own max_epochs and early stopping),
 #: and each trial's log is written by the worker.
 PACK_TRAINER = {"max_epochs": -1, "logger": False, "enable_progress_bar": False, "enable_model_summary": False}
@@ -114,8 +118,7 @@ class TrialFactory:
         the display and log settings ``tune`` gives its trials are ``fit``'s defaults again."""
         config = self.run.config.clone()
         config.seed_everything = seed
-        for name, value in params.items():
-            config[config_key(name)] = value
+        set_values(config, params)
         for name in TUNE_DISPLAY:
             config[name] = self.defaults[name]
         return config

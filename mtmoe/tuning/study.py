@@ -486,13 +486,13 @@ def check_overrides(space: SearchSpace, configurations: list[dict], overrides: l
     the task weight alpha in force (``None`` where the dataset weights its tasks equally).
     """
     from mtmoe.run import build_run, translate_shortcuts
-    from mtmoe.run_settings import dataset_info, resolve_dataset_settings
+    from mtmoe.run_settings import dataset_info, resolve_dataset_settings, set_values
     from mtmoe.tuning.packs import resolve_capacity
 
     longest = max(range(len(configurations)), key=lambda i: configurations[i].get("model.perm_epochs") or 0)
     params = configurations[longest]
-    with tempfile.TemporaryDirectory() as scratch:
-        run = build_run(cli_args(space, params, overrides, seed, Path(scratch)))
+    with tempfile.TemporaryDirectory() as scratch:  # its planned values as values, as the tune worker sets them
+        run = build_run(cli_args(space, {}, overrides, seed, Path(scratch)), params)
         if pack != 1:
             run.datamodule.prepare_data()
             run.datamodule.setup("fit")
@@ -504,7 +504,8 @@ def check_overrides(space: SearchSpace, configurations: list[dict], overrides: l
                 f"(--trainer.max_epochs={max_epochs}): the permutation would never be frozen; raise max_epochs "
                 "or pass --model.perm_epochs"
             )
-        plain = run.cli.parser.parse_args(translate_shortcuts(cli_args(space, params, [], seed, Path(scratch))))
+        plain = run.cli.parser.parse_args(translate_shortcuts(cli_args(space, {}, [], seed, Path(scratch))))
+        set_values(plain, params)
         resolve_dataset_settings(plain.model, dataset_info(plain.data))  # the values in force, as run.config's
     given, default = _flat_config(run.config), _flat_config(plain)
     settings = {key: given.get(key) for key in sorted(set(given) | set(default))
