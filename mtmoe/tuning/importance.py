@@ -20,6 +20,7 @@ normalisation, and a note saying so.
 """
 from __future__ import annotations
 
+import inspect
 import math
 import textwrap
 import warnings
@@ -44,13 +45,23 @@ def tuned(distributions: dict) -> list[str]:
     return sorted(name for name, distribution in distributions.items() if not distribution.single())
 
 
+def ped_anova(quantile: float):
+    """Optuna's PED-ANOVA of the top ``quantile`` of trials (gamma') against all; Optuna 5 renamed the argument
+    ``baseline_quantile`` of Optuna 4 to ``target_quantile``."""
+    from optuna.importance import PedAnovaImportanceEvaluator
+
+    parameters = inspect.signature(PedAnovaImportanceEvaluator).parameters
+    return PedAnovaImportanceEvaluator(**{"target_quantile" if "target_quantile" in parameters
+                                          else "baseline_quantile": quantile})
+
+
 def evaluators(completed: int) -> dict:
     """Optuna's evaluator of each name in :data:`EVALUATORS` for a study of ``completed`` trials, and the number of
     top trials it compares with all (``None``: it uses them all)."""
-    from optuna.importance import FanovaImportanceEvaluator, PedAnovaImportanceEvaluator
+    from optuna.importance import FanovaImportanceEvaluator
 
     quantile = max(TARGET_QUANTILE, MIN_TOP / completed)
-    return {"PED-ANOVA": (PedAnovaImportanceEvaluator(target_quantile=quantile), math.ceil(quantile * completed)),
+    return {"PED-ANOVA": (ped_anova(quantile), math.ceil(quantile * completed)),
             "fANOVA": (FanovaImportanceEvaluator(seed=FANOVA_SEED), None)}
 
 
