@@ -87,7 +87,9 @@ def study_importances(group: pd.DataFrame) -> dict:
     found = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # optuna's experimental and equal-importance warnings; the note says why
-        for name, (evaluator, top) in evaluators(len(completed)).items():
+        made = evaluators(len(completed))
+        for name in EVALUATORS:
+            evaluator, top = made[name]
             found[name] = dict(optuna.importance.get_param_importances(study, evaluator=evaluator, params=names))
             result["top"][name] = top
     note = "one hyperparameter tuned: its importance is 1 by normalisation" if len(names) == 1 else ""
