@@ -7,9 +7,9 @@ Two of Optuna's evaluators, each named wherever its values appear:
   from its distribution among all: a hyperparameter that must be set right to reach the top has a high importance.
   Deterministic (Parzen estimators on a grid). Top: the best ``max(10%, 2 trials)``.
 * **fANOVA** (Hutter, Hoos and Leyton-Brown, ICML 2014; ``FanovaImportanceEvaluator``, scikit-learn's random forest)
-  fits a random forest to the objective over all completed trials and attributes its variance over the search space
-  to each hyperparameter's main effect (Section 3, Eq. 1-2): a hyperparameter that moves the objective on average has
-  a high importance. Optuna's defaults (64 trees of depth at most 64) with the forest's seed fixed
+  fits a random forest to the objective over all completed trials and attributes the variance of its prediction over
+  the search space to each hyperparameter's main effect (a functional ANOVA decomposition): a hyperparameter that
+  moves the objective on average has a high importance. Optuna's defaults (64 trees of depth at most 64) with the forest's seed fixed
   (:data:`FANOVA_SEED`), so reruns agree.
 
 Per study, over its completed configurations (each ``config_id`` once, as the trial table holds them; failed ones
