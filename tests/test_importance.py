@@ -1,7 +1,7 @@
 """``report``'s hyperparameter importances (:mod:`mtmoe.tuning.importance`, Optuna's PED-ANOVA and fANOVA): on a
 synthetic study where one hyperparameter alone drives the objective both evaluators rank it first, the values are
 Optuna's on the study's completed trials, the table, CSV and figure name the evaluator, reruns agree, and a study with
-too few trials, one tuned hyperparameter or one objective value gets a note."""
+too few trials, one tuned hyperparameter, one objective value or one configuration gets a note."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,6 +14,7 @@ from optuna.distributions import CategoricalDistribution, FloatDistribution, Int
 from optuna.trial import TrialState
 
 from conftest import run_cli
+from test_tuning import synthetic_study
 from mtmoe.tuning.importance import FANOVA_SEED, ped_anova
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -55,6 +56,7 @@ def storage(tmp_path_factory) -> str:
     add_study(url, "topk", 3, 2)
     add_study(url, "softmax", 8, 3, space={"model.lr": SPACE["model.lr"]})
     add_study(url, "hash", 8, 4, objective=lambda params, rng: 0.4)
+    synthetic_study(url, "synthetic/dselect", "dselect", 8, 0.4, np.random.default_rng(5), data="synthetic")
     return url
 
 
@@ -64,7 +66,7 @@ def test_the_parameter_that_drives_the_objective_ranks_first_and_reruns_agree(st
     printed = capsys.readouterr().out
     table = pd.read_csv(tmp_path / "a" / "importance.csv", keep_default_na=False, na_values={"importance": [""]})
     assert list(table.drop_duplicates(["study", "evaluator"])[["study", "evaluator"]].itertuples(index=False)) == [
-        (f"synthetic/{gate}", evaluator) for gate in ("softmax", "topk", "hash", "comet")
+        (f"synthetic/{gate}", evaluator) for gate in ("softmax", "topk", "hash", "dselect", "comet")
         for evaluator in ("PED-ANOVA", "fANOVA")]
 
     study = optuna.load_study(study_name="synthetic/comet", storage=storage)  # Optuna's own, on the same trials
@@ -83,10 +85,11 @@ def test_the_parameter_that_drives_the_objective_ranks_first_and_reruns_agree(st
 
     notes = {"synthetic/topk": "3 completed trials: importances need at least 4",
              "synthetic/hash": "every completed trial has the same objective: nothing to attribute",
+             "synthetic/dselect": "every completed trial has the same configuration: nothing to attribute",
              "synthetic/softmax": "one hyperparameter tuned: its importance is 1 by normalisation"}
     for study_name, note in notes.items():
         assert set(table[table.study == study_name].note) == {note}
-    assert table[table.study.isin(["synthetic/topk", "synthetic/hash"])].importance.isna().all()
+    assert table[table.study.isin(["synthetic/topk", "synthetic/hash", "synthetic/dselect"])].importance.isna().all()
     assert list(table[table.study == "synthetic/softmax"].importance) == [1.0, 1.0]
 
     assert "## Hyperparameter importance (PED-ANOVA, fANOVA)" in printed

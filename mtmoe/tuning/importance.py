@@ -15,7 +15,7 @@ Two of Optuna's evaluators, each named wherever its values appear:
 Per study, over its completed configurations (each ``config_id`` once, as the trial table holds them; failed ones
 have no objective to rank and are left out), importances normalised to sum to 1 (``get_param_importances(
 normalize=True)``). A study with fewer than :data:`MIN_COMPLETED` completed trials, nothing tuned, or one objective
-value in every trial gets a note instead; a study that tunes one hyperparameter gets its importance, 1 by
+value or one configuration in every trial (fANOVA's forest would have no variance to attribute) gets a note instead; a study that tunes one hyperparameter gets its importance, 1 by
 normalisation, and a note saying so.
 """
 from __future__ import annotations
@@ -80,6 +80,8 @@ def study_importances(group: pd.DataFrame) -> dict:
                                   f"need at least {MIN_COMPLETED}"}
     if completed.objective.nunique() == 1:
         return {**result, "note": "every completed trial has the same objective: nothing to attribute"}
+    if completed.params.map(lambda params: tuple(params.get(name) for name in names)).nunique() == 1:
+        return {**result, "note": "every completed trial has the same configuration: nothing to attribute"}
     study = optuna.create_study(direction="minimize")  # in memory: the trial table's objective is minimised
     study.add_trials([optuna.trial.create_trial(value=row.objective, params=row.params,
                                                 distributions=row.distributions)
