@@ -1,6 +1,7 @@
-"""``report``'s hyperparameter importances (:mod:`mtmoe.tuning.importance`, Optuna's PED-ANOVA): on a synthetic
-study where one hyperparameter alone drives the objective it ranks first, the values are Optuna's on the study's
-completed trials, reruns agree, and a study with too few trials gets a note."""
+"""``report``'s hyperparameter importances (:mod:`mtmoe.tuning.importance`, Optuna's PED-ANOVA and fANOVA): on a
+synthetic study where one hyperparameter alone drives the objective both evaluators rank it first, the values are
+Optuna's on the study's completed trials, the table, CSV and figure name the evaluator, reruns agree, and a study with
+too few trials, one tuned hyperparameter, one objective value or one configuration gets a note."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,29 +14,37 @@ from optuna.distributions import CategoricalDistribution, FloatDistribution, Int
 from optuna.trial import TrialState
 
 from conftest import run_cli
+from test_tuning import synthetic_study
+from mtmoe.tuning.importance import FANOVA_SEED, ped_anova
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 SPACE = {"model.lr": FloatDistribution(1e-4, 1e-2, log=True), "model.gate.gamma": FloatDistribution(0.1, 10.0),
          "model.gate.k": IntDistribution(1, 4), "model.gate.entropy_reg": CategoricalDistribution([1, 5, 10])}
 
 
-def add_study(url: str, gate: str, n: int, seed: int, failed: int = 0) -> str:
-    """A study as ``tune`` leaves it, random configurations whose objective depends on the learning rate alone
-    (best at 1e-3) plus noise; ``failed`` more configurations diverged, and a lost trial to ignore."""
+def lr_bowl(params: dict, rng: np.random.Generator) -> float:
+    """Best at a learning rate of 1e-3, whatever the other hyperparameters, plus noise."""
+    return 0.4 + 0.05 * np.log10(params["model.lr"] / 1e-3) ** 2 + rng.normal(0, 0.001)
+
+
+def add_study(url: str, gate: str, n: int, seed: int, failed: int = 0, space: dict = SPACE,
+              objective=lr_bowl) -> str:
+    """A study as ``tune`` leaves it, ``n`` random configurations of ``space`` scored by ``objective``; ``failed``
+    more configurations diverged, and a lost trial to ignore."""
     name = f"synthetic/{gate}"
     study = optuna.create_study(study_name=name, storage=url, sampler=optuna.samplers.RandomSampler(seed))
     for key, value in {"data": "synthetic", "gate": gate, "seed": seed, "trials": n + failed}.items():
         study.set_user_attr(key, value)
     rng = np.random.default_rng(seed)
     for config_id in range(n + failed):
-        trial = study.ask(SPACE)
+        trial = study.ask(space)
         trial.set_user_attr("config_id", config_id)
         trial.set_user_attr("test_loss", 0.5)
         if config_id >= n:
             trial.set_user_attr("fail_reason", "diverged: train loss nan")
             study.tell(trial, state=TrialState.FAIL)
             continue
-        study.tell(trial, 0.4 + 0.05 * np.log10(trial.params["model.lr"] / 1e-3) ** 2 + rng.normal(0, 0.001))
+        study.tell(trial, objective(trial.params, rng))
     study.add_trial(optuna.trial.create_trial(state=TrialState.FAIL, user_attrs={"config_id": 0}))  # lost
     return name
 
@@ -45,6 +54,9 @@ def storage(tmp_path_factory) -> str:
     url = f"sqlite:///{tmp_path_factory.mktemp('importance') / 'studies.db'}"
     add_study(url, "comet", 60, 1, failed=3)
     add_study(url, "topk", 3, 2)
+    add_study(url, "softmax", 8, 3, space={"model.lr": SPACE["model.lr"]})
+    add_study(url, "hash", 8, 4, objective=lambda params, rng: 0.4)
+    synthetic_study(url, "synthetic/dselect", "dselect", 8, 0.4, np.random.default_rng(5), data="synthetic")
     return url
 
 
@@ -52,23 +64,41 @@ def test_the_parameter_that_drives_the_objective_ranks_first_and_reruns_agree(st
                                                                               capsys) -> None:
     assert run_cli(["report", "--data", "synthetic", "--storage", storage, "--out", str(tmp_path / "a")]) == 0
     printed = capsys.readouterr().out
-    table = pd.read_csv(tmp_path / "a" / "importance.csv")
-    comet = table[table.study == "synthetic/comet"].sort_values("importance", ascending=False)
-    assert list(comet.param)[0] == "model.lr" and comet.importance.iloc[0] > 2 * comet.importance.iloc[1]
-    assert sorted(comet.param) == sorted(SPACE) and comet.importance.sum() == pytest.approx(1.0)
-    assert set(comet.evaluator) == {"PED-ANOVA"} and set(comet.completed) == {60} and set(comet.top) == {6}
+    table = pd.read_csv(tmp_path / "a" / "importance.csv", keep_default_na=False, na_values={"importance": [""]})
+    assert list(table.drop_duplicates(["study", "evaluator"])[["study", "evaluator"]].itertuples(index=False)) == [
+        (f"synthetic/{gate}", evaluator) for gate in ("softmax", "topk", "hash", "dselect", "comet")
+        for evaluator in ("PED-ANOVA", "fANOVA")]
 
     study = optuna.load_study(study_name="synthetic/comet", storage=storage)  # Optuna's own, on the same trials
-    expected = optuna.importance.get_param_importances(
-        study, evaluator=optuna.importance.PedAnovaImportanceEvaluator(target_quantile=0.1))
-    assert dict(zip(comet.param, comet.importance)) == pytest.approx(expected, rel=1e-12)
+    comet = table[table.study == "synthetic/comet"]
+    for evaluator, optunas in {
+            "PED-ANOVA": ped_anova(0.1),  # Optuna's, under the installed version's argument name
+            "fANOVA": optuna.importance.FanovaImportanceEvaluator(seed=FANOVA_SEED)}.items():
+        found = comet[comet.evaluator == evaluator].sort_values("importance", ascending=False)
+        assert list(found.param)[0] == "model.lr" and found.importance.iloc[0] > 2 * found.importance.iloc[1]
+        assert sorted(found.param) == sorted(SPACE) and found.importance.sum() == pytest.approx(1.0)
+        expected = optuna.importance.get_param_importances(study, evaluator=optunas)
+        assert dict(zip(found.param, found.importance)) == pytest.approx(expected, rel=1e-12)
+        assert set(found.completed) == {60} and set(found.note) == {""}
+    assert set(comet[comet.evaluator == "PED-ANOVA"].top) == {"6"}
+    assert set(comet[comet.evaluator == "fANOVA"].top) == {""}  # fANOVA uses all completed trials
 
-    topk = table[table.study == "synthetic/topk"]
-    assert topk.importance.isna().all() and set(topk.note) == {"3 completed trials: importances need at least 4"}
-    assert "## Hyperparameter importance (PED-ANOVA)" in printed
-    assert "| synthetic/topk | topk | - | 3 (0) | n/a | n/a | n/a | n/a | 3 completed trials" in printed
+    notes = {"synthetic/topk": "3 completed trials: importances need at least 4",
+             "synthetic/hash": "every completed trial has the same objective: nothing to attribute",
+             "synthetic/dselect": "every completed trial has the same configuration: nothing to attribute",
+             "synthetic/softmax": "one hyperparameter tuned: its importance is 1 by normalisation"}
+    for study_name, note in notes.items():
+        assert set(table[table.study == study_name].note) == {note}
+    assert table[table.study.isin(["synthetic/topk", "synthetic/hash", "synthetic/dselect"])].importance.isna().all()
+    assert list(table[table.study == "synthetic/softmax"].importance) == [1.0, 1.0]
+
+    assert "## Hyperparameter importance (PED-ANOVA, fANOVA)" in printed
+    assert "| synthetic/topk | topk | - | PED-ANOVA | 3 (0) | n/a | n/a | n/a | n/a | 3 completed trials" in printed
+    assert "| synthetic/topk | topk | - | fANOVA | 3 (all) | n/a | n/a | n/a | n/a | 3 completed trials" in printed
+    assert "| synthetic/softmax | softmax | - | fANOVA | 8 (all) | - | - | - | 1.000 | one hyperparameter" in printed
     png = (tmp_path / "a" / "importance.png").read_bytes()
     assert png.startswith(b"\x89PNG") and (tmp_path / "a" / "importance.pdf").read_bytes().startswith(b"%PDF")
 
     assert run_cli(["report", "--data", "synthetic", "--storage", storage, "--out", str(tmp_path / "b")]) == 0
     assert (tmp_path / "b" / "importance.csv").read_text() == (tmp_path / "a" / "importance.csv").read_text()
+    assert (tmp_path / "b" / "report.md").read_text() == (tmp_path / "a" / "report.md").read_text()

@@ -1,18 +1,26 @@
-"""Which hyperparameters matter, per study: Optuna's PED-ANOVA importances of the validation objective.
+"""Which hyperparameters matter, per study: Optuna's PED-ANOVA and fANOVA importances of the validation objective.
 
-PED-ANOVA (Watanabe, Bansal and Hutter, IJCAI 2023; ``optuna.importance.PedAnovaImportanceEvaluator``, the evaluator
-optuna-dashboard shows) measures how much each hyperparameter's distribution among the top trials differs from its
-distribution among all: a hyperparameter that must be set right to reach the top has a high importance. It is
-deterministic (Parzen estimators on a grid), so reruns agree. fANOVA (``FanovaImportanceEvaluator``) needs
-scikit-learn, which the suite does not depend on: it is not offered.
+Two of Optuna's evaluators, each named wherever its values appear:
+
+* **PED-ANOVA** (Watanabe, Bansal and Hutter, IJCAI 2023; ``optuna.importance.PedAnovaImportanceEvaluator``, the
+  evaluator optuna-dashboard shows) measures how much each hyperparameter's distribution among the top trials differs
+  from its distribution among all: a hyperparameter that must be set right to reach the top has a high importance.
+  Deterministic (Parzen estimators on a grid). Top: the best ``max(10%, 2 trials)``.
+* **fANOVA** (Hutter, Hoos and Leyton-Brown, ICML 2014; ``FanovaImportanceEvaluator``, scikit-learn's random forest)
+  fits a random forest to the objective over all completed trials and attributes the variance of its prediction over
+  the search space to each hyperparameter's main effect (a functional ANOVA decomposition): a hyperparameter that
+  moves the objective on average has a high importance. Optuna's defaults (64 trees of depth at most 64) with the forest's seed fixed
+  (:data:`FANOVA_SEED`), so reruns agree.
 
 Per study, over its completed configurations (each ``config_id`` once, as the trial table holds them; failed ones
-have no objective to rank and are left out): the top ``max(10%, 2 trials)`` against all, importances normalised to
-sum to 1 (``get_param_importances(normalize=True)``). A study with fewer than :data:`MIN_COMPLETED` completed trials,
-or nothing tuned, gets a note instead.
+have no objective to rank and are left out), importances normalised to sum to 1 (``get_param_importances(
+normalize=True)``). A study with fewer than :data:`MIN_COMPLETED` completed trials, nothing tuned, or one objective
+value or one configuration in every trial (fANOVA's forest would have no variance to attribute) gets a note instead; a study that tunes one hyperparameter gets its importance, 1 by
+normalisation, and a note saying so.
 """
 from __future__ import annotations
 
+import inspect
 import math
 import textwrap
 import warnings
@@ -21,11 +29,15 @@ import pandas as pd
 
 from mtmoe.tuning.trials import as_text, gate_order
 
-EVALUATOR = "PED-ANOVA"
+#: The evaluators, in the order the table, CSV and figure give them.
+EVALUATORS = ("PED-ANOVA", "fANOVA")
+COLORS = {"PED-ANOVA": "#4a78a8", "fANOVA": "#e08a3c"}
 #: PED-ANOVA's default top quantile (gamma'), raised to hold at least :data:`MIN_TOP` trials in a small study.
 TARGET_QUANTILE = 0.1
 MIN_TOP = 2
 MIN_COMPLETED = 2 * MIN_TOP
+#: The seed of fANOVA's random forest.
+FANOVA_SEED = 0
 
 
 def tuned(distributions: dict) -> list[str]:
@@ -33,90 +45,133 @@ def tuned(distributions: dict) -> list[str]:
     return sorted(name for name, distribution in distributions.items() if not distribution.single())
 
 
+def ped_anova(quantile: float):
+    """Optuna's PED-ANOVA of the top ``quantile`` of trials (gamma') against all; Optuna 5 renamed the argument
+    ``baseline_quantile`` of Optuna 4 to ``target_quantile``."""
+    from optuna.importance import PedAnovaImportanceEvaluator
+
+    parameters = inspect.signature(PedAnovaImportanceEvaluator).parameters
+    return PedAnovaImportanceEvaluator(**{"target_quantile" if "target_quantile" in parameters
+                                          else "baseline_quantile": quantile})
+
+
+def evaluators(completed: int) -> dict:
+    """Optuna's evaluator of each name in :data:`EVALUATORS` for a study of ``completed`` trials, and the number of
+    top trials it compares with all (``None``: it uses them all)."""
+    from optuna.importance import FanovaImportanceEvaluator
+
+    quantile = max(TARGET_QUANTILE, MIN_TOP / completed)
+    return {"PED-ANOVA": (ped_anova(quantile), math.ceil(quantile * completed)),
+            "fANOVA": (FanovaImportanceEvaluator(seed=FANOVA_SEED), None)}
+
+
 def study_importances(group: pd.DataFrame) -> dict:
-    """One study's importances: ``{"completed", "top", "importances": {param: value}, "note"}``."""
+    """One study's importances: ``{"completed", "top": {evaluator: trials}, "importances": {evaluator: {param:
+    value}}, "note"}``."""
     import optuna
 
     completed = group[~group.failed]
     names = tuned(group.distributions.iloc[0])
-    result = {"completed": len(completed), "top": 0, "importances": {}, "note": ""}
+    result = {"completed": len(completed), "top": {"PED-ANOVA": 0}, "importances": {}, "note": ""}
     if not names:
         return {**result, "note": "no hyperparameter is tuned"}
     if len(completed) < MIN_COMPLETED:
         return {**result, "note": f"{len(completed)} completed trial{'s' * (len(completed) != 1)}: importances "
                                   f"need at least {MIN_COMPLETED}"}
-    quantile = max(TARGET_QUANTILE, MIN_TOP / len(completed))
+    if completed.objective.nunique() == 1:
+        return {**result, "note": "every completed trial has the same objective: nothing to attribute"}
+    if completed.params.map(lambda params: tuple(params.get(name) for name in names)).nunique() == 1:
+        return {**result, "note": "every completed trial has the same configuration: nothing to attribute"}
     study = optuna.create_study(direction="minimize")  # in memory: the trial table's objective is minimised
     study.add_trials([optuna.trial.create_trial(value=row.objective, params=row.params,
                                                 distributions=row.distributions)
                       for row in completed.itertuples()])
+    found = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # optuna's experimental and equal-importance warnings; the note says why
-        values = optuna.importance.get_param_importances(
-            study, evaluator=optuna.importance.PedAnovaImportanceEvaluator(target_quantile=quantile), params=names)
-    return {**result, "top": math.ceil(quantile * len(completed)), "importances": dict(values)}
+        made = evaluators(len(completed))
+        for name in EVALUATORS:
+            evaluator, top = made[name]
+            found[name] = dict(optuna.importance.get_param_importances(study, evaluator=evaluator, params=names))
+            result["top"][name] = top
+    note = "one hyperparameter tuned: its importance is 1 by normalisation" if len(names) == 1 else ""
+    return {**result, "importances": found, "note": note}
 
 
 def importances(trials: pd.DataFrame) -> pd.DataFrame:
-    """One row per study and tuned hyperparameter (``importance`` NaN and a ``note`` for a study without them),
-    in the trial table's order."""
+    """One row per study, evaluator and tuned hyperparameter (``importance`` NaN and a ``note`` for a study without
+    them; ``top`` empty for an evaluator that uses all completed trials), in the trial table's order."""
     rows = []
     for study, group in trials.groupby("study", sort=False):
         first = group.iloc[0]
         found = study_importances(group)
-        key = {"study": study, "gate": first.gate, "alpha": first.alpha, "evaluator": EVALUATOR,
-               "completed": found["completed"], "top": found["top"]}
-        params = found["importances"] or {name: math.nan for name in tuned(first.distributions) or [""]}
-        rows += [{**key, "param": param, "importance": value, "note": found["note"]}
-                 for param, value in params.items()]
-    return pd.DataFrame(rows)
+        for evaluator in EVALUATORS:
+            key = {"study": study, "gate": first.gate, "alpha": first.alpha, "evaluator": evaluator,
+                   "completed": found["completed"], "top": found["top"].get(evaluator)}
+            params = found["importances"].get(evaluator) or {name: math.nan
+                                                             for name in tuned(first.distributions) or [""]}
+            rows += [{**key, "param": param, "importance": value, "note": found["note"]}
+                     for param, value in params.items()]
+    table = pd.DataFrame(rows)
+    return table.astype({"top": "Int64"}) if len(table) else table
 
 
 def markdown(table: pd.DataFrame) -> str:
-    """The importances as a Markdown section: a row per study, a column per hyperparameter."""
+    """The importances as a Markdown section: a row per study and evaluator, a column per hyperparameter."""
     params = sorted(p for p in table.param.unique() if p)
-    lines = ["", f"## Hyperparameter importance ({EVALUATOR})", "",
-             f"Optuna's `PedAnovaImportanceEvaluator` (PED-ANOVA, Watanabe et al. 2023; the evaluator optuna-dashboard "
-             "shows) of the validation objective, per study over its completed trials: how much each "
-             "hyperparameter's distribution among the top trials (top: the best max(10%, 2)) differs from its "
-             "distribution among all, normalised to sum to 1. Deterministic. fANOVA needs scikit-learn, not a "
-             "dependency of the suite. Figure: `importance.png` (vector: `importance.pdf`); values: "
-             "`importance.csv`.", "",
-             "| Study | Gate | alpha | Completed (top) | " + " | ".join(f"`{p}`" for p in params) + " | note |",
-             "|---|---|---|---|" + "---|" * len(params) + "---|"]
-    for study, group in table.groupby("study", sort=False):
+    lines = ["", f"## Hyperparameter importance ({', '.join(EVALUATORS)})", "",
+             "Two of Optuna's evaluators of the validation objective, per study over its completed trials, each "
+             "normalised to sum to 1. PED-ANOVA (`PedAnovaImportanceEvaluator`, Watanabe et al. 2023; the evaluator "
+             "optuna-dashboard shows): how much each hyperparameter's distribution among the top trials (the best "
+             "max(10%, 2)) differs from its distribution among all; deterministic. fANOVA "
+             "(`FanovaImportanceEvaluator`, Hutter et al. 2014): the share of the objective's variance, as a random "
+             f"forest fitted to all completed trials predicts it, that each hyperparameter's main effect explains; "
+             f"Optuna's defaults, forest seed {FANOVA_SEED}. Figure: `importance.png` (vector: `importance.pdf`); "
+             "values: `importance.csv`.", "",
+             "| Study | Gate | alpha | Evaluator | Completed (top) | " + " | ".join(f"`{p}`" for p in params)
+             + " | note |",
+             "|---|---|---|---|---|" + "---|" * len(params) + "---|"]
+    for (study, evaluator), group in table.groupby(["study", "evaluator"], sort=False):
         first = group.iloc[0]
         values = dict(zip(group.param, group.importance))
         cells = ["-" if p not in values else "n/a" if math.isnan(values[p]) else f"{values[p]:.3f}" for p in params]
-        lines.append(f"| {study} | {first.gate} | {as_text(first.alpha) or '-'} | {first.completed} ({first.top}) | "
-                     + " | ".join(cells) + f" | {first.note or '-'} |")
+        top = "all" if pd.isna(first.top) else first.top
+        lines.append(f"| {study} | {first.gate} | {as_text(first.alpha) or '-'} | {evaluator} | {first.completed} "
+                     f"({top}) | " + " | ".join(cells) + f" | {first.note or '-'} |")
     return "\n".join(lines) + "\n"
 
 
 def plot(table: pd.DataFrame):
-    """A panel per study with importances (in the gates' order): a horizontal bar per tuned hyperparameter, the
-    most important on top, on a shared 0-1 axis, naming the evaluator."""
+    """A panel per study with importances (in the gates' order): a bar per tuned hyperparameter and evaluator, grouped
+    by hyperparameter, the most important on average on top, on a shared 0-1 axis; a legend names the evaluators."""
     from matplotlib.figure import Figure
 
     shown = table[table.importance.notna()]
     studies = sorted(shown.study.unique(), key=lambda s: (gate_order(shown[shown.study == s].gate.iloc[0]), s))
     columns = min(3, max(len(studies), 1))
     rows = max(math.ceil(len(studies) / columns), 1)
-    height = max((shown.groupby("study").size().max() if len(shown) else 1) * 0.32 + 1.0, 1.6)
-    figure = Figure(figsize=(3.6 * columns, height * rows + 0.6), layout="constrained")
-    figure.suptitle(f"Hyperparameter importance of the validation objective ({EVALUATOR}, Optuna)", fontsize=9)
+    height = max((shown.groupby("study").size().max() if len(shown) else 1) * 0.2 + 1.0, 1.6)
+    figure = Figure(figsize=(3.6 * columns, height * rows + 0.8), layout="constrained")
+    figure.suptitle("Hyperparameter importance of the validation objective (Optuna)", fontsize=9)
+    width = 0.8 / len(EVALUATORS)
     for index, study in enumerate(studies):
-        group = shown[shown.study == study].sort_values("importance")
+        group = shown[shown.study == study]
+        order = list(group.groupby("param", sort=True).importance.mean().sort_values(kind="stable").index)
         ax = figure.add_subplot(rows, columns, index + 1)
-        ax.barh(range(len(group)), group.importance, color="#4a78a8", height=0.6)
-        ax.set_yticks(range(len(group)), [textwrap.shorten(p, 28) for p in group.param], fontsize=8)
+        for offset, evaluator in enumerate(EVALUATORS):
+            values = group[group.evaluator == evaluator].set_index("param").importance.reindex(order)
+            ax.barh([i - (offset - (len(EVALUATORS) - 1) / 2) * width for i in range(len(order))], values,
+                    height=width * 0.9, color=COLORS[evaluator], label=evaluator if index == 0 else None)
+        ax.set_yticks(range(len(order)), [textwrap.shorten(p, 28) for p in order], fontsize=8)
         ax.set_xlim(0, 1)
         ax.set_xlabel("importance (sums to 1)", fontsize=8)
         first = group.iloc[0]
-        ax.set_title(f"{study}\n{first.completed} trials, top {first.top}", fontsize=8.5)
+        ax.set_title(f"{study}\n{first.completed} trials, PED-ANOVA top {first.top}", fontsize=8.5)
         ax.tick_params(axis="x", labelsize=8)
         ax.grid(True, axis="x", color="#dddddd", linewidth=0.6)
         ax.set_axisbelow(True)
-    if not studies:
+    if studies:
+        figure.legend(loc="outside lower center", ncols=len(EVALUATORS), fontsize=8, frameon=False)
+    else:
         figure.add_subplot().text(0.5, 0.5, "no study has importances (see report.md)", ha="center", va="center")
     return figure

@@ -20,8 +20,8 @@ name, so ``.../alpha=0.1`` and ``.../alpha=0.9`` are separate rows, compared wit
   (:mod:`mtmoe.tuning.routing_report`; studies tuned before these statistics have none).
 * **Studies**: each study's seed, settings (what ``tune``'s overrides changed) and failed configurations with their
   reasons (diverged, or lost too often). Rows by alpha, then the paper's gate order.
-* **Hyperparameter importance** of each study's validation objective (:mod:`mtmoe.tuning.importance`, PED-ANOVA),
-  a table and a figure.
+* **Hyperparameter importance** of each study's validation objective (:mod:`mtmoe.tuning.importance`: Optuna's PED-ANOVA
+  and fANOVA), a table and a figure naming the evaluator.
 
 Printed, and written atomically as Markdown (``report.md``), CSV (``table_2_3.csv``, ``table_7.csv``,
 ``routing.csv``, ``importance.csv``) and the importance figure (``importance.png``, ``importance.pdf``) into ``--out``
