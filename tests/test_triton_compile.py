@@ -4,11 +4,11 @@
 The signatures are recorded, not listed by hand: a process with ``TRITON_INTERPRET=1`` runs the code that launches the
 kernels (:func:`record_launches`: dropout in every dtype it takes, the expert layer's epilogue and its mixing in their
 dtypes with and without dropout, the Sinkhorn forward and backward for the search spaces' expert counts and 33, the
-packed Adam at pack sizes 1, 3 and 16, with and without bfloat16 copies) with each kernel's ``run`` wrapped to note
-its arguments (a tensor's dtype and alignment, a number's value, the constexprs and options). The test replays each through Triton's own
-argument binder for the target, which gives the types, constexprs and specialisations (an int's divisibility by 16 or
-value 1, a pointer's alignment) a launch on that GPU gets, and compiles them. A kernel launched (``name[grid](...)``)
-from code this recording does not reach fails the test.
+packed Adam at pack sizes 1, 3 and 16, with and without bfloat16 copies) with each kernel's ``run`` wrapped to note its
+arguments (a tensor's dtype and alignment, a number's value, the constexprs and options). The test replays each through
+Triton's own argument binder for the target, which gives the types, constexprs and specialisations (an int's
+divisibility by 16 or value 1, a pointer's alignment) a launch on that GPU gets, and compiles them. A kernel launched
+(``name[grid](...)``) from code this recording does not reach fails the test.
 """
 from __future__ import annotations
 
