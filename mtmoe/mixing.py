@@ -150,13 +150,14 @@ def mix_backward(grad: Tensor, weights: Tensor, h: Tensor, p: float) -> Tensor:
     scale = dropout_scale(p)
     out = torch.empty_like(h)
     read = grad.nbytes + weights.nbytes + h.nbytes
+    flops = 2 * rows * tasks * n * units  # the product bmm(weights^T, grad) in it
     if use_triton(h.device):
-        fused_kernel("mix backward (triton)", read, out.nbytes)
+        fused_kernel("mix backward (triton)", read, out.nbytes, flops)
         _mix_backward_cuda[(triton.cdiv(columns, _BLOCK), rows)](
             grad, weights, h, out, columns, units, n, tasks, scale, BLOCK=_BLOCK,
             FLOAT64=h.dtype == torch.float64, BFLOAT16=h.dtype == torch.bfloat16)
         return out
-    fused_kernel("mix backward (numba)", read, out.nbytes)
+    fused_kernel("mix backward (numba)", read, out.nbytes, flops)
     shaped = [x.view(rows, *shape) for x, shape in ((grad, (tasks, units)), (weights, (tasks, n)), (h, (columns,)),
                                                    (out, (columns,)))]
     if h.dtype == torch.bfloat16:

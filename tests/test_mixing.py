@@ -176,6 +176,8 @@ def test_the_kernel_reports_its_traffic(monkeypatch) -> None:
     # the mixture's gradient, the weights and h read, the gradient of y written
     assert cost.by_kernel == {"mix backward (numba)": grad.nbytes + weights.nbytes + 2 * h.nbytes}
     assert cost.launches == 1
+    # its product's FLOPs, as FlopCounterMode counts the bmm it replaces
+    assert cost.flops == measure(lambda: mix_backward_reference(grad, weights, h, 0.5)).flops == 2 * 37 * 2 * 5 * 30
 
 
 TRITON_CHECK = """
