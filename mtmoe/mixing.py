@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from mtmoe.epilogue import _epilogue_kernel, _fused, epilogue_backward
+from mtmoe.epilogue import _epilogue_kernel, _fused, epilogue_backward, leading
 from mtmoe.host_threads import run_split
 from mtmoe.kernel_traffic import fused_kernel
 from mtmoe.random import _bfloat16_bits, _fma, dropout_scale, dropout_threshold
@@ -209,14 +209,7 @@ class _MixedEpilogue(torch.autograd.Function):
     @staticmethod
     def vmap(info, in_dims, y: Tensor, bias: Tensor, weights: Tensor, seed: Tensor | None, step: Tensor | None,
              site: int, p: float) -> tuple[tuple[Tensor, Tensor], tuple[int, int]]:
-        def leading(x: Tensor | None, dim: int | None) -> Tensor | None:
-            if x is None:
-                return None
-            return x.expand(info.batch_size, *x.shape) if dim is None else x.movedim(dim, 0)
-
-        y, bias, weights, seed, step = (leading(x, dim) for x, dim in zip((y, bias, weights, seed, step), in_dims))
-        if seed is not None:
-            seed, step = (x.expand(bias.shape[:-1]) for x in (seed, step))
+        y, bias, weights, seed, step = leading(info.batch_size, (y, bias, weights, seed, step), in_dims)
         return _MixedEpilogue.apply(y, bias, weights, seed, step, site, p), (0, 0)
 
 
