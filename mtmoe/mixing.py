@@ -59,19 +59,21 @@ def _mix_backward_cpu(grad: np.ndarray, weights: np.ndarray, h: np.ndarray, out:
                       lo: int, hi: int) -> None:
     """Rows ``[lo, hi)`` of ``out`` ``[R, n * U]`` from ``grad`` ``[R, T, U]``, ``weights`` ``[R, T, n]`` and ``h``
     (float32 or float64): where ``h > 0``, ``sum_t weights[t, i] grad[t, u]`` (fused multiply-adds after the first
-    product) times ``scale``; else 0."""
+    product) times ``scale``; else 0. Each expert's ``U`` columns at once (SIMD lanes)."""
     tasks, units, n = grad.shape[1], grad.shape[2], weights.shape[2]
+    acc = np.empty_like(grad[0, 0])
     for r in range(lo, hi):
         for i in range(n):
+            w = weights[r, 0, i]
             for u in range(units):
-                j = i * units + u
-                if h[r, j] > 0:
-                    acc = weights[r, 0, i] * grad[r, 0, u]
-                    for t in range(1, tasks):
-                        acc = _fma(weights[r, t, i], grad[r, t, u], acc)
-                    out[r, j] = acc * scale
-                else:
-                    out[r, j] = 0
+                acc[u] = w * grad[r, 0, u]
+            for t in range(1, tasks):
+                w = weights[r, t, i]
+                for u in range(units):
+                    acc[u] = _fma(w, grad[r, t, u], acc[u])
+            h_row, out_row = h[r, i * units:(i + 1) * units], out[r, i * units:(i + 1) * units]
+            for u in range(units):
+                out_row[u] = acc[u] * scale if h_row[u] > 0 else 0
 
 
 @numba.njit(cache=True, nogil=True)
@@ -83,8 +85,8 @@ def _mix_backward_cpu_bfloat16(grad: np.ndarray, weights: np.ndarray, h: np.ndar
     tasks, units, n = grad.shape[1], grad.shape[2], weights.shape[2]
     w_bits, g_bits = np.empty(tasks * n, np.uint32), np.empty(tasks * units, np.uint32)
     w, g = w_bits.view(np.float32), g_bits.view(np.float32)
-    value = np.empty(1, np.float32)
-    value_bits = value.view(np.uint32)
+    acc = np.empty(units, np.float32)
+    acc_bits = acc.view(np.uint32)
     for r in range(lo, hi):
         for t in range(tasks):
             for i in range(n):
@@ -93,18 +95,20 @@ def _mix_backward_cpu_bfloat16(grad: np.ndarray, weights: np.ndarray, h: np.ndar
                 g_bits[t * units + u] = np.uint32(grad[r, t, u]) << np.uint32(16)
         for i in range(n):
             for u in range(units):
-                j = i * units + u
-                bits = h[r, j]
-                if bits != np.uint16(0) and bits <= np.uint16(0x7F80):
-                    acc = w[i] * g[u]
-                    for t in range(1, tasks):
-                        acc = _fma(w[t * n + i], g[t * units + u], acc)
-                    value[0] = acc
-                    value_bits[0] = np.uint32(_bfloat16_bits(value_bits[0])) << np.uint32(16)
-                    value[0] = value[0] * scale
-                    out[r, j] = _bfloat16_bits(value_bits[0])
-                else:
-                    out[r, j] = 0
+                acc[u] = w[i] * g[u]
+            for t in range(1, tasks):
+                wt = w[t * n + i]
+                for u in range(units):
+                    acc[u] = _fma(wt, g[t * units + u], acc[u])
+            for u in range(units):
+                acc_bits[u] = np.uint32(_bfloat16_bits(acc_bits[u])) << np.uint32(16)
+            for u in range(units):
+                acc[u] = acc[u] * scale
+            h_row, out_row = h[r, i * units:(i + 1) * units], out[r, i * units:(i + 1) * units]
+            for u in range(units):
+                bits = h_row[u]
+                positive = bits != np.uint16(0) and bits <= np.uint16(0x7F80)
+                out_row[u] = _bfloat16_bits(acc_bits[u]) if positive else np.uint16(0)
 
 
 # ---- Triton (CUDA tensors) -----------------------------------------------------------------------------------------
