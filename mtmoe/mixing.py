@@ -1,5 +1,5 @@
 """The dense experts' epilogue and the gates' weighted sum of their outputs (MMoE's mixing, ``z_t = sum_i g_t(x)_i
-f_i(x)``: Ma et al., eq. 5; comet-protocol.md §1) as one autograd node, so that the backward produces the gradient
+f_i(x)``: Ma et al., KDD'18; comet-protocol.md §1) as one autograd node, so that the backward produces the gradient
 of the experts' matmul output in one pass.
 
 Unfused, the backward of the mixing writes the gradient of ``h``, the experts' ``[*rows, n * units]`` output
@@ -16,7 +16,7 @@ inputs to TF32.
 
 The forward is the epilogue's kernel and torch's ``bmm``: bitwise the unfused forward. Only a gate that does not
 read the experts' outputs (``Gate.needs_expert_outputs``) lets :class:`mtmoe.mmoe.MMoE` mix through here: the
-gates then run before the experts, and ``h`` has no reader but the mixing.
+gates then run before the experts' epilogue (after their matmul), and ``h`` has no reader but the mixing.
 
 Three implementations of the backward kernel, as for the epilogue: numba (CPU: float32, float64, bfloat16), Triton
 (CUDA tensors, and CPU tensors under Triton's interpreter), torch operations (other dtypes and devices).
