@@ -61,6 +61,8 @@ CUDA_TESTS = ["tests/test_engine_cuda.py",
               "tests/test_sinkhorn.py::test_cuda_kernels_equal_the_cpu_loops_without_synchronising",
               "tests/test_sinkhorn.py::test_a_cuda_graph_replays_a_pack_step_with_new_schedules",
               "tests/test_random.py::test_cuda_equals_cpu",
+              "tests/test_epilogue.py::test_cuda_equals_cpu",
+              "tests/test_mixing.py::test_cuda_equals_cpu",
               "tests/test_image_models.py::test_trains_on_gpu_with_uint8_batches"]
 
 

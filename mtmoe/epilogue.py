@@ -278,15 +278,20 @@ class _Epilogue(torch.autograd.Function):
     @staticmethod
     def vmap(info, in_dims, y: Tensor, bias: Tensor, seed: Tensor | None, step: Tensor | None, site: int,
              p: float) -> tuple[Tensor, int]:
-        def leading(x: Tensor | None, dim: int | None) -> Tensor | None:
-            if x is None:
-                return None
-            return x.expand(info.batch_size, *x.shape) if dim is None else x.movedim(dim, 0)
-
-        y, bias, seed, step = (leading(x, dim) for x, dim in zip((y, bias, seed, step), in_dims))
-        if seed is not None:
-            seed, step = (x.expand(bias.shape[:-1]) for x in (seed, step))
+        y, bias, seed, step = leading(info.batch_size, (y, bias, seed, step), in_dims)
         return _Epilogue.apply(y, bias, seed, step, site, p), 0
+
+
+def leading(batch_size: int, tensors: tuple[Tensor | None, ...], in_dims: tuple[int | None, ...]
+            ) -> list[Tensor | None]:
+    """A vmap rule's tensors ``(y, bias, ..., seed, step)`` with the vmapped dimension first (expanded to
+    ``batch_size`` where one is not batched); the stream's seed and step, the last two, one per trial (``bias``'s
+    leading dimensions) when given."""
+    out = [x if x is None else x.expand(batch_size, *x.shape) if dim is None else x.movedim(dim, 0)
+           for x, dim in zip(tensors, in_dims)]
+    if out[-2] is not None:
+        out[-2:] = (x.expand(out[1].shape[:-1]) for x in out[-2:])
+    return out
 
 
 def bias_relu_dropout(y: Tensor, bias: Tensor, p: float = 0.0, seed: Tensor | None = None,

@@ -15,6 +15,7 @@ from torch.nn import functional as F
 
 from mtmoe.epilogue import bias_relu_dropout
 from mtmoe.errors import UsageError
+from mtmoe.mixing import mixed_experts
 from mtmoe.random import Stream
 
 
@@ -59,12 +60,26 @@ class DenseExperts(nn.Module):
         self.linear = nn.Linear(in_features, n_experts * units)
 
     def forward(self, x: Tensor, stream: Stream | None = None) -> Tensor:
+        h = bias_relu_dropout(self.matmul(x), autocast_bias(self.linear.bias), *self._dropout(stream))
+        return h.view(-1, self.n_experts, self.units)
+
+    def matmul(self, x: Tensor) -> Tensor:
+        """The layer's matmul ``x W^T`` ``[B, n * units]``, before its bias, ReLU and dropout."""
+        return F.linear(x, self.linear.weight)
+
+    def mixed(self, y: Tensor, weights: Tensor, stream: Stream | None = None) -> Tensor:
+        """The experts' outputs from the matmul's output ``y`` (:meth:`matmul`) weighted by the gates,
+        ``bmm(weights, self(x, stream))`` for ``weights`` ``[B, T, n]``: ``[B, T, units]``, the same values, with a
+        backward that writes the gradient of ``y`` in one pass (:func:`mtmoe.mixing.mixed_experts`)."""
+        return mixed_experts(y, autocast_bias(self.linear.bias), weights, *self._dropout(stream))
+
+    def _dropout(self, stream: Stream | None) -> tuple:
+        """The epilogue's dropout arguments in this mode: ``p``, and with ``p > 0`` the stream's seed, step and
+        site."""
         p = self.dropout if self.training else 0.0
         if p and stream is None:
             raise ValueError("dropout in training draws from the model's random stream: pass stream=")
-        h = bias_relu_dropout(F.linear(x, self.linear.weight), autocast_bias(self.linear.bias), p,
-                              *((stream.seed, stream.step, stream.site) if p else ()))
-        return h.view(-1, self.n_experts, self.units)
+        return (p, stream.seed, stream.step, stream.site) if p else (p,)
 
     @torch.no_grad()
     def keras_init_(self) -> None:
@@ -220,6 +235,11 @@ class Tower(nn.Sequential):
 
     Recommenders: one hidden layer (256 units); MultiMNIST, MultiFashionMNIST and Digits: two (50 units) before 10
     logits; CelebA: none, ``Dense(1)`` on the mixed expert output.
+
+    A hidden layer's bias add and ReLU run as one pass after its matmul, and their backward as one
+    (:func:`mtmoe.epilogue.bias_relu_dropout` without dropout), the bias in autocast's dtype (:func:`autocast_bias`):
+    under autocast a hidden layer's output is in autocast's dtype, as ``nn.Linear``'s is, also under
+    ``torch.func.vmap`` (where a linear layer is a matmul then the bias add, which a float32 bias would promote).
     """
 
     def __init__(self, in_features: int, units: int, out_features: int, layers: int = 1) -> None:
@@ -228,6 +248,15 @@ class Tower(nn.Sequential):
             modules += [nn.Linear(in_features, units), nn.ReLU()]
             in_features = units
         super().__init__(*modules, nn.Linear(in_features, out_features))
+        #: The hidden layers' weights and biases, used only cast to autocast's dtype (as
+        #: :attr:`DenseExperts.autocast_parameters`).
+        self.autocast_parameters = tuple(f"{2 * i}.{name}" for i in range(layers) for name in ("weight", "bias"))
+
+    def forward(self, x: Tensor) -> Tensor:
+        *hidden, out = self
+        for linear in hidden[::2]:
+            x = bias_relu_dropout(F.linear(x, linear.weight), autocast_bias(linear.bias))
+        return out(x)
 
     @torch.no_grad()
     def keras_init_(self) -> None:

@@ -7,14 +7,16 @@ from typing import Protocol
 
 
 class Listener(Protocol):
-    def kernel(self, name: str, read: int, written: int) -> None: ...
+    def kernel(self, name: str, read: int, written: int, flops: int = 0) -> None: ...
 
 
 #: The listeners active now, innermost last.
 LISTENERS: list[Listener] = []
 
 
-def fused_kernel(name: str, read: int, written: int) -> None:
-    """Report a kernel that runs outside ATen, and the bytes it reads and writes, to the listeners active now."""
+def fused_kernel(name: str, read: int, written: int, flops: int = 0) -> None:
+    """Report a kernel that runs outside ATen, the bytes it reads and writes and the FLOPs of the matrix product it
+    computes in place of one (counted as ``torch.utils.flop_counter`` counts that product), to the listeners
+    active now."""
     for listener in LISTENERS:
-        listener.kernel(name, read, written)
+        listener.kernel(name, read, written, flops)

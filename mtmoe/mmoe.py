@@ -81,32 +81,41 @@ class MMoE(nn.Module):
         if self.training:
             stream = Stream(self.seed, self.step.clone())
             self.step.add_(1)
-        expert_outputs, gate_outputs = self.route(batch, stream)
+        h = self.bottom(batch)
+        # unless a gate reads the experts' outputs, they are made as they are mixed, after the gates
+        # (DenseExperts.mixed); their matmul comes first either way, so the gradient of h sums its readers' in the
+        # same order
+        fused = hasattr(self.experts, "mixed") and not any(gate.needs_expert_outputs for gate in self.gates)
+        if fused:
+            y, expert_outputs = self.experts.matmul(h), None
+        else:
+            expert_outputs = self.experts(h, self._child(stream, 0))  # [B, n, d]
+        gate_outputs = [
+            gate(RoutingInput(x=h.flatten(1), sample_id=batch.get("sample_id"), expert_outputs=expert_outputs,
+                              stream=self._child(stream, 1 + t)))
+            for t, gate in enumerate(self.gates)]
         weights = torch.stack([g.weights for g in gate_outputs], dim=1)  # [B, T, n]
         local_search_aux = None
         if self.local_search is not None:
             weights, local_search_aux = self.local_search(weights)
             for t, gate_output in enumerate(gate_outputs):
                 gate_output.weights = weights[:, t]
+        if fused:
+            mixed = self.experts.mixed(y, weights, self._child(stream, 0))
+        else:
+            mixed = torch.bmm(weights, expert_outputs.flatten(2))  # [B, T, d]: all tasks in one batched matmul
         scales = [gate_output.output_scale for gate_output in gate_outputs]
-        return MMoEOutput(self.mix(expert_outputs, weights, scales), gate_outputs, local_search_aux)
+        return MMoEOutput(self.predict(mixed, scales), gate_outputs, local_search_aux)
 
-    def route(self, batch: dict[str, Tensor], stream: Stream | None = None) -> tuple[Tensor, list[GateOutput]]:
-        """The experts' outputs ``[B, n, ...]`` and every task gate's output, before local search; ``stream`` (in
-        training) gives the experts and each task gate draws of their own."""
-        h = self.bottom(batch)
-        expert_outputs = self.experts(h, None if stream is None else stream.child(0))  # [B, n, d]
-        return expert_outputs, [
-            gate(RoutingInput(x=h.flatten(1), sample_id=batch.get("sample_id"), expert_outputs=expert_outputs,
-                              stream=None if stream is None else stream.child(1 + t)))
-            for t, gate in enumerate(self.gates)]
+    @staticmethod
+    def _child(stream: Stream | None, index: int) -> Stream | None:
+        """In training, the stream of the experts (0) or of task gate t (1 + t): each draws bits of its own."""
+        return None if stream is None else stream.child(index)
 
-    def mix(self, expert_outputs: Tensor, weights: Tensor, output_scales: list[Tensor | None]) -> list[Tensor]:
-        """Each task's prediction from the experts' outputs and the (permuted) weights ``[B, T, n]``."""
-        mixed = torch.bmm(weights, expert_outputs.flatten(2))  # [B, T, d]: all tasks in one batched matmul
+    def predict(self, mixed: Tensor, output_scales: list[Tensor | None]) -> list[Tensor]:
+        """Each task's prediction from its mixture of the experts' outputs, ``mixed`` ``[B, T, d]``."""
         predictions = []
-        for t, (tower, scale) in enumerate(zip(self.towers, output_scales)):
-            z = mixed[:, t].view(-1, *expert_outputs.shape[2:])
+        for z, tower, scale in zip(mixed.unbind(1), self.towers, output_scales):
             out = tower(z if scale is None else z * scale)
             predictions.append(out.squeeze(-1) if out.shape[-1] == 1 else out)
         return predictions

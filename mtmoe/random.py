@@ -41,6 +41,8 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 import torch
+from numba.core import types as numba_types
+from numba.extending import intrinsic
 from torch import Tensor
 
 from mtmoe.host_threads import run_split
@@ -268,6 +270,19 @@ def _bfloat16_bits(b: np.uint32) -> np.uint16:
     rounds."""
     rounded = (b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
     return np.uint16(np.uint32(0x7FC0) if (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000) else rounded)
+
+
+@intrinsic
+def _fma(typingctx, a, b, c):
+    """``a * b + c`` rounded once (LLVM's ``fma``), as torch's vectorised ``lerp`` and a GEMM's accumulation
+    compute it."""
+    if not all(isinstance(x, numba_types.Float) and x == a for x in (a, b, c)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.fma(*args)
+
+    return a(a, b, c), codegen
 
 
 @numba.njit(cache=True, nogil=True)

@@ -28,29 +28,15 @@ from __future__ import annotations
 import numba
 import numpy as np
 import torch
-from numba.core import types as numba_types
-from numba.extending import intrinsic
 from torch import Tensor
 
 from mtmoe.host_threads import run_split
 from mtmoe.kernel_traffic import fused_kernel
 from mtmoe.pack.stack import TrialStack
-from mtmoe.random import _bfloat16_bits
+from mtmoe.random import _bfloat16_bits, _fma
 from mtmoe.triton_support import tl, triton, use_triton
 
 BETAS = (0.9, 0.999)  # torch.optim.Adam's defaults, which the unpacked runs use
-
-
-@intrinsic
-def _fma(typingctx, a, b, c):
-    """``a * b + c`` rounded once (LLVM's ``fma``), as torch's vectorised ``lerp`` computes it."""
-    if not all(isinstance(x, numba_types.Float) and x == a for x in (a, b, c)):
-        return None
-
-    def codegen(context, builder, signature, args):
-        return builder.fma(*args)
-
-    return a(a, b, c), codegen
 
 
 _LERP_WEIGHT = np.float32(1 - BETAS[0])  # torch casts the Python scalars to the parameters' float32

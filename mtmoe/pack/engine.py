@@ -300,9 +300,9 @@ class PackEngine:
 
     def _bfloat16_copies(self) -> dict[str, Tensor]:
         """Under bfloat16 autocast, the parameters that the model only ever uses cast to bfloat16 (a module's
-        ``autocast_parameters``: the expert layer's), as the bfloat16 copies Adam writes
-        (:meth:`PackedAdam.bfloat16_copies`), in place of autocast's cast of each of them each step: the same
-        values. Outside autocast, none. On the host, before a captured step: the copies' tensors stay the same."""
+        ``autocast_parameters``: the expert layer's and the towers' hidden layers'), as the bfloat16 copies Adam
+        writes (:meth:`PackedAdam.bfloat16_copies`), in place of autocast's cast of each of them each step: the
+        same values. Outside autocast, none. On the host, before a captured step: the copies' tensors stay the same."""
         device = self.device.type
         if not (self.cast_names and torch.is_autocast_enabled(device)
                 and torch.get_autocast_dtype(device) == torch.bfloat16):

@@ -46,7 +46,7 @@ class Operations(TorchDispatchMode):
     def dispatched(self, func, args: tuple, kwargs: dict, out) -> None:
         """Called after each dispatched operation with its arguments and result (for subclasses)."""
 
-    def kernel(self, name: str, read: int, written: int) -> None:
+    def kernel(self, name: str, read: int, written: int, flops: int = 0) -> None:
         """A kernel launched outside ATen that read and wrote these bytes (for subclasses)."""
 
 

@@ -52,12 +52,13 @@ def _tensors(value) -> list[Tensor]:
 class Traffic(Operations):
     """Counts, beside the operations, the bytes each dispatched operation reads (its tensor arguments) and writes (its
     tensor results) and the kernels it launches: views and allocations move nothing and launch nothing. Kernels
-    that run outside ATen report their own traffic (:func:`mtmoe.kernel_traffic.fused_kernel`). ``by_kernel``:
-    bytes by operation name."""
+    that run outside ATen report their own traffic (:func:`mtmoe.kernel_traffic.fused_kernel`), and ``flops`` sums
+    the FLOPs of the matrix products they compute (which ``FlopCounterMode`` does not see). ``by_kernel``: bytes by
+    operation name."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.read, self.written, self.launches = 0, 0, 0
+        self.read, self.written, self.launches, self.flops = 0, 0, 0, 0
         self.by_kernel: Counter[str] = Counter()
 
     def dispatched(self, func, args: tuple, kwargs: dict, out) -> None:
@@ -69,8 +70,9 @@ class Traffic(Operations):
             inputs = inputs[1:]
         self.kernel(name, sum(map(tensor_bytes, inputs)), sum(map(tensor_bytes, _tensors(out))))
 
-    def kernel(self, name: str, read: int, written: int) -> None:
+    def kernel(self, name: str, read: int, written: int, flops: int = 0) -> None:
         self.read, self.written, self.launches = self.read + read, self.written + written, self.launches + 1
+        self.flops += flops
         self.by_kernel[name] += read + written
 
     @property
@@ -101,7 +103,7 @@ def measure(step: Callable[[], object]) -> Cost:
     flops, traffic = FlopCounterMode(display=False), Traffic()
     with flops, traffic:
         step()
-    return Cost(flops.get_total_flops(), traffic.bytes, traffic.launches, dict(traffic.by_kernel))
+    return Cost(flops.get_total_flops() + traffic.flops, traffic.bytes, traffic.launches, dict(traffic.by_kernel))
 
 
 def projected_ms(flops: float, nbytes: float, precision: str) -> float:

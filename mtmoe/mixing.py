@@ -1,0 +1,231 @@
+"""The dense experts' epilogue and the gates' weighted sum of their outputs (MMoE's mixing, ``z_t = sum_i g_t(x)_i
+f_i(x)``: Ma et al., KDD'18; comet-protocol.md §1) as one autograd node, so that the backward produces the gradient
+of the experts' matmul output in one pass.
+
+Unfused, the backward of the mixing writes the gradient of ``h``, the experts' ``[*rows, n * units]`` output
+(``bmm(weights^T, grad)``), and the epilogue's backward reads it and ``h`` again to write the gradient of ``y``
+(:func:`mtmoe.epilogue.epilogue_backward`). Here one kernel reads ``h`` (its mask) and the small ``weights`` and
+``grad`` and writes the gradient of ``y``: each element is ``sum_t weights[t, i] grad[t, u]`` (the tasks' products
+accumulated in order, each after the first by a fused multiply-add, as a GEMM accumulates), rounded to the dtype as
+the matmul's output is, then times the dropout scale where ``h > 0``, else 0, rounded again. In bfloat16 the products
+of two bfloat16 values are exact in the float32 accumulator, so with two tasks (the recommenders') the gradient is
+bitwise the unfused one; otherwise it is equal to the rounding of a T-term sum. The weights' gradient is torch's
+``bmm(grad, h^T)`` as autograd computes it, the bias's torch's row sum (:mod:`mtmoe.epilogue`). Under TF32 matmuls
+(``--model.matmul_precision high``) the T-term sum is in full float32, where the unfused ``bmm`` would round its
+inputs to TF32.
+
+The forward is the epilogue's kernel and torch's ``bmm``: bitwise the unfused forward. Only a gate that does not
+read the experts' outputs (``Gate.needs_expert_outputs``) lets :class:`mtmoe.mmoe.MMoE` mix through here: the
+gates then run before the experts' epilogue (after their matmul), and ``h`` has no reader but the mixing.
+
+Three implementations of the backward kernel, as for the epilogue: numba (CPU: float32, float64, bfloat16), Triton
+(CUDA tensors, and CPU tensors under Triton's interpreter), torch operations (other dtypes and devices).
+"""
+from __future__ import annotations
+
+import numba
+import numpy as np
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from mtmoe.epilogue import _epilogue_kernel, _fused, epilogue_backward, leading
+from mtmoe.host_threads import run_split
+from mtmoe.kernel_traffic import fused_kernel
+from mtmoe.random import _bfloat16_bits, _fma, dropout_scale, dropout_threshold
+from mtmoe.triton_support import tl, triton, use_triton
+
+
+def mix(weights: Tensor, h: Tensor) -> Tensor:
+    """``weights`` ``[*rows, T, n]`` times the experts' outputs ``h`` ``[*rows, n * units]``: ``[*rows, T, units]``,
+    by one ``bmm`` over the rows (as ``torch.func.vmap`` batches MMoE's)."""
+    tasks, n = weights.shape[-2:]
+    units = h.shape[-1] // n
+    out = torch.bmm(weights.reshape(-1, tasks, n), h.reshape(-1, n, units))
+    return out.view(*weights.shape[:-1], units)
+
+
+def mix_backward_reference(grad: Tensor, weights: Tensor, h: Tensor, p: float) -> Tensor:
+    """The unfused backward: the mixing's gradient of ``h`` (``bmm(weights^T, grad)``), then the epilogue's."""
+    tasks, n = weights.shape[-2:]
+    grad_h = torch.bmm(weights.reshape(-1, tasks, n).transpose(1, 2), grad.reshape(-1, tasks, grad.shape[-1]))
+    return epilogue_backward(grad_h.view(h.shape), h, p)
+
+
+# ---- numba (CPU tensors) -------------------------------------------------------------------------------------------
+
+@numba.njit(cache=True, nogil=True)
+def _mix_backward_cpu(grad: np.ndarray, weights: np.ndarray, h: np.ndarray, out: np.ndarray, scale: np.float32,
+                      lo: int, hi: int) -> None:
+    """Rows ``[lo, hi)`` of ``out`` ``[R, n * U]`` from ``grad`` ``[R, T, U]``, ``weights`` ``[R, T, n]`` and ``h``
+    (float32 or float64): where ``h > 0``, ``sum_t weights[t, i] grad[t, u]`` (fused multiply-adds after the first
+    product) times ``scale``; else 0. Each expert's ``U`` columns at once (SIMD lanes)."""
+    tasks, units, n = grad.shape[1], grad.shape[2], weights.shape[2]
+    acc = np.empty_like(grad[0, 0])
+    for r in range(lo, hi):
+        for i in range(n):
+            w = weights[r, 0, i]
+            for u in range(units):
+                acc[u] = w * grad[r, 0, u]
+            for t in range(1, tasks):
+                w = weights[r, t, i]
+                for u in range(units):
+                    acc[u] = _fma(w, grad[r, t, u], acc[u])
+            h_row, out_row = h[r, i * units:(i + 1) * units], out[r, i * units:(i + 1) * units]
+            for u in range(units):
+                out_row[u] = acc[u] * scale if h_row[u] > 0 else 0
+
+
+@numba.njit(cache=True, nogil=True)
+def _mix_backward_cpu_bfloat16(grad: np.ndarray, weights: np.ndarray, h: np.ndarray, out: np.ndarray,
+                               scale: np.float32, lo: int, hi: int) -> None:
+    """:func:`_mix_backward_cpu` of bfloat16 bits: the sum in float32 (each product exact) rounded to bfloat16, the
+    product with ``scale`` in float32 rounded again. A bfloat16 value is positive when its sign bit is clear and its
+    bits are nonzero and at most +inf's (0x7F80)."""
+    tasks, units, n = grad.shape[1], grad.shape[2], weights.shape[2]
+    w_bits, g_bits = np.empty(tasks * n, np.uint32), np.empty(tasks * units, np.uint32)
+    w, g = w_bits.view(np.float32), g_bits.view(np.float32)
+    acc = np.empty(units, np.float32)
+    acc_bits = acc.view(np.uint32)
+    for r in range(lo, hi):
+        for t in range(tasks):
+            for i in range(n):
+                w_bits[t * n + i] = np.uint32(weights[r, t, i]) << np.uint32(16)
+            for u in range(units):
+                g_bits[t * units + u] = np.uint32(grad[r, t, u]) << np.uint32(16)
+        for i in range(n):
+            for u in range(units):
+                acc[u] = w[i] * g[u]
+            for t in range(1, tasks):
+                wt = w[t * n + i]
+                for u in range(units):
+                    acc[u] = _fma(wt, g[t * units + u], acc[u])
+            for u in range(units):
+                acc_bits[u] = np.uint32(_bfloat16_bits(acc_bits[u])) << np.uint32(16)
+            for u in range(units):
+                acc[u] = acc[u] * scale
+            h_row, out_row = h[r, i * units:(i + 1) * units], out[r, i * units:(i + 1) * units]
+            for u in range(units):
+                bits = h_row[u]
+                positive = bits != np.uint16(0) and bits <= np.uint16(0x7F80)
+                out_row[u] = _bfloat16_bits(acc_bits[u]) if positive else np.uint16(0)
+
+
+# ---- Triton (CUDA tensors) -----------------------------------------------------------------------------------------
+
+if triton is not None:
+    from mtmoe.random import _rounded, _widened
+
+    @triton.jit(do_not_specialize=["columns", "units", "n", "tasks"])
+    def _mix_backward_cuda(grad_ptr, weights_ptr, h_ptr, out_ptr, columns, units, n, tasks, scale,
+                           BLOCK: tl.constexpr, FLOAT64: tl.constexpr, BFLOAT16: tl.constexpr):
+        """Program ``(block, row)``: :func:`_mix_backward_cpu` on ``BLOCK`` columns of row ``row``."""
+        row = tl.program_id(1).to(tl.int64)
+        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        inside = offsets < columns
+        expert, unit = offsets // units, offsets % units
+        w_row, g_row = weights_ptr + row * tasks * n + expert, grad_ptr + row * tasks * units + unit
+        acc = (_widened(tl.load(w_row, mask=inside, other=0.0), FLOAT64, BFLOAT16)
+               * _widened(tl.load(g_row, mask=inside, other=0.0), FLOAT64, BFLOAT16))
+        for t in range(1, tasks):
+            w = _widened(tl.load(w_row + t * n, mask=inside, other=0.0), FLOAT64, BFLOAT16)
+            g = _widened(tl.load(g_row + t * units, mask=inside, other=0.0), FLOAT64, BFLOAT16)
+            acc = tl.fma(w, g, acc)
+        acc = _widened(_rounded(acc, BFLOAT16), FLOAT64, BFLOAT16)
+        h = _widened(tl.load(h_ptr + row * columns + offsets, mask=inside, other=0.0), FLOAT64, BFLOAT16)
+        out = tl.where(h > 0, acc * scale, 0.0)
+        tl.store(out_ptr + row * columns + offsets, _rounded(out, BFLOAT16).to(out_ptr.dtype.element_ty),
+                 mask=inside)
+
+
+_BLOCK = 1024
+
+
+def mix_backward(grad: Tensor, weights: Tensor, h: Tensor, p: float) -> Tensor:
+    """The gradient of the experts' matmul output ``y`` (``[*rows, n * units]``, as ``h``) from the gradient of the
+    mixture ``grad`` ``[*rows, T, units]``, the weights ``[*rows, T, n]`` (in ``h``'s dtype) and ``h``: what
+    :func:`mix_backward_reference` computes, in one pass."""
+    if not (_fused(h) and grad.dtype == weights.dtype == h.dtype) or h.numel() == 0:
+        return mix_backward_reference(grad, weights, h, p)
+    tasks, n = weights.shape[-2:]
+    units, columns = grad.shape[-1], h.shape[-1]
+    grad, weights, h = (x.contiguous() for x in (grad, weights, h))
+    rows = h.numel() // columns
+    scale = dropout_scale(p)
+    out = torch.empty_like(h)
+    read = grad.nbytes + weights.nbytes + h.nbytes
+    flops = 2 * rows * tasks * n * units  # the product bmm(weights^T, grad) in it
+    if use_triton(h.device):
+        fused_kernel("mix backward (triton)", read, out.nbytes, flops)
+        _mix_backward_cuda[(triton.cdiv(columns, _BLOCK), rows)](
+            grad, weights, h, out, columns, units, n, tasks, scale, BLOCK=_BLOCK,
+            FLOAT64=h.dtype == torch.float64, BFLOAT16=h.dtype == torch.bfloat16)
+        return out
+    fused_kernel("mix backward (numba)", read, out.nbytes, flops)
+    shaped = [x.view(rows, *shape) for x, shape in ((grad, (tasks, units)), (weights, (tasks, n)), (h, (columns,)),
+                                                   (out, (columns,)))]
+    if h.dtype == torch.bfloat16:
+        run_split(_mix_backward_cpu_bfloat16, rows, *(x.view(torch.uint16).numpy() for x in shaped),
+                  np.float32(scale), min_part=16)
+    else:
+        run_split(_mix_backward_cpu, rows, *(x.numpy() for x in shaped), np.float32(scale), min_part=16)
+    return out
+
+
+class _MixedEpilogue(torch.autograd.Function):
+    """``(mix(weights, h), h)`` for ``h = epilogue(y, bias)``: the forward by the epilogue's kernel and ``bmm`` (the
+    weights cast to ``h``'s dtype, as autocast casts them for the unfused ``bmm``); ``h`` is returned for the
+    backward to keep, not differentiable. The backward by :func:`mix_backward` and ``bmm``. Under
+    ``torch.func.vmap`` the rule below runs it once for all trials (the vmapped dimension leads every tensor)."""
+
+    @staticmethod
+    def forward(y: Tensor, bias: Tensor, weights: Tensor, seed: Tensor | None, step: Tensor | None, site: int,
+                p: float) -> tuple[Tensor, Tensor]:
+        h = _epilogue_kernel(y, bias, seed, step, site, p)
+        return mix(weights.to(h.dtype), h), h
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        y, bias, weights, _, _, _, ctx.p = inputs
+        _, h = output
+        ctx.mark_non_differentiable(h)
+        ctx.set_materialize_grads(False)
+        ctx.weights_dtype = weights.dtype
+        ctx.rows = tuple(range(bias.dim() - 1, y.dim() - 1))
+        ctx.save_for_backward(h, weights.detach().to(h.dtype))
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor | None, _) -> tuple[Tensor | None, ...]:
+        if grad is None:
+            return (None,) * 7
+        h, weights = ctx.saved_tensors
+        grad_y = mix_backward(grad, weights, h, ctx.p)
+        grad_bias = grad_y.sum(ctx.rows) if ctx.needs_input_grad[1] else None
+        grad_weights = None
+        if ctx.needs_input_grad[2]:
+            tasks, n = weights.shape[-2:]
+            grad_weights = torch.bmm(grad.reshape(-1, tasks, grad.shape[-1]),
+                                     h.reshape(-1, n, h.shape[-1] // n).transpose(1, 2))
+            grad_weights = grad_weights.view(weights.shape).to(ctx.weights_dtype)
+        return grad_y, grad_bias, grad_weights, None, None, None, None
+
+    @staticmethod
+    def vmap(info, in_dims, y: Tensor, bias: Tensor, weights: Tensor, seed: Tensor | None, step: Tensor | None,
+             site: int, p: float) -> tuple[tuple[Tensor, Tensor], tuple[int, int]]:
+        y, bias, weights, seed, step = leading(info.batch_size, (y, bias, weights, seed, step), in_dims)
+        return _MixedEpilogue.apply(y, bias, weights, seed, step, site, p), (0, 0)
+
+
+def mixed_experts(y: Tensor, bias: Tensor, weights: Tensor, p: float = 0.0, seed: Tensor | None = None,
+                  step: Tensor | None = None, site: int = 0) -> Tensor:
+    """``mix(weights, dropout(relu(y + bias)))``, :func:`mtmoe.epilogue.bias_relu_dropout`'s experts' outputs
+    weighted by the gates: ``y`` ``[*rows, n * units]``, ``bias`` ``[n * units]`` (per trial under
+    ``torch.func.vmap``), ``weights`` ``[*rows, T, n]``; returns ``[*rows, T, units]``. Its backward writes the
+    gradient of ``y`` in one pass (the module's docstring)."""
+    dropout_threshold(p)
+    if p > 0 and (seed is None or step is None or seed.dtype != torch.int64 or step.dtype != torch.int64):
+        raise TypeError("dropout draws from a stream: seed and step must be int64 tensors")
+    if p == 0:
+        seed = step = None
+    return _MixedEpilogue.apply(y, bias, weights, seed, step, site, p)[0]
