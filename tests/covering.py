@@ -2,12 +2,12 @@
 
 Faults that need more than two factors to show are rare (Kuhn, Wallace and Gallo, "Software fault interactions and
 implications for software testing", IEEE TSE 2004); a pairwise array of factors with n values each has about n^2
-rows where the full product has n^k. ``each_once`` is timm's rule for its model tests: every registered item gets
-each check, the other factors are spread over the items pairwise.
+rows where the full product has n^k. ``variants_over`` is timm's rule for its model tests: every registered gate
+gets each check once, the other factor (the dataset) spread over the gates.
 """
 from __future__ import annotations
 
-from itertools import combinations, cycle, islice
+from itertools import combinations
 from typing import Any, Sequence
 
 
@@ -33,9 +33,12 @@ def pairwise(*factors: Sequence[Any]) -> list[tuple]:
     return [tuple(factors[f][row[f]] for f in range(len(factors))) for row in rows]
 
 
-def each_once(items: Sequence[Any], *factors: Sequence[Any]) -> list[tuple]:
-    """``(item, *row)`` rows: every item at least once, every pair of values of the other ``factors`` at least once
-    (the rows of :func:`pairwise`, taken in turn)."""
-    rows = pairwise(*factors)
-    count = max(len(items), len(rows))
-    return [(item, *row) for item, row in islice(zip(cycle(items), cycle(rows)), count)]
+def variants_over(values: Sequence[Any]) -> list[tuple[str, Any]]:
+    """``(variant, value)`` rows: every gate and "+" variant (``gate_variants()``) once, gate i on value i and its
+    "+" on value i + 1 (cyclically): a gate and its "+" meet different values, the plain gates and the "+" variants
+    each meet every value when there are at least as many of them as values."""
+    from mtmoe.gates import gate_variants, list_gates
+
+    variants = set(gate_variants())
+    return [(variant, values[(i + j) % len(values)]) for i, name in enumerate(list_gates())
+            for j, variant in enumerate(v for v in (name, name + "+") if v in variants)]

@@ -1,11 +1,12 @@
-"""``tests/covering.py``: the pairwise arrays cover every value pair, and each_once every item."""
+"""``tests/covering.py``: the pairwise arrays cover every value pair, variants_over every gate variant."""
 from __future__ import annotations
 
 from itertools import combinations, product
 
 import pytest
 
-from covering import each_once, pairwise
+from covering import pairwise, variants_over
+from mtmoe.gates import gate_variants
 
 FACTORS = [
     ([1, 2, 3],),
@@ -28,9 +29,11 @@ def test_every_pair_is_covered_in_fewer_rows_than_the_product(factors) -> None:
     assert rows == pairwise(*factors)  # the same rows every run: test ids do not move
 
 
-def test_each_once_takes_every_item_and_every_row() -> None:
-    items = ["a", "b", "c", "d", "e", "f", "g"]
-    rows = each_once(items, [0, 1], ["x", "y"], [True, False])
-    assert sorted({row[0] for row in rows}) == items and len(rows) == len(items)
-    assert set(pairwise([0, 1], ["x", "y"], [True, False])) == {row[1:] for row in rows}
-    assert len(each_once(["a"], [0, 1], [0, 1])) == 4  # more rows than items: the items repeat
+def test_variants_over_takes_every_variant_once_and_spreads_the_values() -> None:
+    values = ["a", "b", "c", "d"]
+    rows = variants_over(values)
+    assert [variant for variant, _ in rows] == gate_variants()
+    for plus in (False, True):  # the plain gates and the "+" variants each meet every value
+        assert {value for variant, value in rows if variant.endswith("+") == plus} == set(values)
+    where = dict(rows)
+    assert all(where[variant] != where[variant.removesuffix("+")] for variant in where if variant.endswith("+"))
