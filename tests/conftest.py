@@ -11,10 +11,13 @@ REAL_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (pyproject's ``--dist loadgroup``) the tests of a throwaway PostgreSQL server (``tests/pg.py``)
-    share one worker: one server starts, not one per worker, and only one worker adds the ``postgres`` user."""
+    """Under pytest-xdist (pyproject's ``--dist loadgroup``) the tests of a throwaway PostgreSQL server
+    (``tests/pg.py``) share one worker: one server starts, not one per worker, and only one worker adds the
+    ``postgres`` user. That includes the tests parametrised over storages that ask for the server with
+    ``request.getfixturevalue``."""
     for item in items:
-        if {"postgres_url", "password_url"} & set(getattr(item, "fixturenames", ())):
+        params = getattr(getattr(item, "callspec", None), "params", {}).values()
+        if {"postgres_url", "password_url"} & set(getattr(item, "fixturenames", ())) or "postgresql" in params:
             item.add_marker(pytest.mark.xdist_group("postgres"))
 
 

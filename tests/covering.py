@@ -33,12 +33,18 @@ def pairwise(*factors: Sequence[Any]) -> list[tuple]:
     return [tuple(factors[f][row[f]] for f in range(len(factors))) for row in rows]
 
 
-def variants_over(values: Sequence[Any]) -> list[tuple[str, Any]]:
+def variants_over(values: Sequence[Any], every_gate_meets_every_value: bool = False) -> list[tuple[str, Any]]:
     """``(variant, value)`` rows: every gate and "+" variant (``gate_variants()``) once, gate i on value i and its
     "+" on value i + 1 (cyclically): a gate and its "+" meet different values, the plain gates and the "+" variants
-    each meet every value when there are at least as many of them as values."""
+    each meet every value when there are at least as many of them as values. With ``every_gate_meets_every_value``,
+    gate i meets values i, i + 1, ... each once, its variants taking them in turn: a gate without "+" meets them
+    all itself."""
     from mtmoe.gates import gate_variants, list_gates
 
     variants = set(gate_variants())
-    return [(variant, values[(i + j) % len(values)]) for i, name in enumerate(list_gates())
-            for j, variant in enumerate(v for v in (name, name + "+") if v in variants)]
+    rows = []
+    for i, name in enumerate(list_gates()):
+        own = [variant for variant in (name, name + "+") if variant in variants]
+        count = max(len(own), len(values)) if every_gate_meets_every_value else len(own)
+        rows += [(own[r % len(own)], values[(i + r) % len(values)]) for r in range(count)]
+    return rows

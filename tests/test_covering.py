@@ -37,3 +37,14 @@ def test_variants_over_takes_every_variant_once_and_spreads_the_values() -> None
         assert {value for variant, value in rows if variant.endswith("+") == plus} == set(values)
     where = dict(rows)
     assert all(where[variant] != where[variant.removesuffix("+")] for variant in where if variant.endswith("+"))
+
+
+def test_every_gate_meets_every_value_through_its_variants() -> None:
+    from mtmoe.gates import list_gates
+
+    values = [0.0, 0.5]
+    rows = variants_over(values, every_gate_meets_every_value=True)
+    assert {variant for variant, _ in rows} == set(gate_variants())
+    for name in list_gates():
+        met = [value for variant, value in rows if variant.removesuffix("+") == name]
+        assert sorted(met) == values, name  # each value once per gate

@@ -160,9 +160,9 @@ def test_hash_routes_images_by_sample_id(datamodules) -> None:
 
 @pytest.mark.parametrize("gate, name", variants_over(list(MODULES)))
 def test_every_gate_trains_on_an_image_dataset(name: str, gate: str, datamodules) -> None:
-    """Every gate and "+" variant trains on one image dataset, a gate and its "+" on different ones (``tests/covering.py``):
-    each dataset trains several, CNN experts included; the gates at each dataset's number of experts are in
-    ``test_gates_registry.py`` (n of 2 to 16), and comet+ on every dataset through the CLI below."""
+    """Every gate and "+" variant trains on one image dataset, a gate and its "+" on different ones
+    (``tests/covering.py``): each dataset trains several, CNN experts included; the gates at each dataset's number
+    of experts are in ``test_gates_registry.py`` (n of 2 to 16), and comet+ on every dataset through the CLI below."""
     data = datamodules[name]
     info = data.info
     pl.seed_everything(0, verbose=False)

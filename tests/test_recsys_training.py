@@ -70,8 +70,8 @@ def test_model_shapes(name: str) -> None:
 @pytest.mark.parametrize("variant, name", variants_over(list(DATASETS)))
 def test_every_gate_trains(name: str, variant: str, roots: dict[str, Path]) -> None:
     """A few training batches and one validation pass; n/s where the gate fixes it; the weights moved. Every gate
-    and "+" variant on one dataset, a gate and its "+" on different ones (``tests/covering.py``): each gate at both datasets'
-    numbers of experts (9, 16) is in ``test_gates_registry.py``, comet+ on both through the CLI below."""
+    and "+" variant on one dataset, a gate and its "+" on different ones (``tests/covering.py``): each gate at both
+    datasets' numbers of experts (9, 16) is in ``test_gates_registry.py``, comet+ on both through the CLI below."""
     gate, plus = variant.removesuffix("+"), variant.endswith("+")
     _, _, _, n, _, k, task = SHAPES[name]
     pl.seed_everything(0, verbose=False)
