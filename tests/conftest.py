@@ -10,14 +10,16 @@ import pytest
 REAL_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by markers
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (pyproject's ``--dist loadgroup``) the tests of a throwaway PostgreSQL server
-    (``tests/pg.py``) share one worker: one server starts, not one per worker, and only one worker adds the
-    ``postgres`` user. That includes the tests parametrised over storages that ask for the server with
-    ``request.getfixturevalue``."""
+    """A test of a throwaway PostgreSQL server (``tests/pg.py``) is an integration test, also where it asks for the
+    server with ``request.getfixturevalue`` (a ``postgresql`` parameter): the inner loop ``-m "not integration"``
+    starts no server. Under pytest-xdist (pyproject's ``--dist loadgroup``) these tests share one worker: one server
+    starts, not one per worker, and only one worker adds the ``postgres`` user."""
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {}).values()
         if {"postgres_url", "password_url"} & set(getattr(item, "fixturenames", ())) or "postgresql" in params:
+            item.add_marker(pytest.mark.integration)
             item.add_marker(pytest.mark.xdist_group("postgres"))
 
 
