@@ -289,7 +289,8 @@ def run(out: Path, sizes: Sizes, study_dir: Path, dry_run: bool = False, chosen:
         env["PYTHONPATH"] = f"{site}{os.pathsep}{env['PYTHONPATH']}"
     else:
         steps.append(Step("install", "skipped (no wheels in .gpu/wheels: run gather)", 0, budgets["install"]))
-    tests = step("tests", [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", *CUDA_TESTS],
+    # -n 0: the CUDA tests in this one process, not pyproject's worker per core (each its own CUDA context)
+    tests = step("tests", [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", "-rfE", *CUDA_TESTS],
                  budgets["tests"])
     summary["tests"] = tests_summary(tests.output)
     rows = []
