@@ -300,7 +300,10 @@ def run(out: Path, sizes: Sizes, study_dir: Path, dry_run: bool = False, chosen:
         env["PYTHONPATH"] = f"{site}{os.pathsep}{env['PYTHONPATH']}"
     else:
         steps.append(Step("install", "skipped (no wheels in .gpu/wheels: run gather)", 0, budgets["install"]))
-    tests = step("tests", [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", *CUDA_TESTS],
+    # addopts emptied: the CUDA tests in this one process, not pyproject's worker per core (each its own CUDA
+    # context), and without pytest-xdist, which the GPU image lacks
+    tests = step("tests", [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "-rfE",
+                           *CUDA_TESTS],
                  budgets["tests"])
     summary["tests"] = tests_summary(tests.output)
     rows = []

@@ -10,6 +10,19 @@ import pytest
 REAL_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by markers
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test of a throwaway PostgreSQL server (``tests/pg.py``) is an integration test, also where it asks for the
+    server with ``request.getfixturevalue`` (a ``postgresql`` parameter): the inner loop ``-m "not integration"``
+    starts no server. Under pytest-xdist (pyproject's ``--dist loadgroup``) these tests share one worker: one server
+    starts, not one per worker, and only one worker adds the ``postgres`` user."""
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {}).values()
+        if {"postgres_url", "password_url"} & set(getattr(item, "fixturenames", ())) or "postgresql" in params:
+            item.add_marker(pytest.mark.integration)
+            item.add_marker(pytest.mark.xdist_group("postgres"))
+
+
 @pytest.fixture(autouse=True, scope="session")
 def unverified_files():
     """``MTMOE_VERIFY=false`` for the session, restored after it: the tiny fixtures stand where the official files go
@@ -18,6 +31,26 @@ def unverified_files():
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("MTMOE_VERIFY", "false")
         yield
+
+
+@pytest.fixture(autouse=True, scope="session")
+def threads_per_worker():
+    """Under pytest-xdist, each worker's share of the cores for torch's threads (and, via ``OMP_NUM_THREADS``, for
+    the processes tests start), unless ``OMP_NUM_THREADS`` is set: N workers with N threads each would oversubscribe
+    the machine. Restored after the session."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if not workers or "OMP_NUM_THREADS" in os.environ:
+        yield
+        return
+    import torch
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    threads, share = torch.get_num_threads(), max(1, cores // workers)
+    torch.set_num_threads(share)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OMP_NUM_THREADS", str(share))
+        yield
+    torch.set_num_threads(threads)
 
 
 def run_cli(argv: list[str]) -> int:

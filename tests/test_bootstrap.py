@@ -364,15 +364,17 @@ def test_cli_end_to_end(storage, tmp_path: Path, capsys) -> None:
 
 
 def test_cli_seed_and_options(storage, tmp_path: Path, capsys) -> None:
+    """Two of the four gates (the others' studies are alike; each run fits every study's noisy quadratic)."""
     url, _ = storage
     read = lambda name: pd.read_csv(tmp_path / name / "bootstrap_curves.csv")
-    assert run_bootstrap(url, tmp_path / "a", "--draws", "200", "--seed", "5") == 0
-    assert run_bootstrap(url, tmp_path / "b", "--draws", "200", "--seed", "5") == 0
-    assert run_bootstrap(url, tmp_path / "c", "--draws", "200", "--seed", "6") == 0
+    gates = ("--gates", "hash,topk")
+    assert run_bootstrap(url, tmp_path / "a", *gates, "--draws", "200", "--seed", "5") == 0
+    assert run_bootstrap(url, tmp_path / "b", *gates, "--draws", "200", "--seed", "5") == 0
+    assert run_bootstrap(url, tmp_path / "c", *gates, "--draws", "200", "--seed", "6") == 0
     pd.testing.assert_frame_equal(read("a"), read("b"))
     assert not read("a").mc_mean.equals(read("c").mc_mean) and read("a").exact_mean.equals(read("c").exact_mean)
-    assert run_bootstrap(url, tmp_path / "d", "--draws", "200", "--replacement", "--resample", "independent",
-                         "--max-budget", "20", "--pairs", "hash:topk") == 0
+    assert run_bootstrap(url, tmp_path / "d", *gates, "--draws", "200", "--replacement", "--resample",
+                         "independent", "--max-budget", "20", "--pairs", "hash:topk") == 0
     dodge = read("d")
     assert dodge.s.max() == 20 and not dodge.exact_mean.equals(read("a")[read("a").s <= 20].exact_mean)
     ranges = pd.read_csv(tmp_path / "d" / "bootstrap_ranges.csv")
@@ -486,10 +488,11 @@ def test_cli_cuda_without_a_gpu_is_one_line(storage, tmp_path: Path, capsys) -> 
 
 
 def test_outputs_are_replaced_atomically(storage, tmp_path: Path, monkeypatch, capsys) -> None:
-    """A run that fails while writing leaves the previous outputs whole and no temporary file behind."""
+    """A run that fails while writing leaves the previous outputs whole and no temporary file behind (a gate and its
+    "+": every output, at half the studies)."""
     url, _ = storage
     out = tmp_path / "rep"
-    assert run_bootstrap(url, out, "--draws", "100") == 0
+    assert run_bootstrap(url, out, "--gates", "topk,topk+", "--draws", "100") == 0
     before = {path.name: path.read_bytes() for path in out.iterdir()}
     assert set(before) == {"bootstrap.png", "bootstrap.pdf", "bootstrap.md", "bootstrap.html", "bootstrap_curves.csv",
                            "bootstrap_factors.csv", "bootstrap_ranges.csv", "bootstrap_objective.csv",
@@ -502,7 +505,7 @@ def test_outputs_are_replaced_atomically(storage, tmp_path: Path, monkeypatch, c
         replace(source, target)
 
     monkeypatch.setattr(files_module.os, "replace", fail_on_png)
-    assert run_bootstrap(url, out, "--draws", "100", "--seed", "9") == 2
+    assert run_bootstrap(url, out, "--gates", "topk,topk+", "--draws", "100", "--seed", "9") == 2
     assert capsys.readouterr().err.strip() == f"error: cannot write the outputs to {out} (disk full): pass a " \
                                               "writable --out folder, or free some space there"
     assert {path.name: path.read_bytes() for path in out.iterdir()} == before

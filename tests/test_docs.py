@@ -10,6 +10,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -71,14 +72,25 @@ def test_relative_links_resolve(page: Path) -> None:
     assert not broken, f"{page.name}: " + "; ".join(broken)
 
 
+@cache
+def file_names() -> set[str]:
+    """The names of the repository's files, outside hidden folders (``.git``, the ``.venv`` CI makes in the clone)
+    and caches: walked once, not once per page."""
+    names = set()
+    for _, subfolders, files in os.walk(ROOT):
+        subfolders[:] = [name for name in subfolders if not name.startswith(".") and name != "__pycache__"]
+        names.update(files)
+    return names
+
+
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_named_files_exist(page: Path) -> None:
     """A ``.py`` or ``.md`` file the prose names is in the repository (a path from the root or the page, or a bare
     name some file has), but for the reports ``bootstrap`` and ``report`` write."""
     text = re.sub(r"https?://\S+", "", prose(page.read_text()))
-    names = {path.name for path in ROOT.rglob("*") if ".git" not in path.parts}
     missing = {name for name in re.findall(r"(?<![\w/.-])([\w/.-]+\.(?:py|md))\b", text)
-               if not ((ROOT / name).exists() or (page.parent / name).exists() if "/" in name else name in names)}
+               if not ((ROOT / name).exists() or (page.parent / name).exists() if "/" in name
+                       else name in file_names())}
     missing -= {"bootstrap.md", "report.md"}
     assert not missing, f"{page.name} names files not in the repository: {sorted(missing)}"
 

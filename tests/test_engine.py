@@ -2,11 +2,12 @@
 
 "Alone" is the plain modules' own loop here, independent of the engine: the trial's ``MMoE`` forward pass,
 ``multitask_loss``, ``backward`` and ``torch.optim.Adam(fused=True)``, with local search's rounding done between steps
-when it is due. For every registered gate and every "+" variant, dropout off and on, each trial of a pack of 4 (the
-study's planned values of ``mtmoe/tuning/spaces/movielens-100k.yaml`` for that gate, and each trial its own seed,
-alpha and Adam epsilon) trains 26 steps on its own batches with the losses, parameters and buffers of its run alone
-(float32 rounding: the tolerances below). Also: evaluation, a slot refilled mid-run, a diverging trial beside others,
-PackedAdam against ``torch.optim.Adam``, CompeteSMoE's coin at its threshold, bf16 autocast.
+when it is due. For every registered gate and every "+" variant, each gate with dropout off and on (a gate with
+one, its "+" with the other: ``tests/covering.py``), each trial of a pack of 4 (the study's planned values of
+``mtmoe/tuning/spaces/movielens-100k.yaml`` for that gate, and each trial its own seed, alpha and Adam epsilon)
+trains 26 steps on its own batches with the losses, parameters and buffers of its run alone (float32 rounding: the
+tolerances below). Also: evaluation, a slot refilled mid-run, a diverging trial beside others, PackedAdam against
+``torch.optim.Adam``, CompeteSMoE's coin at its threshold, bf16 autocast.
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 from jsonargparse import Namespace
+
+from covering import variants_over
 
 from mtmoe.host_threads import MIN_PART
 from mtmoe.dataset_info import DatasetInfo, TaskSpec
@@ -138,8 +141,7 @@ def assert_same_state(packed: Trial, alone: Trial, rtol: float = 0, atol: float 
             assert torch.equal(value, buffers[key]), key
 
 
-@pytest.mark.parametrize("dropout", [0.0, 0.5])
-@pytest.mark.parametrize("name", VARIANTS)
+@pytest.mark.parametrize("name, dropout", variants_over([0.0, 0.5], every_gate_meets_every_value=True))
 def test_each_trial_of_a_pack_trains_as_it_would_alone(name: str, dropout: float) -> None:
     alone = trials(name, dropout)
     expected = torch.tensor([train_alone(trial, batches(p)) for p, trial in enumerate(alone)])
@@ -493,13 +495,13 @@ class AccumulatingEngine(PackEngine):
         self.adam.step(*self._schedule_updates())
 
 
-@pytest.mark.parametrize("autocast", [False, True])
-@pytest.mark.parametrize("name", VARIANTS)
+@pytest.mark.parametrize("name, autocast", variants_over([False, True], every_gate_meets_every_value=True))
 def test_gradients_written_in_place_equal_zeroed_and_accumulated_ones(name: str, autocast: bool) -> None:
-    """Every gate, in float32 and bf16 autocast, over steps inside and after local search's window: the gradients
-    copied into the flat gradient (:meth:`TrialStack.tracked`, blocks no gradient reached zeroed) and the weights
-    Adam makes of them are bitwise those of zeroing and accumulating; under autocast the expert layer reads the
-    bfloat16 copies Adam writes (:meth:`PackedAdam.bfloat16_copies`) instead of autocast's casts, the same values."""
+    """Every gate and "+" variant, each gate in float32 and in bf16 autocast (a gate in one, its "+" in the other:
+    ``tests/covering.py``), over steps inside and after local search's window: the gradients copied into the flat
+    gradient (:meth:`TrialStack.tracked`, blocks no gradient reached zeroed) and the weights Adam makes of them
+    are bitwise those of zeroing and accumulating; under autocast the expert layer reads the bfloat16 copies Adam
+    writes (:meth:`PackedAdam.bfloat16_copies`) instead of autocast's casts, the same values."""
     data = [batches(p, 6) for p in range(2)]
     engines = []
     for kind in (PackEngine, AccumulatingEngine):

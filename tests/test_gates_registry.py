@@ -16,6 +16,9 @@ Simplex rule: for ``simplex`` gates rows sum to 1 within 1e-5, except for gates 
 saturated simplex check on valid codes lives in ``test_gates_paper.py``. Rows of the other gates are only
 non-negative (their documented sums are checked in ``test_gates_routers.py``).
 
+Parameters: every gate meets every n in each test; a third factor (batch size, extreme case) is spread over them
+pairwise (``tests/covering.py``): every gate and every n meets each of its values, not every (gate, n) pair.
+
 Batch independence: in eval mode a gate that is not ``batch_dependent`` gives every sample the same weights whatever
 the rest of its batch; a ``batch_dependent`` one does not (expected, and documented by the gate).
 A gate's ``output_scale`` (SparseMixer's omega) enters the surrogate losses, so its gradient is checked too.
@@ -31,6 +34,8 @@ from torch import nn
 from mtmoe.errors import UsageError
 from mtmoe.gates import Gate, GateDims, RoutingInput, create_gate, gate_class, list_gates
 from mtmoe.random import Stream
+
+from covering import pairwise
 
 GATES = list_gates()
 N_EXPERTS = [2, 3, 5, 8, 9, 16]
@@ -205,9 +210,7 @@ def test_bad_gamma_is_a_usage_error(name):
 # --------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("b", [B, 1], ids=["batch", "batch_size_one"])
-@pytest.mark.parametrize("n", N_EXPERTS)
-@pytest.mark.parametrize("name", GATES)
+@pytest.mark.parametrize("name, n, b", pairwise(GATES, N_EXPERTS, [B, 1]))
 def test_weights_on_simplex(name, n, b):
     gate = build(name, n)
     for mode in (True, False):
@@ -270,9 +273,8 @@ def test_gradients_reach_every_parameter(name, n):
             assert (p.grad != 0).any(), f"{pname} got an all-zero gradient"
 
 
-@pytest.mark.parametrize("case", ["x*1e6", "x=0", "partly saturated", "saturated", "saturated,x*1e15"])
-@pytest.mark.parametrize("n", N_EXPERTS)
-@pytest.mark.parametrize("name", GATES)
+@pytest.mark.parametrize("name, n, case", pairwise(
+    GATES, N_EXPERTS, ["x*1e6", "x=0", "partly saturated", "saturated", "saturated,x*1e15"]))
 def test_finite_at_extreme_inputs(name, n, case):
     """Includes exact-zero reach probabilities next to soft splits ("partly saturated"), where a plain log(v)
     turns 0 * inf into NaN gradients for the soft splits."""

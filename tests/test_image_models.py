@@ -1,5 +1,5 @@
 """CNN experts and the image models (S1.2): grouped experts equal separate CNNs, shapes per dataset, every gate
-and every "+" variant trains on every image dataset's fixture, multiclass metrics, the CLI, the search spaces."""
+and every "+" variant trains on an image dataset's fixture, multiclass metrics, the CLI, the search spaces."""
 from __future__ import annotations
 
 import json
@@ -14,13 +14,14 @@ from torch import nn
 from torch.nn import functional as F
 
 from conftest import run_cli
+from covering import variants_over
 from image_fixtures import write_celeba, write_mnist, write_svhn
 from mtmoe.data.celeba import CelebADataModule
 from mtmoe.data.digits import DigitsDataModule
 from mtmoe.data.multimnist import MultiFashionMNISTDataModule, MultiMNISTDataModule
 from mtmoe.errors import UsageError
 from mtmoe.experts import ConvExperts, GroupedLinear
-from mtmoe.gates import gate_class, gate_variants, list_gates
+from mtmoe.gates import gate_class, gate_variants
 from mtmoe.lit.module import MultiTaskMoE
 from mtmoe.pack.settings import ModelSettings
 from mtmoe.mmoe import build_mmoe
@@ -157,14 +158,11 @@ def test_hash_routes_images_by_sample_id(datamodules) -> None:
         assert torch.equal(output.weights, F.one_hot(gate.table[batch["sample_id"]], 16).float())
 
 
-GATE_RUNS = [(name, gate) for name in MODULES for gate in list_gates()]
-GATE_RUNS += [  # the "+" variants elsewhere: test_cli_fit_plus_gate
-    ("multimnist", gate + "+") for gate in list_gates() if gate_class(gate).permutable
-]
-
-
-@pytest.mark.parametrize("name, gate", GATE_RUNS)
-def test_every_gate_trains_on_every_image_dataset(name: str, gate: str, datamodules) -> None:
+@pytest.mark.parametrize("gate, name", variants_over(list(MODULES)))
+def test_every_gate_trains_on_an_image_dataset(name: str, gate: str, datamodules) -> None:
+    """Every gate and "+" variant trains on one image dataset, a gate and its "+" on different ones
+    (``tests/covering.py``): each dataset trains several, CNN experts included; the gates at each dataset's number
+    of experts are in ``test_gates_registry.py`` (n of 2 to 16), and comet+ on every dataset through the CLI below."""
     data = datamodules[name]
     info = data.info
     pl.seed_everything(0, verbose=False)
