@@ -69,15 +69,18 @@ def count_flops(model: MultiTaskMoE, batches) -> dict[str, float]:
     """Forward and Table-6 inference FLOPs per sample over ``batches`` (eval mode, the model's device)."""
     net = model.net.eval()
     device = next(net.parameters()).device
-    rows = evaluated_pairs = 0
-    with FlopCounterMode(display=False) as counter:
-        for batch in batches:
-            output = net({key: value.to(device) for key, value in batch.items()})
-            active = torch.stack([g.weights != 0 for g in output.gates]).any(dim=0)  # [B, n]: experts to run
-            evaluated_pairs += int(active.sum())
-            rows += active.shape[0]
-    total = counter.get_total_flops()
-    experts = sum(counter.get_flop_counts().get(f"{type(net).__name__}.experts", {}).values())
+    rows = evaluated_pairs = total = experts = 0
+    for batch in batches:
+        batch = {key: value.to(device) for key, value in batch.items()}
+        with FlopCounterMode(display=False) as counter:  # a mode counts from zero each time it is entered
+            output = net(batch)
+        total += counter.get_total_flops()
+        with FlopCounterMode(display=False) as counter:  # the expert layer alone (the forward may fuse it)
+            net.experts(net.bottom(batch))
+        experts += counter.get_total_flops()
+        active = torch.stack([g.weights != 0 for g in output.gates]).any(dim=0)  # [B, n]: experts to run
+        evaluated_pairs += int(active.sum())
+        rows += active.shape[0]
     evaluated = evaluated_pairs / (rows * net.experts.n_experts)
     return {"forward_flops": total / rows, "inference_flops": (total - experts * (1 - evaluated)) / rows}
 
