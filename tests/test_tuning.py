@@ -96,8 +96,12 @@ def run_tune(args: list[str], tmp: Path, root: Path, log: str, timeout: int = 30
 
 
 def wait_for_running(storage, name: str, proc: subprocess.Popen, tmp: Path, log: str,
-                     min_age: float = 1.5, timeout: float = 180) -> optuna.trial.FrozenTrial:
-    """The first trial RUNNING for at least ``min_age`` seconds (training has started: make_cli takes ~1 s)."""
+                     min_age: float = 1.5, timeout: float = 180, ready=None) -> optuna.trial.FrozenTrial:
+    """The first RUNNING trial that is ``ready``: by default, running for at least ``min_age`` seconds (training has
+    started: make_cli takes ~1 s)."""
+    if ready is None:
+        def ready(trial: optuna.trial.FrozenTrial) -> bool:
+            return (datetime.now() - trial.datetime_start).total_seconds() >= min_age
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -111,19 +115,21 @@ def wait_for_running(storage, name: str, proc: subprocess.Popen, tmp: Path, log:
             if "locked" not in str(error):
                 raise
             running = []
-        if running and (datetime.now() - running[0].datetime_start).total_seconds() >= min_age:
-            return running[0]
+        caught = next((trial for trial in running if ready(trial)), None)
+        if caught is not None:
+            return caught
         time.sleep(0.2)
     pytest.fail("no trial was caught running")
 
 
 def interrupt_while_running(args: list[str], tmp: Path, root: Path, storage, name: str, min_age: float = 1.5,
-                            signum: int = signal.SIGINT) -> tuple[int, str, optuna.trial.FrozenTrial]:
-    """Start ``tune``, press Ctrl-C (or send ``signum``) once a trial runs: its exit code, stderr and the trial
-    caught running."""
+                            signum: int = signal.SIGINT, ready=None,
+                            timeout: float = 180) -> tuple[int, str, optuna.trial.FrozenTrial]:
+    """Start ``tune``, press Ctrl-C (or send ``signum``) once a trial runs (and is ``ready``,
+    :func:`wait_for_running`): its exit code, stderr and the trial caught running."""
     proc = start_tune(args, tmp, root, "first")
     try:
-        target = wait_for_running(storage, name, proc, tmp, "first", min_age=min_age)
+        target = wait_for_running(storage, name, proc, tmp, "first", min_age=min_age, timeout=timeout, ready=ready)
         os.kill(proc.pid, signum)
         code = proc.wait(timeout=120)
     finally:

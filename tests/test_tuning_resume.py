@@ -4,9 +4,7 @@ computes (bitwise on a CPU: per-epoch metrics, objectives, test results); a chec
 another configuration is ignored with a warning."""
 from __future__ import annotations
 
-import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -15,7 +13,7 @@ from optuna.trial import TrialState
 
 from mtmoe.tuning.checkpoints import PackCheckpoints, checkpoint_folder
 
-from test_tuning import assert_each_config_once, run_tune, start_tune, trials_of, tune_args
+from test_tuning import assert_each_config_once, interrupt_while_running, run_tune, trials_of, tune_args
 
 # 2 epochs of ~70 steps of 16 rows: a pack runs long enough to be caught between epochs
 SLOW = ["--trainer.max_epochs=2", "--data.batch_size=16"]
@@ -34,27 +32,9 @@ def results(url: str) -> dict[int, tuple]:
 
 def sigterm_after_epochs(args: list[str], tmp: Path, root: Path, url: str, epochs: int) -> int:
     """Start ``tune``; SIGTERM once a running trial has reported ``epochs`` validation losses; its exit code."""
-    proc = start_tune(args, tmp, root, "first")
-    try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, (tmp / "first.err").read_text()[-3000:]
-            try:
-                reported = [len(t.intermediate_values) for t in trials_of(url, NAME) if t.state == TrialState.RUNNING]
-            except KeyError:  # the study does not exist yet
-                reported = []
-            except Exception as error:  # a locked SQLite file while the worker writes: look again
-                if "locked" not in str(error):
-                    raise
-                reported = []
-            if reported and max(reported) >= epochs:
-                break
-            time.sleep(0.1)
-        os.kill(proc.pid, signal.SIGTERM)
-        return proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    code, _, _ = interrupt_while_running(args, tmp, root, url, NAME, signum=signal.SIGTERM, timeout=300,
+                                         ready=lambda trial: len(trial.intermediate_values) >= epochs)
+    return code
 
 
 @pytest.mark.integration
