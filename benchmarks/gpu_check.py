@@ -12,12 +12,13 @@ files into ``.gpu/``, which the device call carries with the working tree. ``run
 each step as a subprocess with its own budget (the study: what is left of 9 minutes once the steps after it have
 theirs): a step that fails or overruns is logged and the next one runs; ``--steps`` runs some of them. The
 study's storage is a journal file in ``.gpu/study/``: the study stops cleanly before its budget ends (SIGTERM:
-running trials are marked interrupted and their state at the last epoch end saved in ``.gpu/study/checkpoints/``,
-:mod:`mtmoe.tuning.checkpoints`), its journal and checkpoints come back in DIR, and carried to the next lease it
-resumes, the interrupted trials from their saved epoch. DIR receives ``summary.json``, ``summary.md`` (the short
-table, also printed last), ``logs.tar.gz`` (every step's full log), ``study.journal``, ``checkpoints.tar.gz`` (if
-the study left any and the archive is within :data:`RETURN_LIMIT`), ``report.md`` and ``results.tar.gz`` (the
-report's and the bootstrap's folders): at most 8 files, as the device tool returns.
+running trials are marked interrupted, to rerun from their first epoch: :data:`GPU` keeps no checkpoints, which
+could not travel), its journal comes back in DIR, and carried to the next lease it resumes. A study run with
+checkpoints (another ``tune_args``) leaves them in ``.gpu/study/checkpoints/``, returned when small enough. DIR
+receives ``summary.json``, ``summary.md`` (the short table, also printed last), ``logs.tar.gz`` (every step's full
+log), ``study.journal``, ``checkpoints.tar.gz`` (if the study left any and the archive is within
+:data:`RETURN_LIMIT`), ``report.md`` and ``results.tar.gz`` (the report's and the bootstrap's folders): at most 8
+files, as the device tool returns.
 
 ``--dry-run`` runs :func:`run` itself with :data:`DRY` sizes (2 trials of 2 epochs of 2 batches of 8 rows, 4 experts
 of 8 units, embeddings of 4, packs of 2, bands at 50%, Triton's interpreter) on the CPU, the study in a
@@ -412,6 +413,8 @@ def main() -> None:
         fail(f"--steps {args.steps}: choose among {','.join(STEPS)}")
     if not set(precisions) <= set(PRECISIONS):
         fail(f"--precisions {args.precisions}: choose among {','.join(PRECISIONS)}")
+    if args.total is not None and args.total <= 0:
+        fail(f"--total must be a positive number of seconds, got {args.total}")
     if args.command == "gather":
         gather()
     elif args.dry_run:
