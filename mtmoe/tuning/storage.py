@@ -328,7 +328,7 @@ def grpc_proxy(host: str, port: int):
     :data:`GRPC_CONNECT_TIMEOUT` seconds; else one-line UsageError). Needs ``grpcio`` (the ``grpc`` extra)."""
     if importlib.util.find_spec("grpc") is None:
         raise UsageError("--storage grpc://... needs grpcio: pip install 'mtmoe[grpc]'")
-    with warnings.catch_warnings():  # "experimental" since Optuna 4.2
+    with warnings.catch_warnings():  # "experimental" (Optuna 4.2 onwards)
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         storage = optuna.storages.GrpcStorageProxy(host=host, port=port)
     try:
