@@ -146,3 +146,29 @@ def test_checkpoints_live_beside_a_file_storage_else_in_the_log_folder(tmp_path:
         tmp_path / "checkpoints" / "ml_comet"
     assert checkpoint_folder(f"sqlite:///{tmp_path}/o.db", "x", tmp_path / "runs") == tmp_path / "checkpoints" / "x"
     assert checkpoint_folder("postgresql://u@h/db", "x", tmp_path / "runs") == tmp_path / "runs" / "checkpoints" / "x"
+
+
+@pytest.mark.integration
+def test_no_checkpoints_is_refused_while_an_earlier_tunes_checkpoints_are_kept(root_and_tmp) -> None:
+    """A study's checkpoint folder holds a file that an interrupted ``tune`` wrote: ``--no-checkpoints`` (whose
+    trials would rerun from their first epoch, leaving the stale state for a later resume) is refused with one
+    error line before the storage is created, and the file is kept; once the folder is deleted it runs."""
+    root, tmp = root_and_tmp
+    url = f"sqlite:///{tmp / 'refused.db'}"
+    folder = checkpoint_folder(url, NAME, tmp / "runs" / NAME)
+    folder.mkdir(parents=True)
+    written = PackCheckpoints(folder, IDENTITY)
+    written.keep([(0, "structure", "hash0", state(1))])
+    written.write()
+    args = tune_args(url, root, tmp / "runs", "--no-checkpoints", "--trainer.max_epochs=1", trials=1, name=NAME)
+    code, out, err = run_tune(args, tmp, root, "refused")
+    assert code == 2, err
+    assert err.splitlines() == [f"error: --no-checkpoints: {folder} holds 1 checkpoint file(s) of trials an earlier "
+                                "tune left interrupted; run without --no-checkpoints to continue them from their "
+                                "saved epoch, or delete that folder to rerun them from their first epoch"]
+    assert not (tmp / "refused.db").exists() and [written.path] == list(folder.glob("*.pt"))
+
+    written.path.unlink()
+    code, _, err = run_tune(args, tmp, root, "after")
+    assert code == 0, err[-3000:]
+    assert_each_config_once(trials_of(url, NAME), 1)

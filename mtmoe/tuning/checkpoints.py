@@ -14,6 +14,9 @@ instead of from their first.
   configuration hash differs from the study's is ignored with a warning, as is one that cannot be read.
 * **Clean-up.** A worker that writes its checkpoint takes over the states it read and did not resume yet (they go
   into its file, and the files they came from are removed); one that runs out of trials removes them all.
+* **Without checkpoints.** ``tune --no-checkpoints`` on a study whose folder holds saved states is refused
+  (:func:`refuse_saved_states`): its trials would rerun from their first epoch while the states stayed behind, to be
+  resumed by a later ``tune`` with checkpoints in place of the trials' last attempt.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from typing import Any
 
 import torch
 
+from mtmoe.errors import UsageError
 from mtmoe.files import save_torch_atomic
 
 FORMAT = 1
@@ -40,6 +44,16 @@ def checkpoint_folder(url: str, study_name: str, log_dir: Path) -> Path:
         path = url.removeprefix("sqlite:///")
     base = Path(path).parent if path else log_dir
     return base / "checkpoints" / study_name.replace("/", "_")
+
+
+def refuse_saved_states(folder: Path) -> None:
+    """``tune --no-checkpoints``: refused (one error line, before the storage is touched) where ``folder`` holds
+    checkpoint files of an earlier, interrupted ``tune``."""
+    saved = sorted(folder.glob("*.pt")) if folder.is_dir() else []
+    if saved:
+        raise UsageError(f"--no-checkpoints: {folder} holds {len(saved)} checkpoint file(s) of trials an earlier tune "
+                         "left interrupted; run without --no-checkpoints to continue them from their saved epoch, or "
+                         "delete that folder to rerun them from their first epoch")
 
 
 def warn(message: str) -> None:

@@ -408,7 +408,9 @@ def parse_tune_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--no-checkpoints", action="store_true",
                         help="keep no state of the running trials (an interrupted trial reruns from its first "
                              "epoch): spares the copy of the pack's state to the host at every epoch end and its "
-                             "write on Ctrl-C or SIGTERM, e.g. where the checkpoints could not be kept anyway")
+                             "write on Ctrl-C or SIGTERM, e.g. where the checkpoints could not be kept anyway; "
+                             "refused while an earlier tune's checkpoints of the study are kept (resume them, or "
+                             "delete their folder)")
     try:
         args, overrides = parser.parse_known_args(argv)
     except argparse.ArgumentError as error:
@@ -565,6 +567,11 @@ def _tune(argv: list[str]) -> None:
         raise UsageError("SQLite serialises writers: use --storage postgresql://... or journal:PATH for --workers > 1")
     given_alpha = _option_value(overrides, "model.alpha")
     study_name = args.study_name or f"{args.data}/{args.gate}" + (f"/alpha={given_alpha}" if given_alpha else "")
+    log_dir = Path(args.log_dir) if args.log_dir else STUDIES_DIR / "runs"
+    if args.no_checkpoints:
+        from mtmoe.tuning.checkpoints import checkpoint_folder, refuse_saved_states
+
+        refuse_saved_states(checkpoint_folder(url, study_name, log_dir / study_name.replace("/", "_")))
     space, pinned = pin_overrides(space, overrides)
     configurations = plan_configurations(space, trials, args.seed)
     pack = pack_size(args.pack)
@@ -574,7 +581,6 @@ def _tune(argv: list[str]) -> None:
         prepare_study(url, study_name, space, args.seed, configurations, settings, alpha)
     print(f"study {study_name!r}: {trials} configurations, settings: {describe_settings(settings)}; storage "
           f"{display_url(url)}, {args.workers} worker(s)", flush=True)
-    log_dir = Path(args.log_dir) if args.log_dir else STUDIES_DIR / "runs"
     run_until_accounted(url, study_name, space, configurations,
                         (url, study_name, space, overrides, args.seed, args.workers, log_dir, pack,
                          args.checkpoint_every, not args.no_checkpoints))
