@@ -102,3 +102,49 @@ def test_the_parameter_that_drives_the_objective_ranks_first_and_reruns_agree(st
     assert run_cli(["report", "--data", "synthetic", "--storage", storage, "--out", str(tmp_path / "b")]) == 0
     assert (tmp_path / "b" / "importance.csv").read_text() == (tmp_path / "a" / "importance.csv").read_text()
     assert (tmp_path / "b" / "report.md").read_text() == (tmp_path / "a" / "report.md").read_text()
+
+
+def test_importance_picks_the_evaluators_that_run(storage: str, tmp_path: Path, capsys) -> None:
+    """``--importance``: one evaluator gives that evaluator's rows of the default report, any case; ``none`` gives
+    the default report without its importance section and no importance files (an earlier report's are removed)."""
+    def report(out: str, *extra: str) -> str:
+        assert run_cli(["report", "--data", "synthetic", "--storage", storage, "--out", str(tmp_path / out),
+                        *extra]) == 0
+        capsys.readouterr()
+        return (tmp_path / out / "report.md").read_text()
+
+    both = report("both")
+    table = pd.read_csv(tmp_path / "both" / "importance.csv", dtype=str)
+    for given, evaluator in (("fanova", "fANOVA"), ("PED-ANOVA", "PED-ANOVA"), ("fanova, ped-anova", None)):
+        text = report(given, "--importance", given)
+        found = pd.read_csv(tmp_path / given / "importance.csv", dtype=str)
+        expected = table if evaluator is None else table[table.evaluator == evaluator].reset_index(drop=True)
+        pd.testing.assert_frame_equal(found, expected)
+        assert (f"## Hyperparameter importance ({evaluator})" if evaluator else
+                "## Hyperparameter importance (PED-ANOVA, fANOVA)") in text
+        assert (tmp_path / given / "importance.png").read_bytes().startswith(b"\x89PNG")
+
+    (tmp_path / "none").mkdir()
+    for name in ("importance.csv", "importance.png", "importance.pdf"):  # an earlier report's
+        (tmp_path / "none" / name).write_text("stale")
+    text = report("none", "--importance", "none")
+    section = both.index("\n## Hyperparameter importance")
+    assert text == both[:section]
+    assert sorted(path.name for path in (tmp_path / "none").iterdir()) == ["report.md", "table_2_3.csv",
+                                                                            "table_7.csv"]
+
+
+@pytest.mark.parametrize("given, problem", [
+    ("fanov", "unknown evaluator 'fanov'; give a comma-separated list of ped-anova and fanova, or none; did you "
+              "mean fanova?"),
+    ("none,fanova", "none cannot be given with an evaluator; give a comma-separated list of ped-anova and fanova, "
+                    "or none"),
+    ("", "unknown evaluator ''; give a comma-separated list of ped-anova and fanova, or none"),
+])
+def test_a_bad_importance_value_is_one_error_line(storage: str, tmp_path: Path, capsys, given: str,
+                                                  problem: str) -> None:
+    out = tmp_path / "out"
+    assert run_cli(["report", "--data", "synthetic", "--storage", storage, "--out", str(out),
+                    "--importance", given]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"error: --importance {given!r}: {problem}"]
+    assert not out.exists()

@@ -21,7 +21,8 @@ name, so ``.../alpha=0.1`` and ``.../alpha=0.9`` are separate rows, compared wit
 * **Studies**: each study's seed, settings (what ``tune``'s overrides changed) and failed configurations with their
   reasons (diverged, or lost too often). Rows by alpha, then the paper's gate order.
 * **Hyperparameter importance** of each study's validation objective (:mod:`mtmoe.tuning.importance`: Optuna's PED-ANOVA
-  and fANOVA), a table and a figure naming the evaluator.
+  and fANOVA), a table and a figure naming the evaluator; ``--importance`` picks the evaluators (``none``: no
+  importance section, and no importance files: those an earlier report left in ``--out`` are removed).
 
 Printed, and written atomically as Markdown (``report.md``), CSV (``table_2_3.csv``, ``table_7.csv``,
 ``routing.csv``, ``importance.csv``) and the importance figure (``importance.png``, ``importance.pdf``) into ``--out``
@@ -45,6 +46,7 @@ from mtmoe.tuning.trials import (
 )
 
 TOP_FRACTION = 0.05
+IMPORTANCE_FILES = frozenset({"importance.csv", "importance.png", "importance.pdf"})
 SIGNIFICANCE = 0.05
 
 
@@ -53,7 +55,13 @@ def parse_report_args(argv: list[str]) -> argparse.Namespace:
                                       "the test loss, n/s and per-task metrics over each study's top 5% of trials by "
                                       "validation objective, with a one-sided Welch t-test against the best gate "
                                       "without local search. It never trains.")
-    return parse_strict(parser, argv)
+    parser.add_argument("--importance", default="ped-anova,fanova", metavar="EVALUATORS",
+                        help="the hyperparameter-importance evaluators that run: a comma-separated list of ped-anova "
+                             "and fanova, or none (no importance table, figure or CSV); fANOVA costs seconds per "
+                             "study of hundreds of trials (default: ped-anova,fanova)")
+    args = parse_strict(parser, argv)
+    args.importance = importance.chosen(args.importance)
+    return args
 
 
 def top_trials(trials: pd.DataFrame) -> pd.DataFrame:
@@ -189,17 +197,21 @@ def report(argv: list[str]) -> None:
     url, trials = collect(args.storage, args.data)
     table, table7 = aggregate(trials)
     routing = routing_table(trials, top_trials, mean_se)
-    importances = paper_order(importance.importances(trials))
-    text = (markdown(args.data, url, trials, table, table7) + routing_markdown(routing, _pm)
-            + importance.markdown(importances))
-    figure = importance.plot(importances)
-    png = figure_bytes(figure, "png")
-    figure.set_layout_engine("none")  # the PDF keeps the PNG's layout
-    files = {"report.md": text, "table_2_3.csv": table.to_csv(index=False), "table_7.csv": table7.to_csv(index=False)}
+    text = markdown(args.data, url, trials, table, table7) + routing_markdown(routing, _pm)
+    files = {"table_2_3.csv": table.to_csv(index=False), "table_7.csv": table7.to_csv(index=False)}
     if not routing.empty:
         files["routing.csv"] = routing.to_csv(index=False)
-    files |= {"importance.csv": importances.to_csv(index=False), "importance.png": png,
-              "importance.pdf": figure_bytes(figure, "pdf")}
+    if args.importance:
+        importances = paper_order(importance.importances(trials, args.importance))
+        text += importance.markdown(importances, args.importance)
+        figure = importance.plot(importances, args.importance)
+        png = figure_bytes(figure, "png")
+        figure.set_layout_engine("none")  # the PDF keeps the PNG's layout
+        files |= {"importance.csv": importances.to_csv(index=False), "importance.png": png,
+                  "importance.pdf": figure_bytes(figure, "pdf")}
+    files = {"report.md": text, **files}
     write_outputs(out, files)
+    for name in IMPORTANCE_FILES.difference(files):  # an earlier report's, of evaluators this one did not run
+        (out / name).unlink(missing_ok=True)
     print(text, end="")
     print(f"written to {out}/" + ", ".join(files))
