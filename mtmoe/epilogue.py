@@ -30,8 +30,8 @@ from torch.autograd.function import once_differentiable
 from mtmoe.host_threads import run_split
 from mtmoe.kernel_traffic import fused_kernel
 from mtmoe.random import (
-    _CHUNK, _bfloat16_bits, _chunks, _scale_chunk, _unit_words, dropout_reference, dropout_scale, dropout_threshold,
-    stream_arguments, triton_lanes,
+    _CHUNK, _bfloat16_bits, _chunks, _narrow, _scale_chunk, _scratch, _unit_words, _widen, dropout_reference,
+    dropout_scale, dropout_threshold, stream_arguments, triton_lanes,
 )
 from mtmoe.triton_support import tl, triton, use_triton
 
@@ -62,12 +62,12 @@ def _bias_relu(y: np.ndarray, bias: np.ndarray, out: np.ndarray, column: int) ->
 
 
 @numba.njit(cache=True, inline="always")
-def _unit(unit: int, n: int, dropout: bool, keyed: int, lanes: np.ndarray, words: np.ndarray, seeds: np.ndarray,
-          steps: np.ndarray, iv0: int, iv1: int) -> tuple[int, int, int]:
+def _unit(unit: int, n: int, dropout: bool, key: np.ndarray, words: np.ndarray, seeds: np.ndarray, steps: np.ndarray,
+          iv0: int, iv1: int) -> tuple[int, int, int]:
     """Work unit ``unit`` of a ``[T, n]`` tensor: its trial, first element and length, and with ``dropout`` its
     stream's words in ``words`` (:func:`mtmoe.random._unit_words`)."""
     if dropout:
-        return _unit_words(unit, n, keyed, lanes, words, seeds, steps, iv0, iv1)
+        return _unit_words(unit, n, key, words, seeds, steps, iv0, iv1)
     chunks = _chunks(n)
     start = (unit % chunks) * 2 * _CHUNK
     return unit // chunks, start, min(2 * _CHUNK, n - start)
@@ -80,12 +80,9 @@ def _epilogue_cpu(y: np.ndarray, bias: np.ndarray, out: np.ndarray, seeds: np.nd
     ``[T, n]`` (float32 or float64) with ``bias`` ``[T, N]``, into ``out``."""
     n = y.shape[1]
     columns = bias.shape[1]
-    lanes = np.empty(2, np.uint32)
-    words = np.empty(_CHUNK, np.uint32)
-    keyed = -1
+    key, words, _, _ = _scratch()
     for unit in range(lo, hi):
-        t, start, m = _unit(unit, n, dropout, keyed, lanes, words, seeds, steps, iv0, iv1)
-        keyed = t
+        t, start, m = _unit(unit, n, dropout, key, words, seeds, steps, iv0, iv1)
         out_chunk = out[t, start:start + m]
         _bias_relu(y[t, start:start + m], bias[t], out_chunk, start % columns)
         if dropout:
@@ -101,24 +98,16 @@ def _epilogue_cpu_bfloat16(y: np.ndarray, bias: np.ndarray, out: np.ndarray, see
     multiplier in float32 rounded again (as :func:`mtmoe.random.dropout`)."""
     n = y.shape[1]
     columns = bias.shape[1]
-    lanes = np.empty(2, np.uint32)
-    words = np.empty(_CHUNK, np.uint32)
-    values = np.empty(2 * _CHUNK, np.float32)
-    value_bits = values.view(np.uint32)
-    keyed = -1
+    key, words, values, value_bits = _scratch()
     for unit in range(lo, hi):
-        t, start, m = _unit(unit, n, dropout, keyed, lanes, words, seeds, steps, iv0, iv1)
-        keyed = t
-        y_chunk, out_chunk = y[t, start:start + m], out[t, start:start + m]
-        for j in range(m):
-            value_bits[j] = np.uint32(y_chunk[j]) << np.uint32(16)
+        t, start, m = _unit(unit, n, dropout, key, words, seeds, steps, iv0, iv1)
+        _widen(y[t, start:start + m], value_bits)
         _bias_relu(values[:m], bias[t], values[:m], start % columns)  # the ReLU commutes with the rounding
         for j in range(m):
             value_bits[j] = np.uint32(_bfloat16_bits(value_bits[j])) << np.uint32(16)
         if dropout:
             _scale_chunk(values[:m], values[:m], words, threshold, scale)
-        for j in range(m):
-            out_chunk[j] = _bfloat16_bits(value_bits[j])
+        _narrow(value_bits, out[t, start:start + m])
 
 
 @numba.njit(cache=True, nogil=True)
@@ -134,18 +123,15 @@ def _epilogue_backward_cpu_bfloat16(grad: np.ndarray, h: np.ndarray, out: np.nda
                                     hi: int) -> None:
     """:func:`_epilogue_backward_cpu` of bfloat16 bits: the product in float32, rounded to bfloat16. A bfloat16
     value is positive when its sign bit is clear and its bits are nonzero and at most +inf's (0x7F80)."""
-    values = np.empty(2 * _CHUNK, np.float32)
-    value_bits = values.view(np.uint32)
+    _, _, values, value_bits = _scratch()
     for start in range(lo, hi, 2 * _CHUNK):
         m = min(2 * _CHUNK, hi - start)
-        for j in range(m):
-            value_bits[j] = np.uint32(grad[start + j]) << np.uint32(16)
+        _widen(grad[start:start + m], value_bits)
         for j in range(m):
             bits = h[start + j]
             positive = bits != np.uint16(0) and bits <= np.uint16(0x7F80)
             values[j] = values[j] * scale if positive else np.float32(0)
-        for j in range(m):
-            out[start + j] = _bfloat16_bits(value_bits[j])
+        _narrow(value_bits, out[start:start + m])
 
 
 # ---- Triton (CUDA tensors) -----------------------------------------------------------------------------------------

@@ -174,6 +174,7 @@ def dropout_reference(h: Tensor, seed: Tensor, site: int, step: Tensor, p: float
 
 _CHUNK = 1024  # words hashed per pass: the passes stay in L1
 _U32_M1, _U32_M2 = np.uint32(_M1), np.uint32(_M2)
+_NO_TRIAL = np.uint32(0xFFFFFFFF)  # the trial of a key not derived yet
 
 
 @numba.njit(cache=True, inline="always")
@@ -193,7 +194,7 @@ def _lowbias32_passes(words: np.ndarray, count: int) -> None:
 
 @numba.njit(cache=True, inline="always")
 def _derive_keys(lanes: np.ndarray, seed: int, step: int, iv0: int, iv1: int) -> None:
-    """The key lanes of ``(seed, site, step)`` into ``lanes`` (uint32 [2]), from the site's initial values."""
+    """The key lanes of ``(seed, site, step)`` into ``lanes[:2]`` (uint32), from the site's initial values."""
     lanes[0], lanes[1] = np.uint32(iv0), np.uint32(iv1)
     for word in (seed & _LOW32, (seed >> 32) & _LOW32, step & _LOW32, (step >> 32) & _LOW32):
         lanes[0] ^= np.uint32(word)
@@ -228,24 +229,50 @@ def _scale_chunk(values: np.ndarray, out: np.ndarray, words: np.ndarray, thresho
 
 
 @numba.njit(cache=True, inline="always")
+def _scratch() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A stream kernel's buffers: the key (uint32 [3]: its two lanes and the trial they are of, none yet), the words
+    of one pass, and a chunk of float32 values with their bits (where a bfloat16 kernel widens a chunk,
+    :func:`_widen`)."""
+    key = np.empty(3, np.uint32)
+    key[2] = _NO_TRIAL
+    values = np.empty(2 * _CHUNK, np.float32)
+    return key, np.empty(_CHUNK, np.uint32), values, values.view(np.uint32)
+
+
+@numba.njit(cache=True, inline="always")
+def _widen(bits: np.ndarray, value_bits: np.ndarray) -> None:
+    """``value_bits[:len(bits)]`` = the float32 bits of the bfloat16 values of bits ``bits`` (exact)."""
+    for j in range(bits.shape[0]):
+        value_bits[j] = np.uint32(bits[j]) << np.uint32(16)
+
+
+@numba.njit(cache=True, inline="always")
+def _narrow(value_bits: np.ndarray, out: np.ndarray) -> None:
+    """``out`` = the bfloat16 bits of the float32 values of bits ``value_bits[:len(out)]`` (:func:`_bfloat16_bits`)."""
+    for j in range(out.shape[0]):
+        out[j] = _bfloat16_bits(value_bits[j])
+
+
+@numba.njit(cache=True, inline="always")
 def _chunks(n: int) -> int:
     """Work units of one trial's ``n`` elements: chunks of ``2 * _CHUNK`` elements, the words of one pass."""
     return (n + 2 * _CHUNK - 1) // (2 * _CHUNK)
 
 
 @numba.njit(cache=True, inline="always")
-def _unit_words(unit: int, n: int, keyed: int, lanes: np.ndarray, words: np.ndarray, seeds: np.ndarray,
-                steps: np.ndarray, iv0: int, iv1: int) -> tuple[int, int, int]:
+def _unit_words(unit: int, n: int, key: np.ndarray, words: np.ndarray, seeds: np.ndarray, steps: np.ndarray,
+                iv0: int, iv1: int) -> tuple[int, int, int]:
     """Work unit ``unit`` of a ``[T, n]`` tensor (chunks of ``2 * _CHUNK`` elements, the words of one pass): its
-    trial ``t``, first element and length, with its stream's words in ``words``; ``lanes`` holds trial ``keyed``'s
-    key and is derived again when ``t`` is another trial."""
+    trial ``t``, first element and length, with its stream's words in ``words``; ``key`` (:func:`_scratch`) is
+    derived again when ``t`` is another trial than the one it is of."""
     chunks = _chunks(n)
     t = unit // chunks
     start = (unit - t * chunks) * 2 * _CHUNK
     m = min(2 * _CHUNK, n - start)
-    if t != keyed:
-        _derive_keys(lanes, seeds[t], steps[t], iv0, iv1)
-    _stream(words, (m + 1) // 2, start // 2, lanes[0], lanes[1])
+    if t != key[2]:
+        _derive_keys(key, seeds[t], steps[t], iv0, iv1)
+        key[2] = t
+    _stream(words, (m + 1) // 2, start // 2, key[0], key[1])
     return t, start, m
 
 
@@ -255,12 +282,9 @@ def _dropout_cpu(h: np.ndarray, out: np.ndarray, seeds: np.ndarray, steps: np.nd
     """:func:`_scale_chunk` of the work units ``[lo, hi)`` (:func:`_unit_words`) of ``h`` ``[T, n]`` (float32 or
     float64), each trial ``t`` with the words of its stream: one pass over ``h``."""
     n = h.shape[1]
-    lanes = np.empty(2, np.uint32)
-    words = np.empty(_CHUNK, np.uint32)
-    keyed = -1
+    key, words, _, _ = _scratch()
     for unit in range(lo, hi):
-        t, start, m = _unit_words(unit, n, keyed, lanes, words, seeds, steps, iv0, iv1)
-        keyed = t
+        t, start, m = _unit_words(unit, n, key, words, seeds, steps, iv0, iv1)
         _scale_chunk(h[t, start:start + m], out[t, start:start + m], words, threshold, scale)
 
 
@@ -291,20 +315,12 @@ def _dropout_cpu_bfloat16(h: np.ndarray, out: np.ndarray, seeds: np.ndarray, ste
     """:func:`_dropout_cpu` of bfloat16 values given as their uint16 bits: each chunk widened to float32 (exact),
     scaled, and rounded back to nearest even (NaN stays NaN), as torch computes bfloat16 products."""
     n = h.shape[1]
-    lanes = np.empty(2, np.uint32)
-    words = np.empty(_CHUNK, np.uint32)
-    values = np.empty(2 * _CHUNK, np.float32)
-    value_bits = values.view(np.uint32)
-    keyed = -1
+    key, words, values, value_bits = _scratch()
     for unit in range(lo, hi):
-        t, start, m = _unit_words(unit, n, keyed, lanes, words, seeds, steps, iv0, iv1)
-        keyed = t
-        h_chunk, out_chunk = h[t, start:start + m], out[t, start:start + m]
-        for j in range(m):
-            value_bits[j] = np.uint32(h_chunk[j]) << np.uint32(16)
+        t, start, m = _unit_words(unit, n, key, words, seeds, steps, iv0, iv1)
+        _widen(h[t, start:start + m], value_bits)
         _scale_chunk(values[:m], values[:m], words, threshold, scale)
-        for j in range(m):
-            out_chunk[j] = _bfloat16_bits(value_bits[j])
+        _narrow(value_bits, out[t, start:start + m])
 
 
 # ---- Triton (CUDA tensors) -----------------------------------------------------------------------------------------
