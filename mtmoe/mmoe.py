@@ -13,7 +13,7 @@ a pack, and a resumed run draws what the uninterrupted one draws.
 
 import inspect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -26,6 +26,7 @@ from mtmoe.experts import ConvExperts, DenseExperts, EmbeddingBottom, ImageBotto
 from mtmoe.gates.base import Gate, GateDims, GateOutput, RoutingInput, no_plus_variant
 from mtmoe.permutation import LocalSearch
 from mtmoe.random import Stream
+from mtmoe.shared_input import shared_input
 
 GateFactory = Callable[[GateDims], Gate]
 
@@ -86,13 +87,16 @@ class MMoE(nn.Module):
         # (DenseExperts.mixed); their matmul comes first either way, so the gradient of h sums its readers' in the
         # same order
         fused = hasattr(self.experts, "mixed") and not any(gate.needs_expert_outputs for gate in self.gates)
+        inputs = self._linear_inputs(h.flatten(1), fused)
         if fused:
-            y, expert_outputs = self.experts.matmul(h), None
+            y, expert_outputs = self.experts.matmul(next(inputs) if inputs else h), None
         else:
             expert_outputs = self.experts(h, self._child(stream, 0))  # [B, n, d]
         gate_outputs = [
             gate(RoutingInput(x=h.flatten(1), sample_id=batch.get("sample_id"), expert_outputs=expert_outputs,
-                              stream=self._child(stream, 1 + t)))
+                              stream=self._child(stream, 1 + t),
+                              linear_inputs=iter([next(inputs) for _ in range(gate.linear_reads)]) if inputs
+                              else None))
             for t, gate in enumerate(self.gates)]
         weights = torch.stack([g.weights for g in gate_outputs], dim=1)  # [B, T, n]
         local_search_aux = None
@@ -106,6 +110,15 @@ class MMoE(nn.Module):
             mixed = torch.bmm(weights, expert_outputs.flatten(2))  # [B, T, d]: all tasks in one batched matmul
         scales = [gate_output.output_scale for gate_output in gate_outputs]
         return MMoEOutput(self.predict(mixed, scales), gate_outputs, local_search_aux)
+
+    def _linear_inputs(self, x: Tensor, fused: bool) -> Iterator[Tensor] | None:
+        """The matmuls' views of the routing features ``x`` (the bottom's output), in reading order: the experts'
+        (when ``fused``: their matmul reads ``x``) then each gate's ``linear_reads``, from one cast for them all
+        (:func:`mtmoe.shared_input.shared_input`); None where no gate reads ``x`` through its linear maps."""
+        readers = int(fused) + sum(gate.linear_reads for gate in self.gates)
+        if not any(gate.linear_reads for gate in self.gates) or readers < 2:
+            return None
+        return iter(shared_input(x, readers))
 
     @staticmethod
     def _child(stream: Stream | None, index: int) -> Stream | None:

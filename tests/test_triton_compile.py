@@ -3,7 +3,8 @@
 
 The signatures are recorded, not listed by hand: a process with ``TRITON_INTERPRET=1`` runs the code that launches the
 kernels (:func:`record_launches`: dropout in every dtype it takes, the expert layer's epilogue and its mixing in their
-dtypes with and without dropout, the Sinkhorn forward and backward for the search spaces' expert counts and 33, the
+dtypes with and without dropout, the sum of the bottom's readers' gradients (float32 and bfloat16, two to eight
+of them), the Sinkhorn forward and backward for the search spaces' expert counts and 33, the
 packed Adam at pack sizes 1, 3 and 16, with and without bfloat16 copies) with each kernel's ``run`` wrapped to note its
 arguments (a tensor's dtype and alignment, a number's value, the constexprs and options). The test replays each through
 Triton's own argument binder for the target, which gives the types, constexprs and specialisations (an int's
@@ -68,7 +69,7 @@ def record_launches() -> None:
     JSON list of ``{kernel, args, kwargs}``."""
     import yaml
 
-    from mtmoe import epilogue, mixing, sinkhorn, triton_support
+    from mtmoe import epilogue, mixing, shared_input, sinkhorn, triton_support
     from mtmoe import random as streams
     from mtmoe.pack.adam import PackedAdam
     from mtmoe.pack.stack import TrialStack
@@ -92,6 +93,9 @@ def record_launches() -> None:
             epilogue.bias_relu_dropout(y, bias, p, torch.tensor([5, 6]), torch.tensor(3), 1).sum().backward()
             weights = torch.rand(2, 3, 2, 4).to(dtype).requires_grad_()  # the experts' mixing, 4 experts, 2 tasks
             mixing.mixed_experts(y, bias, weights, p, torch.tensor([5, 6]), torch.tensor(3), 1).sum().backward()
+    for dtype in (torch.float32, torch.bfloat16):  # the bottom's readers' gradients (autocast: bf16)
+        for count in range(2, shared_input.MAX_KERNEL_READERS + 1):
+            shared_input.summed([torch.randn(2, 3, 40).to(dtype) for _ in range(count)], torch.float32)
     n_experts = sorted({yaml.safe_load(path.read_text())["fixed"]["model.n_experts"]
                         for path in (ROOT / "mtmoe" / "tuning" / "spaces").glob("*.yaml")} | {33})  # 33: BLOCK 64,
     # as the CUDA tests of tests/test_sinkhorn.py launch it

@@ -23,11 +23,12 @@ auxiliary loss, so an evaluation loss is the pure task loss.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from mtmoe.errors import UsageError
 from mtmoe.random import Stream
@@ -51,6 +52,14 @@ class RoutingInput:
     sample_id: Tensor | None = None
     expert_outputs: Tensor | None = None
     stream: Stream | None = None
+    #: ``x`` as the gate's linear maps read it, one view per call of :meth:`linear` (``Gate.linear_reads``), from
+    #: the bottom's output cast once for all its readers (:func:`mtmoe.shared_input.shared_input`); None: ``x``.
+    linear_inputs: Iterator[Tensor] | None = None
+
+    def linear(self, layer: nn.Module) -> Tensor:
+        """``layer(x)`` for a linear map of the gate (at most ``Gate.linear_reads`` calls a forward pass): the same
+        values and gradients, from :attr:`linear_inputs` when given."""
+        return layer(self.x if self.linear_inputs is None else next(self.linear_inputs))
 
 
 @dataclass
@@ -80,7 +89,9 @@ class Gate(ScalarSettings):
     * ``batch_dependent``: in eval mode a sample's weights depend on the other samples of its batch (an instance
       may clear it, e.g. a batch-level router evaluated with its per-sample policy);
     * ``permutable``: local search (the "+" variant) may permute the weights across experts;
-    * ``needs_sample_id`` / ``needs_expert_outputs``: which optional fields of :class:`RoutingInput` it reads.
+    * ``needs_sample_id`` / ``needs_expert_outputs``: which optional fields of :class:`RoutingInput` it reads;
+    * ``linear_reads``: how many linear maps read ``x`` through :meth:`RoutingInput.linear` in a forward pass (and
+      read ``x`` in no other way): the model then hands them its shared cast of ``x`` (:mod:`mtmoe.shared_input`).
     """
 
     sparse: ClassVar[bool] = True
@@ -89,6 +100,7 @@ class Gate(ScalarSettings):
     permutable: ClassVar[bool] = True
     needs_sample_id: ClassVar[bool] = False
     needs_expert_outputs: ClassVar[bool] = False
+    linear_reads: ClassVar[int] = 0
     batch_dependent: bool = False
     #: The hyperparameters ``tune`` searches for this gate (``__init__`` keyword arguments) and their default ranges,
     #: in the notation of the search-space files (:mod:`mtmoe.tuning.space`): ``{"gamma": {"choice": [0.1, 1, 10]},

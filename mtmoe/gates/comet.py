@@ -55,6 +55,7 @@ class COMETGate(Gate):
     #: S1.3's MovieLens grids (comet-protocol.md §6); the space files give each dataset's.
     search_space = {"gamma": {"choice": [0.01, 0.1, 1, 5, 10]}, "entropy_reg": {"choice": [0.05, 0.1, 0.5, 1, 5, 10]}}
     scalar_names = ("gamma", "entropy_reg")
+    linear_reads = 2  # split and leaf
 
     def __init__(
         self,
@@ -85,16 +86,19 @@ class COMETGate(Gate):
 
     def reach(self, x: Tensor) -> Tensor:
         """Leaf-reach probabilities ``v`` of shape ``[B, k, n]`` (each tree's row sums to 1)."""
+        return self.reach_of_splits(self.split(x))
+
+    def reach_of_splits(self, split: Tensor) -> Tensor:
+        """:meth:`reach` from the split map's output ``W_q x + c_q`` ``[B, (n-1) k]``."""
         n = self.n_experts
-        h = smooth_step(self.split(x).view(-1, n - 1, self.k), self.gamma)  # [B, n-1, k]
+        h = smooth_step(split.view(-1, n - 1, self.k), self.gamma)  # [B, n-1, k]
         edges = torch.cat([h, 1 - h, h.new_ones(h.shape[0], 1, self.k)], dim=1)  # [B, 2(n-1)+1, k]
         v = product(edges.index_select(1, self.paths.flatten()).view(-1, n, self.paths.shape[1], self.k), dim=2)
         return v.transpose(1, 2)
 
     def forward(self, routing: RoutingInput) -> GateOutput:
-        x = routing.x
-        v = self.reach(x)
-        alpha = self.leaf(x).view(-1, self.n_experts, self.k).transpose(1, 2)  # [B, k, n]
+        v = self.reach_of_splits(routing.linear(self.split))
+        alpha = routing.linear(self.leaf).view(-1, self.n_experts, self.k).transpose(1, 2)  # [B, k, n]
         scores = alpha + safe_log(v, 1e-8)
         joint = scores.flatten(1).softmax(dim=-1).view_as(scores)  # one softmax over k*n (Section 3.5)
         weights = joint.sum(dim=1)
