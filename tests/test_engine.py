@@ -310,6 +310,9 @@ def test_packed_adam_cpu_kernel_is_the_same_on_any_number_of_threads() -> None:
             nets, state = packed_adam_run(model, grads, [False, False, True])
             results.append(state)
             assert torch.equal(packed_adam_run(model, grads, [False, False, True], copies=True)[1], state)
+            # the copies' gradients read in bfloat16: what their float32 widening gives, bitwise
+            assert torch.equal(packed_adam_run(model, grads, [False, False, True], copies=True, gradients=True)[1],
+                               packed_adam_run(model, bfloat16_rounded(grads), [False, False, True])[1])
             for p in range(3):
                 for (name, value), expected in zip(nets[p].named_parameters(), reference[p].parameters()):
                     if not (p == 2 and name == "2.weight"):
@@ -322,26 +325,43 @@ def test_packed_adam_cpu_kernel_is_the_same_on_any_number_of_threads() -> None:
     assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
 
 
+COPIED = frozenset({"0.weight", "0.bias", "2.bias"})  # packed_adam_run's parameters with bfloat16 copies
+
+
+def bfloat16_rounded(grads: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+    """``grads`` with the gradients of :data:`COPIED` rounded to bfloat16 (and widened back to float32)."""
+    return [{name: g.bfloat16().float() if name in COPIED else g for name, g in step.items()} for step in grads]
+
+
 def packed_adam_run(model, grads: list[dict[str, torch.Tensor]], skipped: list[bool], device: str = "cpu",
-                    fused: bool = True, copies: bool = False) -> tuple[list[torch.nn.Module], torch.Tensor]:
+                    fused: bool = True, copies: bool = False,
+                    gradients: bool = False) -> tuple[list[torch.nn.Module], torch.Tensor]:
     """Three trials, ``model(0..2)``, stacked with :data:`ADAM_SETTINGS` after one :class:`PackedAdam` step per
     entry of ``grads`` (``[3, ...]`` per parameter), the trials marked in ``skipped`` leaving ``2.weight`` alone: the
     nets (holding views of their slots) and the parameters and both moments as one flat tensor. With ``copies``,
-    the steps also write bfloat16 copies of the first layer and the last bias, which must then be the parameters
-    cast (those of the skipped trial included) while the other blocks' are left alone (:meth:`PackedAdam.step`)."""
+    the steps also write bfloat16 copies of the first layer and the last bias (:data:`COPIED`), which must then be
+    the parameters cast (those of the skipped trial included) while the other blocks' are left alone
+    (:meth:`PackedAdam.step`); with ``gradients`` too, the steps read those parameters' gradients rounded to
+    bfloat16 from :meth:`PackedAdam.bfloat16_gradients` (their float32 blocks hold NaN, which must go unread)."""
     nets = [model(p) for p in range(3)]
     stack = TrialStack(nets[0], 3, device)
     adam = PackedAdam(stack, fused=fused)
     for slot, (net, (lr, eps)) in enumerate(zip(nets, ADAM_SETTINGS)):
         stack.load(slot, net)
         adam.reset(slot, lr, eps)
-    names = frozenset({"0.weight", "0.bias", "2.bias"})
+    names = COPIED
     for step_grads in grads:
         for name, leaf in stack.params.items():
             leaf.grad.copy_(step_grads[name])
         if copies:
             adam.bfloat16_copies(names)
-        adam.step({"2.weight": torch.tensor(skipped, device=device)}, copies=copies)
+        if gradients:
+            blocks = adam.bfloat16_gradients()
+            assert blocks.keys() == names
+            for name, block in blocks.items():
+                block.copy_(step_grads[name])
+                stack.params[name].grad.fill_(float("nan"))
+        adam.step({"2.weight": torch.tensor(skipped, device=device)}, copies=copies, gradients=gradients)
     if copies:
         assert adam._half_version == stack.flat._version  # written by the step: no cast needed before the next
         for name in stack.params:
@@ -350,7 +370,8 @@ def packed_adam_run(model, grads: list[dict[str, torch.Tensor]], skipped: list[b
     return nets, torch.cat([stack.flat, adam.exp_avg, adam.exp_avg_sq])
 
 
-def adam_states(device: str, fused: bool, copies: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def adam_states(device: str, fused: bool, copies: bool = False, gradients: bool = False,
+                rounded: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`packed_adam_run` of a 150-30-3 MLP on ``device``, 4 steps, trial 1 leaving its last weight alone: the
     flat state (on the CPU) and that weight's initial values. Blocks of 4,500, 30, 90 and 3 elements per trial: the
     Triton kernel's units end inside and at blocks."""
@@ -362,7 +383,8 @@ def adam_states(device: str, fused: bool, copies: bool = False) -> tuple[torch.T
     generator = torch.Generator().manual_seed(0)
     grads = [{name: torch.randn(3, *p.shape, generator=generator).to(device) for name, p in model(0).named_parameters()}
              for _ in range(4)]
-    _, state = packed_adam_run(model, grads, [False, True, False], device, fused, copies)
+    grads = bfloat16_rounded(grads) if rounded else grads
+    _, state = packed_adam_run(model, grads, [False, True, False], device, fused, copies, gradients)
     return state.cpu(), model(1)[2].weight.detach().cpu()
 
 
@@ -370,7 +392,8 @@ def check_interpreted_adam_kernel() -> None:
     """Run with ``TRITON_INTERPRET=1``: the Triton kernel on CPU tensors gives the numba kernel's and the
     element-wise path's states to float32 rounding (the interpreter rounds the lerp's product, which the GPU fuses),
     with the skipped weight as it was; either kernel writing bfloat16 copies computes the same states, and copies
-    equal to the parameters cast (:func:`packed_adam_run`)."""
+    equal to the parameters cast (:func:`packed_adam_run`); either kernel reading the copies' gradients in bfloat16
+    computes the states of their float32 widening."""
     from mtmoe import triton_support
 
     assert triton_support.INTERPRET
@@ -381,8 +404,12 @@ def check_interpreted_adam_kernel() -> None:
     for other in (numba_state, elementwise_state):
         assert torch.allclose(triton_state, other, rtol=0, atol=1e-7), (triton_state - other).abs().max()
     assert torch.equal(adam_states("cpu", fused=True, copies=True)[0], numba_state)
+    numba_rounded = adam_states("cpu", fused=True, rounded=True)[0]
+    assert torch.equal(adam_states("cpu", fused=True, copies=True, gradients=True)[0], numba_rounded)
     triton_support.INTERPRET = True
     assert torch.equal(adam_states("cpu", fused=True, copies=True)[0], triton_state)
+    triton_rounded = adam_states("cpu", fused=True, rounded=True)[0]
+    assert torch.equal(adam_states("cpu", fused=True, copies=True, gradients=True)[0], triton_rounded)
     skipped = triton_state[3 * 4530 + 90:3 * 4530 + 180]  # trial 1's row of the last weight
     assert torch.equal(skipped, initial.flatten())
     print("ok")
@@ -501,7 +528,9 @@ def test_gradients_written_in_place_equal_zeroed_and_accumulated_ones(name: str,
     ``tests/covering.py``), over steps inside and after local search's window: the gradients copied into the flat
     gradient (:meth:`TrialStack.tracked`, blocks no gradient reached zeroed) and the weights Adam makes of them
     are bitwise those of zeroing and accumulating; under autocast the expert layer reads the bfloat16 copies Adam
-    writes (:meth:`PackedAdam.bfloat16_copies`) instead of autocast's casts, the same values."""
+    writes (:meth:`PackedAdam.bfloat16_copies`) instead of autocast's casts, the same values, and the copies'
+    gradients go to the bfloat16 blocks Adam reads (:meth:`PackedAdam.bfloat16_gradients`), the accumulated
+    float32 gradients exactly."""
     data = [batches(p, 6) for p in range(2)]
     engines = []
     for kind in (PackEngine, AccumulatingEngine):
@@ -519,11 +548,15 @@ def test_gradients_written_in_place_equal_zeroed_and_accumulated_ones(name: str,
             for engine in engines:
                 step(engine, data, i)
         written, accumulated = engines
-        assert torch.equal(written.stack.flat_grad, accumulated.stack.flat_grad), i
+        in_bfloat16 = written.adam.bfloat16_gradients() if autocast else {}
+        for name, leaf in written.stack.params.items():
+            expected = accumulated.stack.params[name].grad
+            assert torch.equal(in_bfloat16[name].float() if name in in_bfloat16 else leaf.grad, expected), (i, name)
         assert torch.equal(written.stack.flat, accumulated.stack.flat), i
         if autocast:  # the expert layer read Adam's bfloat16 copies, and the step wrote the next ones
             assert written.adam.half_names == {"experts.linear.weight", "experts.linear.bias", "towers.0.0.weight",
                                                "towers.0.0.bias", "towers.1.0.weight", "towers.1.0.bias"}
+            assert in_bfloat16.keys() == written.adam.half_names  # their gradients in bfloat16, read by Adam
             for name in written.adam.half_names:
                 assert torch.equal(written.stack.block(written.adam.half, name),
                                    written.stack.params[name].to(torch.bfloat16)), (i, name)

@@ -53,6 +53,12 @@ def test_the_fused_adam_reports_four_tensors_read_and_three_written() -> None:
     stack.flat_grad.normal_()
     cost = measure(adam.step)
     assert cost.by_kernel["adam (numba)"] == 7 * stack.flat.nbytes
+    # the weight's bfloat16 copy written, and with its gradient read in bfloat16, 2 bytes an element where 4 were
+    adam.bfloat16_copies(frozenset({"weight"}))
+    copies = measure(lambda: adam.step(copies=True)).by_kernel["adam (numba)"]
+    assert copies == 7 * stack.flat.nbytes + 2 * 4 * 15
+    adam.bfloat16_gradients()
+    assert measure(lambda: adam.step(copies=True, gradients=True)).by_kernel["adam (numba)"] == copies - 2 * 4 * 15
 
 
 def test_the_cost_at_a_pack_size_is_extrapolated_exactly_from_packs_of_one_and_two() -> None:

@@ -5,7 +5,7 @@ The signatures are recorded, not listed by hand: a process with ``TRITON_INTERPR
 kernels (:func:`record_launches`: dropout in every dtype it takes, the expert layer's epilogue and its mixing in their
 dtypes with and without dropout, the sum of the bottom's readers' gradients (float32 and bfloat16, two to eight
 of them), the Sinkhorn forward and backward for the search spaces' expert counts and 33, the
-packed Adam at pack sizes 1, 3 and 16, with and without bfloat16 copies) with each kernel's ``run`` wrapped to note its
+packed Adam at pack sizes 1, 3 and 16, with and without bfloat16 copies and gradients) with each kernel's ``run`` wrapped to note its
 arguments (a tensor's dtype and alignment, a number's value, the constexprs and options). The test replays each through
 Triton's own argument binder for the target, which gives the types, constexprs and specialisations (an int's
 divisibility by 16 or value 1, a pointer's alignment) a launch on that GPU gets, and compiles them. A kernel launched
@@ -115,6 +115,8 @@ def record_launches() -> None:
         adam.step({"1.weight": torch.zeros(capacity, dtype=torch.bool)})
         adam.bfloat16_copies(frozenset({"0.weight", "0.bias"}))  # the copies a step under bf16 autocast reads
         adam.step(copies=True)
+        adam.bfloat16_gradients()  # and reads their gradients in bfloat16
+        adam.step(copies=True, gradients=True)
     print(json.dumps(launches))
 
 

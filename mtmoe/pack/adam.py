@@ -64,14 +64,20 @@ def _adam_run(param: np.ndarray, grad: np.ndarray, exp_avg: np.ndarray, exp_avg_
             half[j] = _bfloat16_bits(bits[j])
 
 
+_WIDENED = 1024  # elements of a bfloat16 gradient widened at a time by _adam_cpu
+
+
 @numba.njit(cache=True, nogil=True, error_model="numpy")
 def _adam_cpu(param: np.ndarray, grad: np.ndarray, exp_avg: np.ndarray, exp_avg_sq: np.ndarray, half: np.ndarray,
-              halves: np.ndarray, ends: np.ndarray, widths: np.ndarray, skip: np.ndarray, step_size: np.ndarray,
-              bias_correction2_sqrt: np.ndarray, eps: np.ndarray, lo: int, hi: int) -> None:
+              half_grad: np.ndarray, halves: np.ndarray, ends: np.ndarray, widths: np.ndarray, skip: np.ndarray,
+              step_size: np.ndarray, bias_correction2_sqrt: np.ndarray, eps: np.ndarray, lo: int, hi: int) -> None:
     """:meth:`PackedAdam.step`'s element-wise update of the flat float32 tensors' elements ``[lo, hi)``. Block
     ``b`` ends at ``ends[b]`` and holds P rows of ``widths[b]`` (trial ``t``'s row), left alone where
     ``skip[b, t]``, its new values also written to ``half`` (bfloat16 bits, laid out as ``param``) where
-    ``halves[b]``; the per-trial coefficients are ``[P]`` float32."""
+    ``halves[b]``, and there its gradient read from ``half_grad`` (bfloat16 bits, widened exactly) instead of
+    ``grad`` unless ``half_grad`` is empty; the per-trial coefficients are ``[P]`` float32."""
+    widened = np.empty(_WIDENED, np.uint32)
+    widened_grad = widened.view(np.float32)
     block = 0
     i = lo
     while i < hi:
@@ -81,23 +87,31 @@ def _adam_cpu(param: np.ndarray, grad: np.ndarray, exp_avg: np.ndarray, exp_avg_
         start = ends[block] - width * skip.shape[1]
         trial = (i - start) // width
         end = min(hi, start + (trial + 1) * width)
-        if not skip[block, trial]:
+        if not skip[block, trial] and halves[block] and half_grad.shape[0] != 0:
+            for a in range(i, end, _WIDENED):
+                b = min(end, a + _WIDENED)
+                for j in range(b - a):
+                    widened[j] = np.uint32(half_grad[a + j]) << np.uint32(16)
+                _adam_run(param[a:b], widened_grad[:b - a], exp_avg[a:b], exp_avg_sq[a:b], half[a:b],
+                          step_size[trial], bias_correction2_sqrt[trial], eps[trial])
+        elif not skip[block, trial]:
             _adam_run(param[i:end], grad[i:end], exp_avg[i:end], exp_avg_sq[i:end], half[i:end] if halves[block]
                       else half[:0], step_size[trial], bias_correction2_sqrt[trial], eps[trial])
         i = end
 
 
 if triton is not None:
-    from mtmoe.random import _rounded
+    from mtmoe.random import _rounded, _widened
 
     @triton.jit
-    def _adam_cuda(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, half_ptr, halves_ptr, unit_start_ptr,
-                   unit_length_ptr, unit_trial_ptr, unit_skip_row_ptr, skip_ptr, step_size_ptr,
+    def _adam_cuda(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, half_ptr, half_grad_ptr, halves_ptr,
+                   unit_start_ptr, unit_length_ptr, unit_trial_ptr, unit_skip_row_ptr, skip_ptr, step_size_ptr,
                    bias_correction2_sqrt_ptr, eps_ptr, capacity, lerp_weight, beta2, one_minus_beta2,
-                   UNIT: tl.constexpr, HALF: tl.constexpr):
+                   UNIT: tl.constexpr, HALF: tl.constexpr, HALF_GRAD: tl.constexpr):
         """Program ``u``: :func:`_adam_run` on work unit ``u``, the ``unit_length[u]`` elements from
         ``unit_start[u]`` of trial ``unit_trial[u]``, unless ``skip[unit_skip_row[u], trial]``; with ``HALF``, the
-        new values also written to ``half`` (bfloat16) where ``halves[unit_skip_row[u]]``."""
+        new values also written to ``half`` (bfloat16) where ``halves[unit_skip_row[u]]``, and with ``HALF_GRAD``
+        the gradient there read from ``half_grad`` (bfloat16, widened exactly)."""
         unit = tl.program_id(0)
         trial = tl.load(unit_trial_ptr + unit)
         row = tl.load(unit_skip_row_ptr + unit)
@@ -108,7 +122,13 @@ if triton is not None:
             lanes = tl.arange(0, UNIT)
             inside = lanes < tl.load(unit_length_ptr + unit)
             offsets = tl.load(unit_start_ptr + unit) + lanes
-            g = tl.load(grad_ptr + offsets, mask=inside)
+            if HALF_GRAD:
+                if tl.load(halves_ptr + row) != 0:
+                    g = _widened(tl.load(half_grad_ptr + offsets, mask=inside), False, True)
+                else:
+                    g = tl.load(grad_ptr + offsets, mask=inside)
+            else:
+                g = tl.load(grad_ptr + offsets, mask=inside)
             m = tl.load(exp_avg_ptr + offsets, mask=inside)
             m = tl.fma(lerp_weight, g - m, m)
             v = tl.load(exp_avg_sq_ptr + offsets, mask=inside) * beta2 + g * one_minus_beta2 * g
@@ -152,6 +172,7 @@ class PackedAdam:
         self._skipped: Tensor | None = None
         self.half: Tensor | None = None  # bfloat16 copies of the parameters half_names (bfloat16_copies)
         self.half_names: frozenset[str] | None = None
+        self.half_grad: Tensor | None = None  # the copies' gradients in bfloat16 (bfloat16_gradients)
         self._half_version: int | None = None  # stack.flat's version counter when the copies were last written
         self._halves_on_device: tuple[np.ndarray, Tensor] | None = None  # the Triton kernel's block flags
 
@@ -219,19 +240,39 @@ class PackedAdam:
             self.half_names, self._half_version = names, flat._version
         return {name: self.stack.block(self.half, name) for name in names}
 
+    def _kernel_copies(self) -> bool:
+        """Whether a step with ``copies`` runs a fused kernel that writes the copies (and may read their
+        gradients in bfloat16)."""
+        return self.half_names is not None and self.fused and self.stack.flat.dtype == torch.float32 \
+            and (use_triton(self.stack.device) or self.stack.device.type == "cpu")
+
+    def bfloat16_gradients(self) -> dict[str, Tensor]:
+        """Where a step with ``copies=True, gradients=True`` reads the gradients of :meth:`bfloat16_copies`'
+        parameters: bfloat16 blocks (``[P, *shape]``) laid out as the parameters, for a backward whose gradients
+        of those parameters are the bfloat16 copies' (a training step under autocast) to write, widened exactly in
+        the fused kernel's pass, in place of a float32 copy in ``stack.flat_grad`` read at 4 bytes. Empty where
+        the step would not run a fused kernel (the element-wise update reads ``flat_grad``)."""
+        if not self._kernel_copies():
+            return {}
+        if self.half_grad is None:
+            self.half_grad = torch.zeros(self.stack.flat.shape, dtype=torch.bfloat16, device=self.stack.device)
+        return {name: self.stack.block(self.half_grad, name) for name in self.half_names}
+
     @torch.no_grad()
     def step(self, skip: dict[str, Tensor] | None = None, lr_scale: Tensor | None = None,
-             copies: bool = False) -> None:
+             copies: bool = False, gradients: bool = False) -> None:
         """One Adam step of every trial from the gradients in ``stack.flat_grad``; ``skip[name]`` (``[P]`` bool)
         names the trials that leave parameter ``name`` and its moments as they are; ``lr_scale`` (``[P]``) scales
         each trial's learning rate for this step (a schedule's). With ``copies``, the fused kernels also write the
-        bfloat16 copies of :meth:`bfloat16_copies`' latest parameters."""
-        copies = copies and self.half_names is not None and self.fused and self.stack.flat.dtype == torch.float32 \
-            and (use_triton(self.stack.device) or self.stack.device.type == "cpu")
-        self._step(skip, lr_scale, copies)
+        bfloat16 copies of :meth:`bfloat16_copies`' latest parameters, and with ``gradients`` too read those
+        parameters' gradients from :meth:`bfloat16_gradients`' blocks (the same values as their float32 widening in
+        ``flat_grad``)."""
+        copies = copies and self._kernel_copies()
+        self._step(skip, lr_scale, copies, copies and gradients)
         self._half_version = self.stack.flat._version if copies else None
 
-    def _step(self, skip: dict[str, Tensor] | None, lr_scale: Tensor | None, copies: bool) -> None:
+    def _step(self, skip: dict[str, Tensor] | None, lr_scale: Tensor | None, copies: bool,
+              gradients: bool) -> None:
         self.steps.add_(1.0)
         beta1, beta2 = BETAS
         dtype = self.stack.flat.dtype
@@ -243,9 +284,9 @@ class PackedAdam:
         if not self.fused or dtype != torch.float32:
             self._step_elementwise(skip, step_size, bias_correction2_sqrt, eps)
         elif use_triton(self.stack.device):
-            self._step_triton(skip, step_size, bias_correction2_sqrt, eps, copies)
+            self._step_triton(skip, step_size, bias_correction2_sqrt, eps, copies, gradients)
         elif self.stack.device.type == "cpu":
-            self._step_cpu(skip, step_size, bias_correction2_sqrt, eps, copies)
+            self._step_cpu(skip, step_size, bias_correction2_sqrt, eps, copies, gradients)
         else:
             self._step_elementwise(skip, step_size, bias_correction2_sqrt, eps)
 
@@ -271,20 +312,21 @@ class PackedAdam:
         stack = self.stack
         return stack.flat.detach(), stack.flat_grad, self.exp_avg, self.exp_avg_sq
 
-    def _report(self, name: str, halves: np.ndarray) -> None:
+    def _report(self, name: str, halves: np.ndarray, gradients: bool) -> None:
         """The fused update's traffic, to the operation counters (:func:`mtmoe.kernel_traffic.fused_kernel`):
         parameters, gradients and both moments read, parameters and moments written, and the bfloat16 copies of
-        the blocks flagged in ``halves`` written."""
+        the blocks flagged in ``halves`` written (with ``gradients``, their gradients read in bfloat16: 2 bytes
+        an element where float32 reads 4)."""
         size = self.stack.flat.nbytes
         copied = sum(int(width) * self.stack.capacity for width, half in zip(self.widths, halves) if half)
-        fused_kernel(name, 4 * size, 3 * size + 2 * copied)
+        fused_kernel(name, 4 * size - (2 * copied if gradients else 0), 3 * size + 2 * copied)
 
     def _halves(self, copies: bool) -> np.ndarray:
         """Per block, in the flat order: whether the step writes its bfloat16 copy."""
         return np.array([copies and name in self.half_names for name in self.names], dtype=np.bool_)
 
     def _step_cpu(self, skip: dict[str, Tensor], step_size: Tensor, bias_correction2_sqrt: Tensor, eps: Tensor,
-                  copies: bool) -> None:
+                  copies: bool, gradients: bool) -> None:
         """The same update by :func:`_adam_cpu`, over all blocks at once, on torch's threads."""
         skipped = np.zeros((len(self.names), self.stack.capacity), dtype=np.bool_)
         for row, name in enumerate(self.names):
@@ -292,12 +334,14 @@ class PackedAdam:
                 skipped[row] = skip[name].numpy()
         halves = self._halves(copies)
         half = self.half.view(torch.uint16).numpy() if copies else np.empty(0, np.uint16)
-        self._report("adam (numba)", halves)
-        run_split(_adam_cpu, self.stack.flat.numel(), *(t.numpy() for t in self._flats()), half, halves, self.ends,
-                  self.widths, skipped, *(t.view(-1).numpy() for t in (step_size, bias_correction2_sqrt, eps)))
+        half_grad = self.half_grad.view(torch.uint16).numpy() if gradients else np.empty(0, np.uint16)
+        self._report("adam (numba)", halves, gradients)
+        run_split(_adam_cpu, self.stack.flat.numel(), *(t.numpy() for t in self._flats()), half, half_grad, halves,
+                  self.ends, self.widths, skipped,
+                  *(t.view(-1).numpy() for t in (step_size, bias_correction2_sqrt, eps)))
 
     def _step_triton(self, skip: dict[str, Tensor], step_size: Tensor, bias_correction2_sqrt: Tensor, eps: Tensor,
-                     copies: bool) -> None:
+                     copies: bool, gradients: bool) -> None:
         """The same update by :func:`_adam_cuda`, one program per work unit; ``skip`` is read on the device."""
         capacity, device = self.stack.capacity, self.stack.device
         if self._units is None:
@@ -323,8 +367,10 @@ class PackedAdam:
         if copies and (self._halves_on_device is None or not np.array_equal(self._halves_on_device[0], halves)):
             self._halves_on_device = halves, torch.from_numpy(halves.astype(np.uint8)).to(device)
         lerp_weight, beta2, one_minus_beta2 = (float(x) for x in (_LERP_WEIGHT, _BETA2, _ONE_MINUS_BETA2))
-        self._report("adam (triton)", halves)
+        self._report("adam (triton)", halves, gradients)
         half, flags = (self.half, self._halves_on_device[1]) if copies else (self.stack.flat, self._skipped)  # unread
-        _adam_cuda[(len(self._units[0]),)](*self._flats(), half, flags, *self._units, self._skipped, step_size,
-                                          bias_correction2_sqrt, eps, capacity, lerp_weight, beta2, one_minus_beta2,
-                                          UNIT=_UNIT, HALF=copies, enable_fp_fusion=False)
+        half_grad = self.half_grad if gradients else self.stack.flat  # unread without gradients
+        _adam_cuda[(len(self._units[0]),)](*self._flats(), half, half_grad, flags, *self._units, self._skipped,
+                                          step_size, bias_correction2_sqrt, eps, capacity, lerp_weight, beta2,
+                                          one_minus_beta2, UNIT=_UNIT, HALF=copies, HALF_GRAD=gradients,
+                                          enable_fp_fusion=False)

@@ -42,9 +42,10 @@ def structure(module: nn.Module) -> dict[str, object]:
 
 
 class _WriteGradient(torch.autograd.Function):
-    """The identity on a parameter's stacked values, whose backward writes the gradient into the parameter's block
-    of ``flat_grad`` (casting it to float32 on the way) and notes the parameter's name in ``written``. ``anchor``,
-    a scalar leaf that requires grad, puts the node in the graph; it gets no gradient."""
+    """The identity on a parameter's stacked values, whose backward writes the gradient into ``grad`` (the
+    parameter's block of ``flat_grad``, casting it to float32 on the way, or a bfloat16 block the optimiser reads)
+    and notes the parameter's name in ``written``. ``anchor``, a scalar leaf that requires grad, puts the node in
+    the graph; it gets no gradient."""
 
     @staticmethod
     def forward(ctx, anchor: Tensor, value: Tensor, grad: Tensor, written: set[str], name: str) -> Tensor:
@@ -91,18 +92,22 @@ class TrialStack:
                         for name, b in example.named_buffers()}
         self._anchor = torch.zeros((), device=self.device, requires_grad=True)  # see _WriteGradient
         self._written: set[str] = set()
+        self._gradients: dict[str, Tensor] = {}  # tracked's blocks in place of flat_grad's
 
-    def tracked(self, values: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
+    def tracked(self, values: dict[str, Tensor] | None = None,
+                gradients: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
         """The parameters as a training step's forward takes them: each the identity of its stacked values (or of
         ``values[name]``, a bfloat16 copy, say), whose backward writes (copies) the gradient into its block of
-        :attr:`flat_grad`, where autograd's accumulation into the leaf's gradient would read the block, add and
-        write it, after a pass zeroing it. The same values as zeroing and accumulating: a parameter's gradients are
-        summed by autograd before they reach it. After the backward, :meth:`zero_unreached` zeroes the blocks no
-        gradient reached."""
+        :attr:`flat_grad` (or into ``gradients[name]``, a bfloat16 block the optimiser reads, for a copy's
+        gradient), where autograd's accumulation into the leaf's gradient would read the block, add and write it,
+        after a pass zeroing it. The same values as zeroing and accumulating: a parameter's gradients are summed by
+        autograd before they reach it. After the backward, :meth:`zero_unreached` zeroes the blocks no gradient
+        reached."""
         values = values or {}
+        self._gradients = gradients or {}
         self._written = set()
-        return {name: _WriteGradient.apply(self._anchor, values.get(name, leaf.detach()), leaf.grad, self._written,
-                                           name)
+        return {name: _WriteGradient.apply(self._anchor, values.get(name, leaf.detach()),
+                                           self._gradients.get(name, leaf.grad), self._written, name)
                 for name, leaf in self.params.items()}
 
     def zero_unreached(self) -> None:
@@ -110,7 +115,7 @@ class TrialStack:
         the host, from the graph: nothing is read from the device)."""
         for name, leaf in self.params.items():
             if name not in self._written:
-                leaf.grad.zero_()
+                self._gradients.get(name, leaf.grad).zero_()
 
     def block(self, flat: Tensor, name: str) -> Tensor:
         """Parameter ``name``'s block of a flat tensor laid out as :attr:`flat` (its moments, say), ``[P, *shape]``."""
