@@ -52,6 +52,40 @@ def test_smooth_step_exact_zero_and_one_outside(gamma):
     assert smooth_step(torch.tensor(0.0), gamma).item() == 0.5
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_smooth_step_and_safe_log_with_scalar_branches_equal_filled_tensors(dtype):
+    """``torch.where`` with scalar branches (no pass writing a filled tensor) computes what it computed with
+    ``zeros_like``/``ones_like``/``full_like`` branches: values and gradients bitwise, in float32 and bfloat16."""
+    from mtmoe.gates.base import safe_log
+    from mtmoe.scalars import cast
+
+    def filled_smooth_step(t, gamma):
+        gamma = torch.tensor(gamma, dtype=torch.float64)
+        half = cast(gamma / 2.0, t)
+        inner = torch.minimum(torch.maximum(t, -half), half)
+        cubic = cast(-2.0 / gamma**3, t) * inner**3 + cast(1.5 / gamma, t) * inner + 0.5
+        return torch.where(t <= -half, torch.zeros_like(t), torch.where(t >= half, torch.ones_like(t), cubic))
+
+    def filled_safe_log(v, eps):
+        positive = v > 0
+        safe_v = torch.where(positive, v, torch.ones_like(v))
+        return torch.where(positive, torch.log(safe_v + eps), torch.full_like(v, torch.finfo(v.dtype).min))
+
+    t = (torch.randn(999, generator=torch.Generator().manual_seed(0)) * 2).to(dtype)
+    for ours, theirs in ((lambda x: smooth_step(x, 1.0), lambda x: filled_smooth_step(x, 1.0)),
+                         (lambda x: safe_log(x, 1e-8), lambda x: filled_safe_log(x, 1e-8))):
+        results = []
+        for f in (ours, theirs):
+            x = t.clone().requires_grad_()
+            out = f(x)
+            (out.float() * torch.linspace(-1, 1, 999)).sum().backward()
+            results.append((out.detach(), x.grad))
+        assert results[0][0].dtype == dtype
+        for a, b in zip(*results):
+            assert torch.equal(a.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                               b.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+
+
 @pytest.mark.parametrize("gamma", GAMMAS)
 def test_smooth_step_matches_formula_inside_and_is_monotone(gamma):
     t = torch.linspace(-gamma, gamma, 2001, dtype=torch.float64)

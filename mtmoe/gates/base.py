@@ -205,5 +205,5 @@ def safe_log(v: Tensor, eps: float) -> Tensor:
     The double ``where`` keeps NaN/inf gradients out of the masked branch (comet-protocol.md §9.4).
     """
     positive = v > 0
-    safe_v = torch.where(positive, v, torch.ones_like(v))
-    return torch.where(positive, torch.log(safe_v + eps), torch.full_like(v, torch.finfo(v.dtype).min))
+    safe_v = torch.where(positive, v, 1.0)  # scalars, not filled tensors: the same values, no pass writing them
+    return torch.where(positive, torch.log(safe_v + eps), torch.finfo(v.dtype).min)

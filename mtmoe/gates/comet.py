@@ -92,7 +92,7 @@ class COMETGate(Gate):
         """:meth:`reach` from the split map's output ``W_q x + c_q`` ``[B, (n-1) k]``."""
         n = self.n_experts
         h = smooth_step(split.view(-1, n - 1, self.k), self.gamma)  # [B, n-1, k]
-        edges = torch.cat([h, 1 - h, h.new_ones(h.shape[0], 1, self.k)], dim=1)  # [B, 2(n-1)+1, k]
+        edges = torch.cat([h, 1 - h, h.new_ones(()).expand(h.shape[0], 1, self.k)], dim=1)  # [B, 2(n-1)+1, k]
         v = product(edges.index_select(1, self.paths.flatten()).view(-1, n, self.paths.shape[1], self.k), dim=2)
         return v.transpose(1, 2)
 

@@ -24,4 +24,4 @@ def smooth_step(t: Tensor, gamma: Tensor | float) -> Tensor:
     # unused branch, and for huge |t| (> ~1.8e19 in float32, > ~256 in float16) t**3 overflows so 0 * inf = NaN.
     inner = torch.minimum(torch.maximum(t, -half), half)
     cubic = cast(-2.0 / gamma**3, t) * inner**3 + cast(1.5 / gamma, t) * inner + 0.5
-    return torch.where(t <= -half, torch.zeros_like(t), torch.where(t >= half, torch.ones_like(t), cubic))
+    return torch.where(t <= -half, 0.0, torch.where(t >= half, 1.0, cubic))  # scalars: no filled tensors
