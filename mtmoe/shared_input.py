@@ -22,6 +22,7 @@ from torch.autograd.function import once_differentiable
 
 from mtmoe.host_threads import run_split
 from mtmoe.kernel_traffic import fused_kernel
+from mtmoe.random import _widen
 from mtmoe.triton_support import tl, triton, use_triton
 
 #: The most gradients one launch of the Triton kernel sums (its pointer arguments); more go to torch operations.
@@ -62,13 +63,9 @@ def _sum_cpu_bfloat16(grads, out: np.ndarray, lo: int, hi: int) -> None:
     add = add_bits.view(np.float32)
     for start in range(lo, hi, _CHUNK):
         m = min(hi, start + _CHUNK) - start
-        first = grads[0]
-        for j in range(m):
-            acc_bits[j] = np.uint32(first[start + j]) << np.uint32(16)
+        _widen(grads[0][start:start + m], acc_bits)
         for t in range(1, len(grads)):
-            g = grads[t]
-            for j in range(m):
-                add_bits[j] = np.uint32(g[start + j]) << np.uint32(16)
+            _widen(grads[t][start:start + m], add_bits)
             for j in range(m):
                 acc[j] = acc[j] + add[j]
         for j in range(m):

@@ -33,7 +33,7 @@ from torch import Tensor
 from mtmoe.host_threads import run_split
 from mtmoe.kernel_traffic import fused_kernel
 from mtmoe.pack.stack import TrialStack
-from mtmoe.random import _bfloat16_bits, _fma
+from mtmoe.random import _bfloat16_bits, _fma, _widen
 from mtmoe.triton_support import tl, triton, use_triton
 
 BETAS = (0.9, 0.999)  # torch.optim.Adam's defaults, which the unpacked runs use
@@ -90,8 +90,7 @@ def _adam_cpu(param: np.ndarray, grad: np.ndarray, exp_avg: np.ndarray, exp_avg_
         if not skip[block, trial] and halves[block] and half_grad.shape[0] != 0:
             for a in range(i, end, _WIDENED):
                 b = min(end, a + _WIDENED)
-                for j in range(b - a):
-                    widened[j] = np.uint32(half_grad[a + j]) << np.uint32(16)
+                _widen(half_grad[a:b], widened)
                 _adam_run(param[a:b], widened_grad[:b - a], exp_avg[a:b], exp_avg_sq[a:b], half[a:b],
                           step_size[trial], bias_correction2_sqrt[trial], eps[trial])
         elif not skip[block, trial]:
