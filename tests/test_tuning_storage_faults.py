@@ -172,6 +172,21 @@ def test_a_bad_heartbeat_setting_creates_no_database(tiny_root: Path, tmp_path: 
     assert not (tmp_path / "studies").exists()
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--pack", "0"], "--pack must be a positive number of trials or auto"),
+    (["--model.lr=abc"], "model.lr"),
+    (["--trainer.max_epochs=-5"], "--trainer.max_epochs must be >= 1"),
+], ids=["pack", "override-type", "override-range"])
+def test_bad_tune_input_with_the_default_storage_leaves_no_studies_folder(tiny_root: Path, tmp_path: Path, capsys,
+                                                                          flags: list[str], message: str) -> None:
+    """Before: ``tune`` without ``--storage`` made ``studies/`` before it checked ``--pack`` and the overrides, so
+    their error left an empty ``studies/`` in the current folder. Now nothing is created."""
+    code = run_cli(["tune", "--gate", "topk", "--data", "movielens-100k", "--trials", "1", f"--data.root={tiny_root}",
+                    *flags])
+    assert message in one_error_line(capsys, code)
+    assert not (tmp_path / "studies").exists()
+
+
 # ------------------------------------------------------------------------ 6: a report killed while writing
 
 

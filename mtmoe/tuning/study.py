@@ -547,7 +547,6 @@ def _tune(argv: list[str]) -> None:
     dataset_path(args.data)  # unknown names fail here, before torch is imported and the storage touched
     check_gate_name(args.gate)
     space = load_space(args.data, args.gate, args.space)
-    quiet_libraries()
     trials = space.trials if args.trials is None else args.trials
     if not 1 <= trials <= MAX_TRIALS:
         raise UsageError(f"--trials must be between 1 and {MAX_TRIALS} (the plan of every configuration is drawn and "
@@ -559,12 +558,12 @@ def _tune(argv: list[str]) -> None:
         raise UsageError(f"--checkpoint-every must be a positive number of seconds, got {args.checkpoint_every}")
     if args.checkpoint_every is not None and args.no_checkpoints:
         raise UsageError("--checkpoint-every and --no-checkpoints contradict each other: give one of them")
-    space = SearchSpace(space.data, space.gate, trials, space.fixed, space.distributions)
-    if args.storage is None:
-        STUDIES_DIR.mkdir(exist_ok=True)
+    pack = pack_size(args.pack)
     url = default_storage_url() if args.storage is None else args.storage
     if url.startswith("sqlite") and args.workers > 1:
         raise UsageError("SQLite serialises writers: use --storage postgresql://... or journal:PATH for --workers > 1")
+    quiet_libraries()  # imports Lightning: the checks above answer without it
+    space = SearchSpace(space.data, space.gate, trials, space.fixed, space.distributions)
     given_alpha = _option_value(overrides, "model.alpha")
     study_name = args.study_name or f"{args.data}/{args.gate}" + (f"/alpha={given_alpha}" if given_alpha else "")
     log_dir = Path(args.log_dir) if args.log_dir else STUDIES_DIR / "runs"
@@ -574,9 +573,10 @@ def _tune(argv: list[str]) -> None:
         refuse_saved_states(checkpoint_folder(url, study_name, log_dir / study_name.replace("/", "_")))
     space, pinned = pin_overrides(space, overrides)
     configurations = plan_configurations(space, trials, args.seed)
-    pack = pack_size(args.pack)
     settings, alpha = check_overrides(space, configurations, overrides, args.seed, pack)
     settings = {**settings, **pinned}  # a tuned setting given a value: part of the study's identity
+    if args.storage is None:  # made once the overrides are checked: bad input leaves no empty studies/ behind
+        STUDIES_DIR.mkdir(exist_ok=True)
     with setup_lock(url), readable(url):
         prepare_study(url, study_name, space, args.seed, configurations, settings, alpha)
     print(f"study {study_name!r}: {trials} configurations, settings: {describe_settings(settings)}; storage "
