@@ -26,9 +26,12 @@ class OneLineParser(argparse.ArgumentParser):
 
     def parse_known_args(self, args=None, namespace=None):
         """Both spellings of an option: ``--study_name`` (the style of ``fit``'s ``--trainer.max_epochs``) is
-        ``--study-name``; help shows the hyphen."""
+        ``--study-name``; help shows the hyphen. A bad value (``--draws many``) is a UsageError as :meth:`error`'s."""
         args = sys.argv[1:] if args is None else args
-        return super().parse_known_args([self._canonical(arg) for arg in args], namespace)
+        try:
+            return super().parse_known_args([self._canonical(arg) for arg in args], namespace)
+        except argparse.ArgumentError as error:
+            self.error(str(error))
 
     def _canonical(self, arg: str) -> str:
         flag, eq, value = arg.partition("=")

@@ -411,10 +411,7 @@ def parse_tune_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                              "write on Ctrl-C or SIGTERM, e.g. where the checkpoints could not be kept anyway; "
                              "refused while an earlier tune's checkpoints of the study are kept (resume them, or "
                              "delete their folder)")
-    try:
-        args, overrides = parser.parse_known_args(argv)
-    except argparse.ArgumentError as error:
-        raise UsageError(str(error)) from None
+    args, overrides = parser.parse_known_args(argv)
     for arg in overrides:
         flag = arg.partition("=")[0]
         if arg.startswith("-") and not _is_number(arg) and not flag.startswith(FIT_OPTIONS):
@@ -546,12 +543,6 @@ def _tune(argv: list[str]) -> None:
     heartbeat_settings()  # a bad MTMOE_HEARTBEAT_* is refused before the storage is created
     dataset_path(args.data)  # unknown names fail here, before torch is imported and the storage touched
     check_gate_name(args.gate)
-    space = load_space(args.data, args.gate, args.space)
-    trials = space.trials if args.trials is None else args.trials
-    if not 1 <= trials <= MAX_TRIALS:
-        raise UsageError(f"--trials must be between 1 and {MAX_TRIALS} (the plan of every configuration is drawn and "
-                         f"enqueued when the study starts), got {trials}; split a larger search into studies of "
-                         "other --seed values")
     if args.workers < 1:
         raise UsageError(f"--workers must be >= 1, got {args.workers}")
     if args.checkpoint_every is not None and not args.checkpoint_every > 0:
@@ -562,7 +553,13 @@ def _tune(argv: list[str]) -> None:
     url = default_storage_url() if args.storage is None else args.storage
     if url.startswith("sqlite") and args.workers > 1:
         raise UsageError("SQLite serialises writers: use --storage postgresql://... or journal:PATH for --workers > 1")
-    quiet_libraries()  # imports Lightning: the checks above answer without it
+    space = load_space(args.data, args.gate, args.space)  # checks its keys against the signatures: imports Lightning
+    trials = space.trials if args.trials is None else args.trials
+    if not 1 <= trials <= MAX_TRIALS:
+        raise UsageError(f"--trials must be between 1 and {MAX_TRIALS} (the plan of every configuration is drawn and "
+                         f"enqueued when the study starts), got {trials}; split a larger search into studies of "
+                         "other --seed values")
+    quiet_libraries()
     space = SearchSpace(space.data, space.gate, trials, space.fixed, space.distributions)
     given_alpha = _option_value(overrides, "model.alpha")
     study_name = args.study_name or f"{args.data}/{args.gate}" + (f"/alpha={given_alpha}" if given_alpha else "")

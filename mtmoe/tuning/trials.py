@@ -54,12 +54,9 @@ def studies_parser(command: str, description: str) -> argparse.ArgumentParser:
 
 def parse_strict(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
     """Parse ``argv``; a bad or unknown flag is a one-line UsageError naming the closest option."""
-    try:
-        args, extra = parser.parse_known_args(argv)
-    except argparse.ArgumentError as error:
-        raise UsageError(str(error)) from None
+    args, extra = parser.parse_known_args(argv)
     if extra:
-        raise UsageError(f"{parser.prog.rpartition(' ')[2]}: unrecognised arguments: {' '.join(extra)}"
+        raise UsageError(f"{parser.prog.rpartition(' ')[2]}: unrecognized arguments: {' '.join(extra)}"
                          + did_you_mean(extra[0], parser._option_string_actions))
     return args
 
