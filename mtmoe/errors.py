@@ -46,9 +46,9 @@ class OneLineParser(argparse.ArgumentParser):
 
 def did_you_mean(given: str, options: Iterable[str]) -> str:
     """``: did you mean --OPTION?`` for an unknown option ``given`` close to one of ``options`` (flags such as
-    ``--trainer.max_epochs``), else ``""``."""
+    ``--trainer.max_epochs``), else ``""``; never the group of a dotted one (``--trainer`` for ``--trainer.foo``)."""
     given = given.partition("=")[0]
-    options = [option for option in options if option.startswith("--")]
+    options = [option for option in options if option.startswith("--") and not given.startswith(option + ".")]
     longer = [option for option in options if option.startswith(given)]
     close = longer if len(longer) == 1 else difflib.get_close_matches(given, options, n=1)
     if not close:

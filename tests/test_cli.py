@@ -22,7 +22,7 @@ from image_fixtures import write_mnist
 from mtmoe.arguments import UNSUPPORTED_TRAINER_SETTINGS
 from mtmoe.data import DATASETS
 from mtmoe.data.layout import MNIST_SOURCES, SVHN as SVHN_FILES
-from mtmoe.errors import UsageError
+from mtmoe.errors import UsageError, did_you_mean
 
 FAST = ["--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false", "--data.batch_size=64"]
 COMMANDS = ("fit", "validate", "test", "tune", "report", "bootstrap", "gates", "datasets")
@@ -241,6 +241,16 @@ def test_a_bad_value_or_option_names_the_key_in_one_line(tiny_root: Path, extra:
     line = one_error_line(capsys)
     assert message in line and len(line) < 160, line
     assert not Path("runs").exists()
+
+
+def test_did_you_mean_never_suggests_the_group_of_a_dotted_option() -> None:
+    """Before: ``--trainer.foo`` was answered "did you mean --trainer?" (the option of a trainer config file)."""
+    options = ["--trainer", "--trainer.max_epochs", "--model", "--model.lr"]
+    assert "--trainer?" not in did_you_mean("--trainer.foo", options)
+    assert did_you_mean("--model.foo", ["--model", "--trainer.max_epochs"]) == ""
+    assert did_you_mean("--model.lrr=3", options) == ": did you mean --model.lr?"
+    assert did_you_mean("--trainer.max_epoch", options) == (": did you mean --trainer.max_epochs? (options are not "
+                                                            "abbreviated)")
 
 
 def test_an_unknown_key_of_a_config_file_names_the_file_and_the_closest_key(tiny_root: Path, capsys) -> None:
