@@ -234,6 +234,11 @@ def test_a_diverged_fit_says_so_and_exits_1(tiny_root: Path, capsys) -> None:
     (["--seed_everything=abc"], "error: --seed_everything takes bool or int, got abc"),
     (["--model.keras_init=maybe"], "error: --model.keras_init takes bool, got maybe"),
     (["--trainer.max_epoch=2"], "did you mean --trainer.max_epochs? (options are not abbreviated)"),
+    (["--model.gate.kk=2"], "error: --model.gate.kk: TopKGate takes no argument 'kk'; did you mean --model.gate.k?"),
+    (["--data.batchsize=8"], "error: --data.batchsize: MovieLens100KDataModule takes no argument 'batchsize'; did "
+                             "you mean --data.batch_size?"),
+    (["--data.zzz=8"], "error: --data.zzz: MovieLens100KDataModule takes no argument 'zzz'; --data.help "
+                       "mtmoe.data.movielens.MovieLens100KDataModule lists its arguments"),
 ])
 def test_a_bad_value_or_option_names_the_key_in_one_line(tiny_root: Path, extra: list[str], message: str,
                                                         capsys) -> None:
