@@ -744,6 +744,7 @@ def test_report_matches_a_manual_pandas_computation(tmp_path: Path, capsys) -> N
     "argv, message",
     [
         (["--data", "movielens"], "no studies for dataset 'movielens'"),
+        (["--data", "movielens100k"], "(its studies are of movielens-100k; did you mean movielens-100k?)"),
         (["--data", "movielens-100k", "--storage", "postgresql+psycopg2://x@127.0.0.1:1/db"],
          "cannot open the study storage"),
         (["--data", "movielens-100k", "--storage", "sqlite:///{tmp}/missing.db"], "no study storage at"),

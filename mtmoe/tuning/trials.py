@@ -27,7 +27,7 @@ import pandas as pd
 from optuna.trial import TrialState
 
 from mtmoe.data import DATASETS
-from mtmoe.errors import OneLineParser, UsageError, did_you_mean
+from mtmoe.errors import OneLineParser, UsageError, did_you_mean, suggestion
 from mtmoe.files import remove_orphans, write_atomic
 from mtmoe.gate_names import split_gate_name
 from mtmoe.routing_names import BEHAVIOUR_KEYS
@@ -211,7 +211,13 @@ def collect(url: str | None, data: str | None = None, study: str | None = None) 
     where = display_url(url)
     if not names:
         which = (f" named {study!r}" if study else "") + (f" for dataset {data!r}" if data else "")
-        raise UsageError(f"no studies{which} in {where} (run `python -m mtmoe tune --data {data or 'NAME'}` first)")
+        tuned = {summary.study_name: str(summary.user_attrs.get("data")) for summary in summaries
+                 if "gate" in summary.user_attrs}
+        datasets = sorted(set(tuned.values()))
+        close = suggestion(study, tuned) if study else suggestion(data or "", datasets)
+        hint = f"its studies are of {', '.join(datasets)}{close}" if tuned else \
+            f"run `python -m mtmoe tune --data {data or 'NAME'}` first"
+        raise UsageError(f"no studies{which} in {where} ({hint})")
     if not rows:
         raise UsageError(f"the studies in {where} ({', '.join(sorted(names))}) have no finished trials yet")
     return url, paper_order(pd.DataFrame(rows))
