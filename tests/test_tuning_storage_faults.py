@@ -136,6 +136,8 @@ BAD_TUNE_INPUT = {
     "an unparsable sqlite URL": (["--storage", "sqlite:/nonexistent/dir/x.db"], "is not a storage URL"),
     "a missing folder": (["--storage", "sqlite:////nonexistent/dir/x.db"], "there is no folder /nonexistent/dir"),
     "a trillion trials": (["--trials", "1000000000000"], "--trials must be between 1 and 100000"),
+    "a log folder under a file": (["--log-dir", "/dev/null/runs"],
+                                  "cannot write the trials' logs to /dev/null/runs: /dev/null is a file, not a folder"),
 }
 
 
@@ -145,7 +147,8 @@ def test_bad_tune_input_is_one_line_before_the_storage_is_touched(request, tiny_
                                                                   case: str, storage: str) -> None:
     """Before: a 600-character name failed deep in PostgreSQL (varchar(512)) or in making its SQLite study's log
     folder (file name too long), ``sqlite:/...`` with SQLAlchemy's 26-line ``ArgumentError``, ``--trials 10**12``
-    ran for minutes while its plan filled the memory, and an empty name or storage silently meant the default.
+    ran for minutes while its plan filled the memory, an empty name or storage silently meant the default, and a
+    ``--log-dir`` under a file was a ``NotADirectoryError`` traceback once the study was created.
     Now each is one line at once, and no storage or log folder is created."""
     flags, message = BAD_TUNE_INPUT[case]
     if storage == "postgresql" and "--storage" in flags:

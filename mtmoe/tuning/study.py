@@ -73,7 +73,7 @@ from mtmoe.tuning.objective import (
     plan_configurations,
     study_counts,
 )
-from mtmoe.tuning.trials import describe_settings
+from mtmoe.tuning.trials import describe_settings, writable_folder
 
 # What trains (Lightning, torch: mtmoe.run, mtmoe.tuning.packs) is imported where it is used: `tune --help`, bad flags
 # and unknown names answer without it.
@@ -550,6 +550,8 @@ def _tune(argv: list[str]) -> None:
     if args.checkpoint_every is not None and args.no_checkpoints:
         raise UsageError("--checkpoint-every and --no-checkpoints contradict each other: give one of them")
     pack = pack_size(args.pack)
+    log_dir = writable_folder(Path(args.log_dir) if args.log_dir else STUDIES_DIR / "runs", "--log-dir",
+                              "the trials' logs")
     url = default_storage_url() if args.storage is None else args.storage
     if url.startswith("sqlite") and args.workers > 1:
         raise UsageError("SQLite serialises writers: use --storage postgresql://... or journal:PATH for --workers > 1")

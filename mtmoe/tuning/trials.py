@@ -62,16 +62,20 @@ def parse_strict(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.N
 
 
 def output_dir(out: str | None, name: str) -> Path:
-    """``--out``, else ``studies/reports/<name>/`` under the current directory; a UsageError, before anything is
-    computed or created, unless it is (or can be made) a folder this process may write in."""
-    path = Path(out) if out else STUDIES_DIR / "reports" / name
+    """``--out``, else ``studies/reports/<name>/`` under the current directory, checked by :func:`writable_folder`."""
+    return writable_folder(Path(out) if out else STUDIES_DIR / "reports" / name, "--out", "the outputs")
+
+
+def writable_folder(path: Path, flag: str, what: str) -> Path:
+    """``path``, the folder ``flag`` names for ``what``; a UsageError, before anything is computed or created,
+    unless it is (or can be made) a folder this process may write in."""
     existing = path.absolute()
     while not existing.exists() and existing.parent != existing:
         existing = existing.parent
     if not existing.is_dir():
-        raise UsageError(f"cannot write the outputs to {path}: {existing} is a file, not a folder; pass --out FOLDER")
+        raise UsageError(f"cannot write {what} to {path}: {existing} is a file, not a folder; pass {flag} FOLDER")
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise UsageError(f"cannot write the outputs to {path}: {existing} is not writable; pass --out FOLDER")
+        raise UsageError(f"cannot write {what} to {path}: {existing} is not writable; pass {flag} FOLDER")
     return path
 
 
