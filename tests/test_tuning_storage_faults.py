@@ -94,6 +94,22 @@ def test_a_torn_last_journal_record_is_cut_off_with_one_warning_and_the_study_re
     assert_each_config_once(trials_of(storage_for(url), "torn"), 2)
 
 
+@pytest.mark.parametrize("command", ["report", "bootstrap", "tune"])
+def test_a_file_that_is_no_journal_given_as_one_is_refused_and_left_as_it_is(tiny_root: Path, tmp_path: Path, capsys,
+                                                                             command: str) -> None:
+    """Before: ``--storage journal:studies/optuna.db`` (a SQLite file) was "repaired" as a torn journal: cut back to
+    its last newline byte, the database destroyed, even by ``report``. Now it is one line and the file is intact."""
+    database = tmp_path / "studies.db"
+    synthetic_study(storage_for(f"sqlite:///{database}"), "movielens-100k/topk", "topk", 12, 0.42,
+                    np.random.default_rng(0))
+    before = database.read_bytes()
+    args = ["--gate", "topk", "--trials", "1", f"--data.root={tiny_root}", "--log-dir", str(tmp_path / "runs"),
+            *TINY] if command == "tune" else ["--out", str(tmp_path / "out")]
+    code = run_cli([command, "--data", "movielens-100k", "--storage", f"journal:{database}", *args])
+    assert "the file is no Optuna journal (left as it is)" in one_error_line(capsys, code)
+    assert database.read_bytes() == before and not (tmp_path / "runs").exists()
+
+
 # ------------------------------------------------------------------------------------ 5: a damaged SQLite file
 
 
