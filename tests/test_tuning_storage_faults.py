@@ -110,6 +110,19 @@ def test_a_file_that_is_no_journal_given_as_one_is_refused_and_left_as_it_is(tin
     assert database.read_bytes() == before and not (tmp_path / "runs").exists()
 
 
+def test_a_journal_given_as_a_sqlite_file_names_the_journal_url(tmp_path: Path, capsys) -> None:
+    """Before: "it is damaged; restore it from a backup (`sqlite3 FILE .recover`)"."""
+    journal = tmp_path / "studies.log"
+    synthetic_study(storage_for(f"journal:{journal}"), "movielens-100k/topk", "topk", 4, 0.42,
+                    np.random.default_rng(0))
+    before = journal.read_bytes()
+    code = run_cli(["report", "--data", "movielens-100k", "--storage", f"sqlite:///{journal}", "--out",
+                    str(tmp_path / "out")])
+    assert f"the file is an Optuna journal, not a SQLite database: pass --storage journal:{journal}" in \
+        one_error_line(capsys, code)
+    assert journal.read_bytes() == before
+
+
 # ------------------------------------------------------------------------------------ 5: a damaged SQLite file
 
 

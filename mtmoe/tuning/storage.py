@@ -230,6 +230,9 @@ def check_url(url: str) -> None:
                              "or sqlite:////PATH (absolute), postgresql://user@host/db, journal:PATH or "
                              "grpc://HOST:PORT") from None
         path = _sqlite_file(url) if parsed.drivername.startswith("sqlite") else None
+        if path is not None and _file_start(path, url) == JOURNAL_RECORD_START:
+            raise UsageError(f"--storage {display_url(url)!r}: the file is an Optuna journal, not a SQLite database: "
+                             f"pass --storage journal:{path}")
     if path is not None and not Path(path).absolute().parent.is_dir():
         raise UsageError(f"--storage {display_url(url)!r}: there is no folder {Path(path).absolute().parent} for "
                          "its file; create it, or pass another --storage")
@@ -266,16 +269,21 @@ def repair_journal(path: str) -> None:
 JOURNAL_RECORD_START = b'{"op_code":'
 
 
+def _file_start(path: str, url: str) -> bytes:
+    """The first bytes of the storage file ``path`` (as many as :data:`JOURNAL_RECORD_START`), ``b""`` if missing."""
+    try:
+        with open(path, "rb") as file:
+            return file.read(len(JOURNAL_RECORD_START))
+    except FileNotFoundError:
+        return b""
+    except OSError as error:
+        raise UsageError(f"--storage {display_url(url)!r}: cannot read it ({error.strerror or error})") from None
+
+
 def check_journal(path: str) -> None:
     """A UsageError unless the file ``path`` is missing, empty or starts as an Optuna journal does: never cut or
     append to another file given as a journal."""
-    try:
-        with open(path, "rb") as file:
-            start = file.read(len(JOURNAL_RECORD_START))
-    except FileNotFoundError:
-        return
-    except OSError as error:
-        raise UsageError(f"--storage 'journal:{path}': cannot read it ({error.strerror or error})") from None
+    start = _file_start(path, f"journal:{path}")
     if start and start != JOURNAL_RECORD_START:
         raise UsageError(f"--storage 'journal:{path}': the file is no Optuna journal (left as it is); a SQLite file is "
                          "--storage sqlite:///PATH")
@@ -420,8 +428,7 @@ def open_storage(url: str | None):
             raise UsageError(f"no study storage at {path} (run `python -m mtmoe tune` first, or pass --storage)")
     elif (path := journal_path(url)) is not None and not Path(path).is_file():
         raise UsageError(f"no journal file {path} (run tune first, or pass --storage)")
-    else:
-        check_url(url)
+    check_url(url)
     return url, storage_for(url)
 
 
