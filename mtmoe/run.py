@@ -523,6 +523,11 @@ def describe_parse_error(message: str, parser: Any, args: list[str]) -> str:
         close = difflib.get_close_matches(key, [o.removeprefix("--") for o in options if o.startswith("--")], n=1)
         return (f"{command or 'the command'} has no setting {key!r}{where or ' (a --config file)'}"
                 + (f": did you mean {close[0]!r}?" if close else ""))
+    required = re.search(r"the following arguments are required: (.+)$", message)
+    if required:  # jsonargparse names them by key (fit.data): as the flags to pass
+        flags = [f"--{name.strip().removeprefix(f'{command}.')}" for name in required.group(1).split(",")]
+        return (f"{command or 'the command'}: the following arguments are required: {', '.join(flags)}"
+                + (" (NAME: python -m mtmoe datasets lists them)" if "--data" in flags else ""))
     unknown = re.search(r"nrecognized arguments: (--\S+)", message)
     return message + (did_you_mean(unknown.group(1), options) if unknown else "")
 

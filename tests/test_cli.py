@@ -248,6 +248,14 @@ def test_a_bad_value_or_option_names_the_key_in_one_line(tiny_root: Path, extra:
     assert not Path("runs").exists()
 
 
+@pytest.mark.parametrize("command", ["fit", "validate"])
+def test_a_missing_dataset_names_the_flag(command: str, capsys) -> None:
+    """Before: "the following arguments are required: fit.data" (jsonargparse's key, no flag of that name)."""
+    assert run_cli([command, "--gate", "topk"]) == 2
+    assert one_error_line(capsys) == (f"error: {command}: the following arguments are required: --data (NAME: "
+                                      "python -m mtmoe datasets lists them)")
+
+
 def test_did_you_mean_never_suggests_the_group_of_a_dotted_option() -> None:
     """Before: ``--trainer.foo`` was answered "did you mean --trainer?" (the option of a trainer config file)."""
     options = ["--trainer", "--trainer.max_epochs", "--model", "--model.lr"]
