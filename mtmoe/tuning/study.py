@@ -565,7 +565,6 @@ def _tune(argv: list[str]) -> None:
     space = SearchSpace(space.data, space.gate, trials, space.fixed, space.distributions)
     given_alpha = _option_value(overrides, "model.alpha")
     study_name = args.study_name or f"{args.data}/{args.gate}" + (f"/alpha={given_alpha}" if given_alpha else "")
-    log_dir = Path(args.log_dir) if args.log_dir else STUDIES_DIR / "runs"
     if args.no_checkpoints:
         from mtmoe.tuning.checkpoints import checkpoint_folder, refuse_saved_states
 
