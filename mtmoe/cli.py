@@ -83,7 +83,6 @@ def searched_settings(datasets: list[str], gates: list[str]) -> dict[str, dict[s
 def print_gates(data: str | None) -> None:
     """The gates and what ``tune`` searches for each: in ``data``'s search space, else in every dataset's (the
     datasets named where their spaces differ)."""
-    from mtmoe.data import DATASETS
     from mtmoe.gates import gate_class, gate_variants
 
     datasets = [data] if data else list(DATASETS)

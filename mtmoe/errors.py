@@ -26,9 +26,12 @@ class OneLineParser(argparse.ArgumentParser):
 
     def parse_known_args(self, args=None, namespace=None):
         """Both spellings of an option: ``--study_name`` (the style of ``fit``'s ``--trainer.max_epochs``) is
-        ``--study-name``; help shows the hyphen."""
+        ``--study-name``; help shows the hyphen. A bad value (``--draws many``) is a UsageError as :meth:`error`'s."""
         args = sys.argv[1:] if args is None else args
-        return super().parse_known_args([self._canonical(arg) for arg in args], namespace)
+        try:
+            return super().parse_known_args([self._canonical(arg) for arg in args], namespace)
+        except argparse.ArgumentError as error:
+            self.error(str(error))
 
     def _canonical(self, arg: str) -> str:
         flag, eq, value = arg.partition("=")
@@ -43,9 +46,9 @@ class OneLineParser(argparse.ArgumentParser):
 
 def did_you_mean(given: str, options: Iterable[str]) -> str:
     """``: did you mean --OPTION?`` for an unknown option ``given`` close to one of ``options`` (flags such as
-    ``--trainer.max_epochs``), else ``""``."""
+    ``--trainer.max_epochs``), else ``""``; never the group of a dotted one (``--trainer`` for ``--trainer.foo``)."""
     given = given.partition("=")[0]
-    options = [option for option in options if option.startswith("--")]
+    options = [option for option in options if option.startswith("--") and not given.startswith(option + ".")]
     longer = [option for option in options if option.startswith(given)]
     close = longer if len(longer) == 1 else difflib.get_close_matches(given, options, n=1)
     if not close:

@@ -185,8 +185,8 @@ class ConvExperts(nn.Module):
     @staticmethod
     def _layout(weight: Tensor) -> Tensor:
         """On CPU, the weight copied to channels-last (NHWC) layout, which makes oneDNN run the convolution, and
-        the pooling after it, in NHWC: MultiMNIST and MultiFashionMNIST training steps 1.55x and 1.64x faster on the
-        2-core VM (``bench_datasets.py``, benchmarks/README.md). On other devices the weight as it is (NCHW;
+        the pooling after it, in NHWC: faster MultiMNIST and MultiFashionMNIST training steps (``bench_datasets.py``;
+        benchmarks/README.md, "Channels-last convolutions on CPU"). On other devices the weight as it is (NCHW;
         channels-last is not measured there), and under ``torch.func.vmap`` (trial packs), whose convolution folds
         the trials into groups. An explicit copy, because ``contiguous(memory_format=...)`` leaves a one-channel
         weight as it is."""

@@ -3,10 +3,10 @@
 A training step allocates and frees the same large tensors every time (activations of ``[P, B, n * units]``
 floats: 8 MiB for one MovieLens trial, 32 MiB for a pack of four). With glibc's default policy such blocks are
 mapped fresh from the kernel (``mmap`` above a threshold, or heap memory trimmed and grown back), and every page is
-faulted in and zeroed again on first touch, at every step: a vmapped expert layer of a pack of four took 34 ms
-per trial instead of 22 on the 2-core VM (``benchmarks/README.md``). :func:`keep_freed_memory` raises glibc's
-trim threshold and top padding so freed memory stays in the heap, and fixes the mmap threshold at its maximum
-(32 MiB) so that it no longer adapts. Elsewhere (macOS, musl, Windows) it does nothing.
+faulted in and zeroed again on first touch, at every step (benchmarks/README.md, "Freed memory"). This module's
+:func:`keep_freed_memory` raises glibc's trim threshold and top padding so freed memory stays in the heap, and
+fixes the mmap threshold at its maximum (32 MiB) so that it no longer adapts. Elsewhere (macOS, musl, Windows) it
+does nothing.
 """
 from __future__ import annotations
 

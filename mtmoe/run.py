@@ -59,8 +59,8 @@ from mtmoe.routing_names import routing_history
 from mtmoe.pack.precision import matmul_precision
 from mtmoe.pack.settings import ModelSettings
 from mtmoe.run_settings import (
-    check_run_settings, dataset_info, disagreements, given_model_settings, read_checkpoint, resolve_dataset_settings,
-    set_values,
+    check_run_settings, dataset_info, disagreements, given_model_settings, import_class, init_arguments,
+    read_checkpoint, resolve_dataset_settings, set_values,
 )
 
 LIGHTNING_COMMANDS = ("fit", "validate", "test")
@@ -495,6 +495,10 @@ def describe_parse_error(message: str, parser: Any, args: list[str]) -> str:
     argparse's private ``_subcommands_action`` and ``_option_string_actions`` (no public listing exists)."""
     message = " ".join(message.split())
     keys = re.findall(r'Parser key "([^"]+)"', message)
+    not_accepted = re.search(r"Option '([^']+)' is not accepted", message)
+    class_path = re.search(r"class_path[= ]'([\w.]+)'", message)
+    if keys and not_accepted and class_path:  # --data.NAME or --model.gate.NAME that the class does not take
+        return unknown_argument(".".join(keys), not_accepted.group(1), class_path.group(1))
     if keys:  # a value of the wrong type: the innermost key (model.gate -> k), the types it takes, the value given
         innermost = message.rsplit('Parser key "', 1)[1]
         union = re.search(r"Subtypes: \[(.*?)\] Errors:", innermost)
@@ -519,8 +523,21 @@ def describe_parse_error(message: str, parser: Any, args: list[str]) -> str:
         close = difflib.get_close_matches(key, [o.removeprefix("--") for o in options if o.startswith("--")], n=1)
         return (f"{command or 'the command'} has no setting {key!r}{where or ' (a --config file)'}"
                 + (f": did you mean {close[0]!r}?" if close else ""))
+    required = re.search(r"the following arguments are required: (.+)$", message)
+    if required:  # jsonargparse names them by key (fit.data): as the flags to pass
+        flags = [f"--{name.strip().removeprefix(f'{command}.')}" for name in required.group(1).split(",")]
+        return (f"{command or 'the command'}: the following arguments are required: {', '.join(flags)}"
+                + (" (NAME: python -m mtmoe datasets lists them)" if "--data" in flags else ""))
     unknown = re.search(r"nrecognized arguments: (--\S+)", message)
     return message + (did_you_mean(unknown.group(1), options) if unknown else "")
+
+
+def unknown_argument(key: str, name: str, class_path: str) -> str:
+    """``--KEY.NAME`` where the class of ``--KEY`` (a DataModule, a gate) takes no argument ``NAME``, as one line:
+    the closest argument it takes, else the option that lists them."""
+    close = difflib.get_close_matches(name, sorted(init_arguments(import_class(class_path)) - {"dims"}), n=1)
+    return (f"--{key}.{name}: {class_path.rpartition('.')[2]} takes no argument {name!r}; "
+            + (f"did you mean --{key}.{close[0]}?" if close else f"--{key}.help {class_path} lists its arguments"))
 
 
 def checkpoint_dataset(args: list[str]) -> list[str]:

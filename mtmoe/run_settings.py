@@ -42,6 +42,16 @@ def import_class(path: str) -> type:
     return getattr(importlib.import_module(module), name)
 
 
+def init_arguments(cls: type) -> set[str]:
+    """The argument names ``cls`` takes: its ``__init__``'s and those of its mtmoe base classes, to which mtmoe's
+    DataModules forward ``**kwargs``."""
+    names: set[str] = set()
+    for base in cls.__mro__:
+        if base is cls or base.__module__.startswith("mtmoe"):
+            names |= set(inspect.signature(base.__init__).parameters)
+    return names - {"self", "args", "kwargs"}
+
+
 def dataset_info(data: Namespace | None) -> DatasetInfo | None:
     """The dataset description of the ``data`` configuration (a DataModule's ``__init__`` reads no data; its
     checks of its arguments fail here, as one line)."""

@@ -6,8 +6,8 @@ L <- L - logsumexp_cols(L)`` from ``L = U[b] / tau[b]`` (it ends column-stochast
 ~14 kernels per round, about as much as a whole MovieLens training step at R = 150, so forward and backward are
 hand-written loops instead, in float64:
 
-* CPU tensors: numba loops over the small ``[n, n]`` matrices (~1 ms forward + backward at R = 150, n = 16, on
-  a 2-core CPU; NumPy calls took 7-11 ms);
+* CPU tensors: numba loops over the small ``[n, n]`` matrices (faster than NumPy calls: benchmarks/README.md,
+  ``bench_local_search.py``);
 * CUDA tensors: two Triton kernels, one program per matrix, the whole recursion in registers. Each program loads
   its matrix's tau, R and scale from device memory and loops R times, so a batch of matrices at different points
   of their schedules (local search's trials trained as one pack) is one launch, with no host read, no

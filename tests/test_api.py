@@ -73,3 +73,5 @@ def test_python_api_examples_run(tiny_root: Path, tmp_path: Path, monkeypatch: p
     assert namespace["best"]["config_id"] == 0
     with pytest.raises(UsageError, match="^no studies named 'nope' in sqlite:///studies/optuna.db "):
         mtmoe.trials("sqlite:///studies/optuna.db", study="nope")
+    with pytest.raises(UsageError, match=r"its studies are of movielens-100k; did you mean movielens-100k/topk\?\)$"):
+        mtmoe.trials("sqlite:///studies/optuna.db", study="movielens-100k/topkk")

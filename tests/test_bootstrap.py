@@ -396,10 +396,10 @@ def test_cli_seed_and_options(storage, tmp_path: Path, capsys) -> None:
         (["--confidence", "0"], "--confidence must be in (0, 1), got 0"),
         (["--confidence", "nan"], "--confidence must be in (0, 1), got nan"),
         (["--confidence", "high"], "argument --confidence: invalid float value: 'high'"),
-        (["--draws", "many"], "argument --draws: invalid int value: 'many'"),
+        (["--draws", "many"], "bootstrap: argument --draws: invalid int value: 'many'"),
         (["--within", "0"], "--within must be in (0, 1), got 0"),
         (["--resample", "bogus"], "invalid choice: 'bogus'"),
-        (["--bogus"], "unrecognised arguments: --bogus"),
+        (["--bogus"], "unrecognized arguments: --bogus"),
     ],
 )
 def test_cli_bad_input_one_line_exit_2(storage, tmp_path: Path, capsys, argv: list[str], message: str) -> None:

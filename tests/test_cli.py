@@ -22,7 +22,7 @@ from image_fixtures import write_mnist
 from mtmoe.arguments import UNSUPPORTED_TRAINER_SETTINGS
 from mtmoe.data import DATASETS
 from mtmoe.data.layout import MNIST_SOURCES, SVHN as SVHN_FILES
-from mtmoe.errors import UsageError
+from mtmoe.errors import UsageError, did_you_mean
 
 FAST = ["--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false", "--data.batch_size=64"]
 COMMANDS = ("fit", "validate", "test", "tune", "report", "bootstrap", "gates", "datasets")
@@ -234,6 +234,11 @@ def test_a_diverged_fit_says_so_and_exits_1(tiny_root: Path, capsys) -> None:
     (["--seed_everything=abc"], "error: --seed_everything takes bool or int, got abc"),
     (["--model.keras_init=maybe"], "error: --model.keras_init takes bool, got maybe"),
     (["--trainer.max_epoch=2"], "did you mean --trainer.max_epochs? (options are not abbreviated)"),
+    (["--model.gate.kk=2"], "error: --model.gate.kk: TopKGate takes no argument 'kk'; did you mean --model.gate.k?"),
+    (["--data.batchsize=8"], "error: --data.batchsize: MovieLens100KDataModule takes no argument 'batchsize'; did "
+                             "you mean --data.batch_size?"),
+    (["--data.zzz=8"], "error: --data.zzz: MovieLens100KDataModule takes no argument 'zzz'; --data.help "
+                       "mtmoe.data.movielens.MovieLens100KDataModule lists its arguments"),
 ])
 def test_a_bad_value_or_option_names_the_key_in_one_line(tiny_root: Path, extra: list[str], message: str,
                                                         capsys) -> None:
@@ -241,6 +246,24 @@ def test_a_bad_value_or_option_names_the_key_in_one_line(tiny_root: Path, extra:
     line = one_error_line(capsys)
     assert message in line and len(line) < 160, line
     assert not Path("runs").exists()
+
+
+@pytest.mark.parametrize("command", ["fit", "validate"])
+def test_a_missing_dataset_names_the_flag(command: str, capsys) -> None:
+    """Before: "the following arguments are required: fit.data" (jsonargparse's key, no flag of that name)."""
+    assert run_cli([command, "--gate", "topk"]) == 2
+    assert one_error_line(capsys) == (f"error: {command}: the following arguments are required: --data (NAME: "
+                                      "python -m mtmoe datasets lists them)")
+
+
+def test_did_you_mean_never_suggests_the_group_of_a_dotted_option() -> None:
+    """Before: ``--trainer.foo`` was answered "did you mean --trainer?" (the option of a trainer config file)."""
+    options = ["--trainer", "--trainer.max_epochs", "--model", "--model.lr"]
+    assert "--trainer?" not in did_you_mean("--trainer.foo", options)
+    assert did_you_mean("--model.foo", ["--model", "--trainer.max_epochs"]) == ""
+    assert did_you_mean("--model.lrr=3", options) == ": did you mean --model.lr?"
+    assert did_you_mean("--trainer.max_epoch", options) == (": did you mean --trainer.max_epochs? (options are not "
+                                                            "abbreviated)")
 
 
 def test_an_unknown_key_of_a_config_file_names_the_file_and_the_closest_key(tiny_root: Path, capsys) -> None:
@@ -296,7 +319,7 @@ ANSWERED_WITHOUT_TORCH = {  # argv -> exit code, the error line's text (None: no
     ("gates", "--help"): (0, None),
     ("datasets", "--help"): (0, None),
     ("datasets",): (0, None),
-    ("gates", "--data", "nope"): (2, "argument --data: invalid choice: 'nope'"),
+    ("gates", "--data", "nope"): (2, "error: gates: argument --data: invalid choice: 'nope'"),
     ("predict",): (2, "unknown command 'predict'"),
     ("report", "--data", "nope"): (2, "no study storage at "),
     ("bootstrap", "--data", "nope"): (2, "no study storage at "),
@@ -305,6 +328,9 @@ ANSWERED_WITHOUT_TORCH = {  # argv -> exit code, the error line's text (None: no
     ("tune", "--gate", "nope", "--data", "movielens"): (2, "unknown gate 'nope'; valid gates: comet, "),
     ("tune", "--gate", "topk", "--data", "nope"): (2, "unknown dataset 'nope'"),
     ("tune", "--gate", "topk", "--data", "movielens", "--tri", "3"): (2, "did you mean --trials?"),
+    ("tune", "--gate", "topk", "--data", "movielens", "--trials", "x"): (2, "tune: argument --trials: invalid int"),
+    ("tune", "--gate", "topk", "--data", "movielens", "--pack", "0"): (2, "--pack must be a positive number"),
+    ("tune", "--gate", "topk", "--data", "movielens", "--workers", "0"): (2, "--workers must be >= 1, got 0"),
     ("fit", "--gate", "comt+"): (2, "unknown gate 'comt+'; valid gates: comet, "),
     ("fit", "--data", "movielens", "--gate=comt+"): (2, "names a gate class of your own); did you mean comet+?"),
     ("fit", "--gate", "topk", "--data", "movielen"): (2, "unknown dataset 'movielen'; valid datasets: books, "),

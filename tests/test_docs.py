@@ -1,6 +1,7 @@
 """README.md and docs/ (issue 33): every relative link resolves, every table renders, README stays a short landing
 page with install, test and quick start first, LICENSE and CITATION.cff are there, every Python block is run (by
-tests/test_api.py) and the quick start runs end to end as written."""
+tests/test_api.py), every ``python -m mtmoe`` command of a bash block parses and the quick start runs end to end as
+written."""
 from __future__ import annotations
 
 import os
@@ -206,3 +207,72 @@ def test_quick_start_fits_the_local_search_window_in_the_run() -> None:
     epochs = {flag: int(value) for flag, value in re.findall(r"--(model\.perm_epochs|trainer\.max_epochs) (\d+)",
                                                              commands.split("\nfor ")[0])}
     assert epochs["model.perm_epochs"] < epochs["trainer.max_epochs"]
+
+
+#: The shell variables of the docs' command blocks, as their loops and recipes set them.
+SHELL_ENV = {"PATH": "/usr/bin:/bin", "gate": "topk", "MTMOE_STORAGE": "postgresql://mtmoe@dbhost/mtmoe"}
+
+
+def shown_commands() -> list[tuple[str, list[str]]]:
+    """Every ``python -m mtmoe`` command of the bash blocks of README.md and docs/ as ``(page:line, words)``: the
+    words bash gives it (continuations joined, comments dropped, ``$gate`` the first gate its loop names)."""
+    commands = []
+    for page in PAGES:
+        text = page.read_text()
+        for block in re.finditer(r"^```bash\n(.*?)^```$", text, flags=re.S | re.M):
+            first = text[:block.start()].count("\n") + 2
+            for offset, line in enumerate(block.group(1).splitlines()):
+                if "python -m mtmoe" not in line or line.lstrip().startswith("#"):
+                    continue
+                command = re.sub(r"\\\n\s*", " ", "\n".join(block.group(1).splitlines()[offset:]))
+                command = command.splitlines()[0]
+                words = shell_words(command[command.index("python -m mtmoe"):], SHELL_ENV)
+                commands.append((f"{page.relative_to(ROOT)}:{first + offset}", words[3:]))
+    return commands
+
+
+def shell_words(command: str, env: dict[str, str]) -> list[str]:
+    """The words bash splits ``command`` into, its variables expanded from ``env``, its comment dropped."""
+    return subprocess.run(["bash", "-c", 'printf "%s\\n" ' + command], capture_output=True, text=True, env=env,
+                          check=True).stdout.splitlines()
+
+
+def check_fit_options(command: str, args: list[str], capsys) -> None:
+    """``args`` parse as ``fit``/``validate``/``test`` parses them (``--print_config``: nothing is read or run)."""
+    from conftest import run_cli
+
+    if "--ckpt_path" in [arg.partition("=")[0] for arg in args]:  # the checkpoint names the dataset:
+        assert run_cli([command, "--help"]) == 0  # run by tests/test_cli.py::test_test_takes_the_dataset_from_...
+        shown = capsys.readouterr().out
+        assert all(arg.partition("=")[0] in shown for arg in args if arg.startswith("--"))
+        return
+    assert run_cli([command, *args, "--print_config"]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("where, words", shown_commands(), ids=[where for where, _ in shown_commands()])
+def test_every_command_the_docs_show_parses(where: str, words: list[str], capsys) -> None:
+    """Each ``python -m mtmoe`` command of a bash block parses as the command parses it: its command exists, its
+    flags and the names they take; a ``tune``'s fit options as ``fit`` parses them. Nothing trains (the README's
+    quick start runs in full in :func:`test_quick_start_runs_as_written`)."""
+    from conftest import run_cli
+    from mtmoe.tuning.bootstrap_report import parse_bootstrap_args
+    from mtmoe.tuning.report import parse_report_args
+    from mtmoe.tuning.storage import check_url
+    from mtmoe.tuning.study import pack_size, parse_tune_args
+
+    command, args = (words[0], words[1:]) if words else ("--help", [])
+    if command in ("fit", "validate", "test"):
+        check_fit_options(command, args, capsys)
+    elif command == "tune":
+        parsed, overrides = parse_tune_args(args)
+        pack_size(parsed.pack)
+        if parsed.storage:
+            check_url(parsed.storage)
+        check_fit_options("fit", ["--gate", parsed.gate, "--data", parsed.data, *overrides], capsys)
+    elif command == "report":
+        parse_report_args(args)
+    elif command == "bootstrap":
+        parse_bootstrap_args(args)
+    else:  # --help, gates, datasets: cheap, run in full
+        assert run_cli(words) == 0, capsys.readouterr().err

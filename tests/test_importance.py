@@ -148,3 +148,18 @@ def test_a_bad_importance_value_is_one_error_line(storage: str, tmp_path: Path, 
                     "--importance", given]) == 2
     assert capsys.readouterr().err.splitlines() == [f"error: --importance {given!r}: {problem}"]
     assert not out.exists()
+
+
+def test_the_progress_bar_shows_the_studies_and_changes_nothing(storage: str, capsys) -> None:
+    """``report`` at a terminal shows a bar of the studies while the importances are computed (fANOVA's forests
+    take a while on studies of hundreds of trials); the table is the same without it."""
+    from mtmoe.tuning.importance import importances
+    from mtmoe.tuning.trials import collect
+
+    trials = collect(storage, "synthetic")[1]
+    quiet = importances(trials)
+    assert capsys.readouterr().err == ""
+    shown = importances(trials, bar=True)
+    err = capsys.readouterr().err
+    assert "importances" in err and "5/5" in err, err
+    pd.testing.assert_frame_equal(shown, quiet)

@@ -744,10 +744,11 @@ def test_report_matches_a_manual_pandas_computation(tmp_path: Path, capsys) -> N
     "argv, message",
     [
         (["--data", "movielens"], "no studies for dataset 'movielens'"),
+        (["--data", "movielens100k"], "(its studies are of movielens-100k; did you mean movielens-100k?)"),
         (["--data", "movielens-100k", "--storage", "postgresql+psycopg2://x@127.0.0.1:1/db"],
          "cannot open the study storage"),
         (["--data", "movielens-100k", "--storage", "sqlite:///{tmp}/missing.db"], "no study storage at"),
-        (["--data", "movielens-100k", "--bogus"], "unrecognised arguments: --bogus"),
+        (["--data", "movielens-100k", "--bogus"], "unrecognized arguments: --bogus"),
     ],
 )
 def test_report_bad_input_one_line_exit_2(tmp_path: Path, capsys, argv: list[str], message: str) -> None:

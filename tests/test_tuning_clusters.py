@@ -16,7 +16,7 @@ from optuna.trial import TrialState
 
 from conftest import run_cli
 from pg import free_port
-from test_docs import code_blocks
+from test_docs import code_blocks, shell_words
 from test_tuning import assert_each_config_once, run_tune, trials_of, tune_args
 from test_tuning_packs import FAST
 from mtmoe.tuning import storage as storage_module
@@ -169,8 +169,7 @@ def test_the_cluster_recipes_parse() -> None:
     commands = recipe_commands()
     assert len(commands) >= 3
     for command in commands:
-        words = subprocess.run(["bash", "-c", 'printf "%s\\n" ' + command.removeprefix("python -m mtmoe ")],
-                               capture_output=True, text=True, env=RECIPE_ENV).stdout.splitlines()
+        words = shell_words(command.removeprefix("python -m mtmoe "), RECIPE_ENV)
         args, overrides = parse_tune_args(words[1:])
         assert args.gate and args.data, command
         storage_module.check_url(args.storage)  # a storage URL tune takes

@@ -94,6 +94,35 @@ def test_a_torn_last_journal_record_is_cut_off_with_one_warning_and_the_study_re
     assert_each_config_once(trials_of(storage_for(url), "torn"), 2)
 
 
+@pytest.mark.parametrize("command", ["report", "bootstrap", "tune"])
+def test_a_file_that_is_no_journal_given_as_one_is_refused_and_left_as_it_is(tiny_root: Path, tmp_path: Path, capsys,
+                                                                             command: str) -> None:
+    """Before: ``--storage journal:studies/optuna.db`` (a SQLite file) was "repaired" as a torn journal: cut back to
+    its last newline byte, the database destroyed, even by ``report``. Now it is one line and the file is intact."""
+    database = tmp_path / "studies.db"
+    synthetic_study(storage_for(f"sqlite:///{database}"), "movielens-100k/topk", "topk", 12, 0.42,
+                    np.random.default_rng(0))
+    before = database.read_bytes()
+    args = ["--gate", "topk", "--trials", "1", f"--data.root={tiny_root}", "--log-dir", str(tmp_path / "runs"),
+            *TINY] if command == "tune" else ["--out", str(tmp_path / "out")]
+    code = run_cli([command, "--data", "movielens-100k", "--storage", f"journal:{database}", *args])
+    assert "the file is no Optuna journal (left as it is)" in one_error_line(capsys, code)
+    assert database.read_bytes() == before and not (tmp_path / "runs").exists()
+
+
+def test_a_journal_given_as_a_sqlite_file_names_the_journal_url(tmp_path: Path, capsys) -> None:
+    """Before: "it is damaged; restore it from a backup (`sqlite3 FILE .recover`)"."""
+    journal = tmp_path / "studies.log"
+    synthetic_study(storage_for(f"journal:{journal}"), "movielens-100k/topk", "topk", 4, 0.42,
+                    np.random.default_rng(0))
+    before = journal.read_bytes()
+    code = run_cli(["report", "--data", "movielens-100k", "--storage", f"sqlite:///{journal}", "--out",
+                    str(tmp_path / "out")])
+    assert f"the file is an Optuna journal, not a SQLite database: pass --storage journal:{journal}" in \
+        one_error_line(capsys, code)
+    assert journal.read_bytes() == before
+
+
 # ------------------------------------------------------------------------------------ 5: a damaged SQLite file
 
 
@@ -136,6 +165,8 @@ BAD_TUNE_INPUT = {
     "an unparsable sqlite URL": (["--storage", "sqlite:/nonexistent/dir/x.db"], "is not a storage URL"),
     "a missing folder": (["--storage", "sqlite:////nonexistent/dir/x.db"], "there is no folder /nonexistent/dir"),
     "a trillion trials": (["--trials", "1000000000000"], "--trials must be between 1 and 100000"),
+    "a log folder under a file": (["--log-dir", "/dev/null/runs"],
+                                  "cannot write the trials' logs to /dev/null/runs: /dev/null is a file, not a folder"),
 }
 
 
@@ -145,7 +176,8 @@ def test_bad_tune_input_is_one_line_before_the_storage_is_touched(request, tiny_
                                                                   case: str, storage: str) -> None:
     """Before: a 600-character name failed deep in PostgreSQL (varchar(512)) or in making its SQLite study's log
     folder (file name too long), ``sqlite:/...`` with SQLAlchemy's 26-line ``ArgumentError``, ``--trials 10**12``
-    ran for minutes while its plan filled the memory, and an empty name or storage silently meant the default.
+    ran for minutes while its plan filled the memory, an empty name or storage silently meant the default, and a
+    ``--log-dir`` under a file was a ``NotADirectoryError`` traceback once the study was created.
     Now each is one line at once, and no storage or log folder is created."""
     flags, message = BAD_TUNE_INPUT[case]
     if storage == "postgresql" and "--storage" in flags:
@@ -169,6 +201,21 @@ def test_a_bad_heartbeat_setting_creates_no_database(tiny_root: Path, tmp_path: 
     monkeypatch.setenv("MTMOE_HEARTBEAT_INTERVAL", "x")
     code = run_cli(["tune", "--gate", "topk", "--data", "movielens-100k", "--trials", "1", f"--data.root={tiny_root}"])
     assert "MTMOE_HEARTBEAT_INTERVAL" in one_error_line(capsys, code)
+    assert not (tmp_path / "studies").exists()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--pack", "0"], "--pack must be a positive number of trials or auto"),
+    (["--model.lr=abc"], "model.lr"),
+    (["--trainer.max_epochs=-5"], "--trainer.max_epochs must be >= 1"),
+], ids=["pack", "override-type", "override-range"])
+def test_bad_tune_input_with_the_default_storage_leaves_no_studies_folder(tiny_root: Path, tmp_path: Path, capsys,
+                                                                          flags: list[str], message: str) -> None:
+    """Before: ``tune`` without ``--storage`` made ``studies/`` before it checked ``--pack`` and the overrides, so
+    their error left an empty ``studies/`` in the current folder. Now nothing is created."""
+    code = run_cli(["tune", "--gate", "topk", "--data", "movielens-100k", "--trials", "1", f"--data.root={tiny_root}",
+                    *flags])
+    assert message in one_error_line(capsys, code)
     assert not (tmp_path / "studies").exists()
 
 

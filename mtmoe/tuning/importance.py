@@ -119,12 +119,17 @@ def study_importances(group: pd.DataFrame, names_run: tuple[str, ...] = EVALUATO
     return {**result, "importances": found, "note": note}
 
 
-def importances(trials: pd.DataFrame, names_run: tuple[str, ...] = EVALUATORS) -> pd.DataFrame:
+def importances(trials: pd.DataFrame, names_run: tuple[str, ...] = EVALUATORS, bar: bool = False) -> pd.DataFrame:
     """One row per study, evaluator of ``names_run`` and tuned hyperparameter (``importance`` NaN and a ``note`` for
     a study without them; ``top`` empty for an evaluator that uses all completed trials), in the trial table's
-    order."""
+    order. ``bar``: a progress bar of the studies on stderr (fANOVA's forests take a while on studies of hundreds
+    of trials)."""
+    from tqdm import tqdm
+
     rows = []
-    for study, group in trials.groupby("study", sort=False):
+    studies = trials.groupby("study", sort=False)
+    for study, group in tqdm(studies, total=studies.ngroups, desc="importances", unit="study", disable=not bar,
+                             leave=False):
         first = group.iloc[0]
         found = study_importances(group, names_run)
         for name in names_run:

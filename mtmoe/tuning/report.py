@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from typing import Any
 
 import pandas as pd
@@ -202,7 +203,7 @@ def report(argv: list[str]) -> None:
     if not routing.empty:
         files["routing.csv"] = routing.to_csv(index=False)
     if args.importance:
-        importances = paper_order(importance.importances(trials, args.importance))
+        importances = paper_order(importance.importances(trials, args.importance, bar=sys.stderr.isatty()))
         text += importance.markdown(importances, args.importance)
         figure = importance.plot(importances, args.importance)
         png = figure_bytes(figure, "png")

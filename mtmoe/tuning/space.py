@@ -83,12 +83,9 @@ def _valid_keys(gate: type, data: str) -> dict[str, set[str]]:
 
     from mtmoe.data import dataset_path
     from mtmoe.pack.settings import ModelSettings
-    from mtmoe.run_settings import import_class
+    from mtmoe.run_settings import import_class, init_arguments
 
-    data_keys = set()
-    for cls in import_class(dataset_path(data)).__mro__:  # DataModules forward **kwargs to their base classes
-        if cls.__module__.startswith("mtmoe"):
-            data_keys |= set(inspect.signature(cls.__init__).parameters)
+    data_keys = init_arguments(import_class(dataset_path(data)))
 
     def names(fn: Any) -> set[str]:
         return set(inspect.signature(fn).parameters) - {"self", "args", "kwargs", "dims", "info", "gate"}
@@ -96,7 +93,7 @@ def _valid_keys(gate: type, data: str) -> dict[str, set[str]]:
     return {
         "model.gate.": names(gate.__init__),
         "model.": {setting.name for setting in fields(ModelSettings)} - {"gate"},
-        "data.": data_keys - {"self", "kwargs", "variant"},
+        "data.": data_keys - {"variant"},
         "trainer.": names(pl.Trainer.__init__),
         "early_stopping.": names(EarlyStopping.__init__),
     }

@@ -20,7 +20,8 @@ hundreds of workers).
 * **Faults.** A ``--storage`` that cannot be used (empty, unparsable, a file in a missing folder) is refused before
   anything is created (:func:`check_url`); a damaged database is one line saying to restore it (:func:`readable`); a
   journal whose last record a crash tore is cut back to its last whole record, with a warning
-  (:func:`repair_journal`).
+  (:func:`repair_journal`), and a file that is no journal (a SQLite file given as ``journal:PATH``) is refused,
+  left as it is (:func:`check_journal`).
 * **First start.** :func:`setup_lock` serialises what processes starting together on one storage do first (creating
   the tables, the study, enqueuing its plan): PostgreSQL with an advisory lock, SQLite and journal files with a file
   lock.
@@ -211,11 +212,14 @@ def readable(url: str) -> Iterator[None]:
 
 def check_url(url: str) -> None:
     """``--storage`` checked before anything is opened or created: not empty, a URL SQLAlchemy can parse (or
-    ``journal:PATH``, which needs no SQLAlchemy), a file's folder existing."""
+    ``journal:PATH``, which needs no SQLAlchemy, of a file that is a journal if it exists), a file's folder
+    existing."""
     if not url.strip():
         raise UsageError("--storage is empty: pass postgresql://user@host/db, sqlite:///PATH, journal:PATH or "
                          "grpc://HOST:PORT, or leave the flag out for the default studies/optuna.db")
     path = journal_path(url)
+    if path is not None:
+        check_journal(path)
     if grpc_address(url) is None and path is None:
         from sqlalchemy.engine import make_url
 
@@ -226,6 +230,9 @@ def check_url(url: str) -> None:
                              "or sqlite:////PATH (absolute), postgresql://user@host/db, journal:PATH or "
                              "grpc://HOST:PORT") from None
         path = _sqlite_file(url) if parsed.drivername.startswith("sqlite") else None
+        if path is not None and _file_start(path, url) == JOURNAL_RECORD_START:
+            raise UsageError(f"--storage {display_url(url)!r}: the file is an Optuna journal, not a SQLite database: "
+                             f"pass --storage journal:{path}")
     if path is not None and not Path(path).absolute().parent.is_dir():
         raise UsageError(f"--storage {display_url(url)!r}: there is no folder {Path(path).absolute().parent} for "
                          "its file; create it, or pass another --storage")
@@ -235,9 +242,10 @@ def repair_journal(path: str) -> None:
     """Cut a journal file back to its last whole record when its last record is torn (a crash mid-append leaves a
     line without its end, or one that is no JSON), as a log-structured store recovers: the records after it would
     otherwise join the torn line and the file could not be read. Done under Optuna's append lock; one warning
-    line."""
+    line. A file that is no journal (a SQLite file given as ``journal:PATH``) is refused, left as it is."""
     from optuna.storages.journal import JournalFileSymlinkLock
 
+    check_journal(path)
     if _torn_tail(path) is None:
         return
     lock = JournalFileSymlinkLock(path)  # the lock JournalFileBackend appends under: no append is in flight
@@ -255,6 +263,30 @@ def repair_journal(path: str) -> None:
               f"bytes {done}, the {start} bytes of records before it kept", file=sys.stderr, flush=True)
     finally:
         lock.release()
+
+
+#: How every record of an Optuna journal file starts (``JournalStorage`` writes each as compact JSON, op code first).
+JOURNAL_RECORD_START = b'{"op_code":'
+
+
+def _file_start(path: str, url: str) -> bytes:
+    """The first bytes of the storage file ``path`` (as many as :data:`JOURNAL_RECORD_START`), ``b""`` if missing."""
+    try:
+        with open(path, "rb") as file:
+            return file.read(len(JOURNAL_RECORD_START))
+    except FileNotFoundError:
+        return b""
+    except OSError as error:
+        raise UsageError(f"--storage {display_url(url)!r}: cannot read it ({error.strerror or error})") from None
+
+
+def check_journal(path: str) -> None:
+    """A UsageError unless the file ``path`` is missing, empty or starts as an Optuna journal does: never cut or
+    append to another file given as a journal."""
+    start = _file_start(path, f"journal:{path}")
+    if start and start != JOURNAL_RECORD_START:
+        raise UsageError(f"--storage 'journal:{path}': the file is no Optuna journal (left as it is); a SQLite file is "
+                         "--storage sqlite:///PATH")
 
 
 def _torn_tail(path: str) -> int | None:
@@ -396,8 +428,7 @@ def open_storage(url: str | None):
             raise UsageError(f"no study storage at {path} (run `python -m mtmoe tune` first, or pass --storage)")
     elif (path := journal_path(url)) is not None and not Path(path).is_file():
         raise UsageError(f"no journal file {path} (run tune first, or pass --storage)")
-    else:
-        check_url(url)
+    check_url(url)
     return url, storage_for(url)
 
 

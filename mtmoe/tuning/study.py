@@ -73,7 +73,7 @@ from mtmoe.tuning.objective import (
     plan_configurations,
     study_counts,
 )
-from mtmoe.tuning.trials import describe_settings
+from mtmoe.tuning.trials import describe_settings, writable_folder
 
 # What trains (Lightning, torch: mtmoe.run, mtmoe.tuning.packs) is imported where it is used: `tune --help`, bad flags
 # and unknown names answer without it.
@@ -411,10 +411,7 @@ def parse_tune_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                              "write on Ctrl-C or SIGTERM, e.g. where the checkpoints could not be kept anyway; "
                              "refused while an earlier tune's checkpoints of the study are kept (resume them, or "
                              "delete their folder)")
-    try:
-        args, overrides = parser.parse_known_args(argv)
-    except argparse.ArgumentError as error:
-        raise UsageError(str(error)) from None
+    args, overrides = parser.parse_known_args(argv)
     for arg in overrides:
         flag = arg.partition("=")[0]
         if arg.startswith("-") and not _is_number(arg) and not flag.startswith(FIT_OPTIONS):
@@ -546,37 +543,38 @@ def _tune(argv: list[str]) -> None:
     heartbeat_settings()  # a bad MTMOE_HEARTBEAT_* is refused before the storage is created
     dataset_path(args.data)  # unknown names fail here, before torch is imported and the storage touched
     check_gate_name(args.gate)
-    space = load_space(args.data, args.gate, args.space)
-    quiet_libraries()
-    trials = space.trials if args.trials is None else args.trials
-    if not 1 <= trials <= MAX_TRIALS:
-        raise UsageError(f"--trials must be between 1 and {MAX_TRIALS} (the plan of every configuration is drawn and "
-                         f"enqueued when the study starts), got {trials}; split a larger search into studies of "
-                         "other --seed values")
     if args.workers < 1:
         raise UsageError(f"--workers must be >= 1, got {args.workers}")
     if args.checkpoint_every is not None and not args.checkpoint_every > 0:
         raise UsageError(f"--checkpoint-every must be a positive number of seconds, got {args.checkpoint_every}")
     if args.checkpoint_every is not None and args.no_checkpoints:
         raise UsageError("--checkpoint-every and --no-checkpoints contradict each other: give one of them")
-    space = SearchSpace(space.data, space.gate, trials, space.fixed, space.distributions)
-    if args.storage is None:
-        STUDIES_DIR.mkdir(exist_ok=True)
+    pack = pack_size(args.pack)
+    log_dir = writable_folder(Path(args.log_dir) if args.log_dir else STUDIES_DIR / "runs", "--log-dir",
+                              "the trials' logs")
     url = default_storage_url() if args.storage is None else args.storage
     if url.startswith("sqlite") and args.workers > 1:
         raise UsageError("SQLite serialises writers: use --storage postgresql://... or journal:PATH for --workers > 1")
+    space = load_space(args.data, args.gate, args.space)  # checks its keys against the signatures: imports Lightning
+    trials = space.trials if args.trials is None else args.trials
+    if not 1 <= trials <= MAX_TRIALS:
+        raise UsageError(f"--trials must be between 1 and {MAX_TRIALS} (the plan of every configuration is drawn and "
+                         f"enqueued when the study starts), got {trials}; split a larger search into studies of "
+                         "other --seed values")
+    quiet_libraries()
+    space = SearchSpace(space.data, space.gate, trials, space.fixed, space.distributions)
     given_alpha = _option_value(overrides, "model.alpha")
     study_name = args.study_name or f"{args.data}/{args.gate}" + (f"/alpha={given_alpha}" if given_alpha else "")
-    log_dir = Path(args.log_dir) if args.log_dir else STUDIES_DIR / "runs"
     if args.no_checkpoints:
         from mtmoe.tuning.checkpoints import checkpoint_folder, refuse_saved_states
 
         refuse_saved_states(checkpoint_folder(url, study_name, log_dir / study_name.replace("/", "_")))
     space, pinned = pin_overrides(space, overrides)
     configurations = plan_configurations(space, trials, args.seed)
-    pack = pack_size(args.pack)
     settings, alpha = check_overrides(space, configurations, overrides, args.seed, pack)
     settings = {**settings, **pinned}  # a tuned setting given a value: part of the study's identity
+    if args.storage is None:  # made once the overrides are checked: bad input leaves no empty studies/ behind
+        STUDIES_DIR.mkdir(exist_ok=True)
     with setup_lock(url), readable(url):
         prepare_study(url, study_name, space, args.seed, configurations, settings, alpha)
     print(f"study {study_name!r}: {trials} configurations, settings: {describe_settings(settings)}; storage "

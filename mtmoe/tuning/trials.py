@@ -27,7 +27,7 @@ import pandas as pd
 from optuna.trial import TrialState
 
 from mtmoe.data import DATASETS
-from mtmoe.errors import OneLineParser, UsageError, did_you_mean
+from mtmoe.errors import OneLineParser, UsageError, did_you_mean, suggestion
 from mtmoe.files import remove_orphans, write_atomic
 from mtmoe.gate_names import split_gate_name
 from mtmoe.routing_names import BEHAVIOUR_KEYS
@@ -54,27 +54,28 @@ def studies_parser(command: str, description: str) -> argparse.ArgumentParser:
 
 def parse_strict(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
     """Parse ``argv``; a bad or unknown flag is a one-line UsageError naming the closest option."""
-    try:
-        args, extra = parser.parse_known_args(argv)
-    except argparse.ArgumentError as error:
-        raise UsageError(str(error)) from None
+    args, extra = parser.parse_known_args(argv)
     if extra:
-        raise UsageError(f"{parser.prog.rpartition(' ')[2]}: unrecognised arguments: {' '.join(extra)}"
+        raise UsageError(f"{parser.prog.rpartition(' ')[2]}: unrecognized arguments: {' '.join(extra)}"
                          + did_you_mean(extra[0], parser._option_string_actions))
     return args
 
 
 def output_dir(out: str | None, name: str) -> Path:
-    """``--out``, else ``studies/reports/<name>/`` under the current directory; a UsageError, before anything is
-    computed or created, unless it is (or can be made) a folder this process may write in."""
-    path = Path(out) if out else STUDIES_DIR / "reports" / name
+    """``--out``, else ``studies/reports/<name>/`` under the current directory, checked by :func:`writable_folder`."""
+    return writable_folder(Path(out) if out else STUDIES_DIR / "reports" / name, "--out", "the outputs")
+
+
+def writable_folder(path: Path, flag: str, what: str) -> Path:
+    """``path``, the folder ``flag`` names for ``what``; a UsageError, before anything is computed or created,
+    unless it is (or can be made) a folder this process may write in."""
     existing = path.absolute()
     while not existing.exists() and existing.parent != existing:
         existing = existing.parent
     if not existing.is_dir():
-        raise UsageError(f"cannot write the outputs to {path}: {existing} is a file, not a folder; pass --out FOLDER")
+        raise UsageError(f"cannot write {what} to {path}: {existing} is a file, not a folder; pass {flag} FOLDER")
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise UsageError(f"cannot write the outputs to {path}: {existing} is not writable; pass --out FOLDER")
+        raise UsageError(f"cannot write {what} to {path}: {existing} is not writable; pass {flag} FOLDER")
     return path
 
 
@@ -214,7 +215,13 @@ def collect(url: str | None, data: str | None = None, study: str | None = None) 
     where = display_url(url)
     if not names:
         which = (f" named {study!r}" if study else "") + (f" for dataset {data!r}" if data else "")
-        raise UsageError(f"no studies{which} in {where} (run `python -m mtmoe tune --data {data or 'NAME'}` first)")
+        tuned = {summary.study_name: str(summary.user_attrs.get("data")) for summary in summaries
+                 if "gate" in summary.user_attrs}
+        datasets = sorted(set(tuned.values()))
+        close = suggestion(study, tuned) if study else suggestion(data or "", datasets)
+        hint = f"its studies are of {', '.join(datasets)}{close}" if tuned else \
+            f"run `python -m mtmoe tune --data {data or 'NAME'}` first"
+        raise UsageError(f"no studies{which} in {where} ({hint})")
     if not rows:
         raise UsageError(f"the studies in {where} ({', '.join(sorted(names))}) have no finished trials yet")
     return url, paper_order(pd.DataFrame(rows))
