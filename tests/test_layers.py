@@ -27,7 +27,7 @@ LAYERS = {  # module or package prefix -> layer (0 = bottom)
     "mtmoe": 0, "mtmoe.errors": 0, "mtmoe.files": 0, "mtmoe.scalars": 0, "mtmoe.random": 0, "mtmoe.dataset_info": 0,
     "mtmoe.losses": 0, "mtmoe.host_memory": 0, "mtmoe.host_threads": 0, "mtmoe.gate_names": 0, "mtmoe.interrupts": 0,
     "mtmoe.triton_support": 0, "mtmoe.discovery": 0, "mtmoe.kernel_traffic": 0, "mtmoe.routing_names": 0,
-    "mtmoe.epilogue": 0, "mtmoe.mixing": 0,
+    "mtmoe.epilogue": 0, "mtmoe.mixing": 0, "mtmoe.shared_input": 0,
     "mtmoe.gates": 0, "mtmoe.experts": 0, "mtmoe.mmoe": 0, "mtmoe.permutation": 0, "mtmoe.sinkhorn": 0,
     "mtmoe.schedules": 0,
     "mtmoe.pack": 1,
@@ -37,7 +37,8 @@ LAYERS = {  # module or package prefix -> layer (0 = bottom)
     "mtmoe.cli": 5, "mtmoe.__main__": 5, "mtmoe.api": 5,
 }
 CORE = ["mtmoe.dataset_info", "mtmoe.losses", "mtmoe.gates", "mtmoe.experts", "mtmoe.mmoe", "mtmoe.permutation",
-        "mtmoe.sinkhorn", "mtmoe.random", "mtmoe.epilogue", "mtmoe.mixing", "mtmoe.pack.engine", "mtmoe.pack.memory"]
+        "mtmoe.sinkhorn", "mtmoe.random", "mtmoe.epilogue", "mtmoe.mixing", "mtmoe.shared_input", "mtmoe.pack.engine",
+        "mtmoe.pack.memory"]
 NOT_IN_CORE = ("lightning", "pytorch_lightning", "lightning_fabric", "torchmetrics", "pandas", "torchvision")
 
 
