@@ -5,9 +5,12 @@ Optuna studies in a temporary SQLite storage, written in the format ``tune`` wri
 from __future__ import annotations
 
 import base64
+import contextlib
+import io
 import itertools
 import math
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -285,15 +288,26 @@ def storage(tmp_path_factory) -> tuple[str, dict]:
     return url, trials
 
 
-def run_bootstrap(url: str, out: Path, *extra: str) -> int:
-    return run_cli(["bootstrap", "--data", "movielens", "--storage", url, "--out", str(out), *extra])
+def run_bootstrap(url: str, out: Path, *extra: str, data: str = "movielens") -> int:
+    return run_cli(["bootstrap", "--data", data, "--storage", url, "--out", str(out), *extra])
 
 
-def test_cli_end_to_end(storage, tmp_path: Path, capsys) -> None:
-    url, trials = storage
-    out = tmp_path / "rep"
-    assert run_bootstrap(url, out, "--gates", "topk,topk+,hash,hash+", "--draws", "400") == 0
-    printed = capsys.readouterr().out
+@pytest.fixture(scope="module")
+def end_to_end(storage, tmp_path_factory) -> tuple[Path, str]:
+    """One run over the four gates' movielens studies at both alphas (400 draws; each run fits every study's noisy
+    quadratic, most of its time): its folder and what it printed. The end-to-end, options and atomic-output tests
+    read it (``xdist_group``: one worker, one run)."""
+    out = tmp_path_factory.mktemp("end-to-end") / "rep"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert run_bootstrap(storage[0], out, "--gates", "topk,topk+,hash,hash+", "--draws", "400") == 0
+    return out, printed.getvalue()
+
+
+@pytest.mark.xdist_group("bootstrap-end-to-end")
+def test_cli_end_to_end(storage, end_to_end) -> None:
+    _, trials = storage
+    out, printed = end_to_end
     curves = pd.read_csv(out / "bootstrap_curves.csv", dtype={"alpha": str})
     assert sorted(set(zip(curves.alpha, curves.gate))) == sorted(trials)
     for (alpha, gate), (objectives, losses) in trials.items():
@@ -363,20 +377,24 @@ def test_cli_end_to_end(storage, tmp_path: Path, capsys) -> None:
     assert not list(out.glob(".*"))  # atomic writes leave no temporary files
 
 
-def test_cli_seed_and_options(storage, tmp_path: Path, capsys) -> None:
-    """Two of the four gates (the others' studies are alike; each run fits every study's noisy quadratic)."""
+@pytest.mark.xdist_group("bootstrap-end-to-end")
+def test_cli_seed_and_options(storage, end_to_end, tmp_path: Path, capsys) -> None:
+    """The seed on the one books study (the draws are per study: ``test_seeded_draws_are_reproducible_and_per_study``),
+    the options on two gates' movielens studies against the end-to-end run's (no replacement, nested)."""
     url, _ = storage
-    read = lambda name: pd.read_csv(tmp_path / name / "bootstrap_curves.csv")
-    gates = ("--gates", "hash,topk")
-    assert run_bootstrap(url, tmp_path / "a", *gates, "--draws", "200", "--seed", "5") == 0
-    assert run_bootstrap(url, tmp_path / "b", *gates, "--draws", "200", "--seed", "5") == 0
-    assert run_bootstrap(url, tmp_path / "c", *gates, "--draws", "200", "--seed", "6") == 0
+    read = lambda name: pd.read_csv(tmp_path / name / "bootstrap_curves.csv", dtype={"alpha": str})
+    for name, seed in (("a", "5"), ("b", "5"), ("c", "6")):
+        assert run_bootstrap(url, tmp_path / name, "--draws", "200", "--seed", seed, data="books") == 0
     pd.testing.assert_frame_equal(read("a"), read("b"))
     assert not read("a").mc_mean.equals(read("c").mc_mean) and read("a").exact_mean.equals(read("c").exact_mean)
-    assert run_bootstrap(url, tmp_path / "d", *gates, "--draws", "200", "--replacement", "--resample",
+    assert run_bootstrap(url, tmp_path / "d", "--gates", "hash,topk", "--draws", "200", "--replacement", "--resample",
                          "independent", "--max-budget", "20", "--pairs", "hash:topk") == 0
-    dodge = read("d")
-    assert dodge.s.max() == 20 and not dodge.exact_mean.equals(read("a")[read("a").s <= 20].exact_mean)
+    plain = pd.read_csv(end_to_end[0] / "bootstrap_curves.csv", dtype={"alpha": str})
+    both = read("d").merge(plain, on=["alpha", "gate", "s"], suffixes=("", "_plain"))
+    assert read("d").s.max() == 20 and len(both) == len(read("d")) and set(both.gate) == {"hash", "topk"}
+    first, later = both[both.s == 1], both[both.s > 1]  # s = 1: the mean test loss under either scheme
+    assert np.allclose(first.exact_mean, first.exact_mean_plain, rtol=1e-12)
+    assert (abs(later.exact_mean - later.exact_mean_plain) > 1e-9).all()
     ranges = pd.read_csv(tmp_path / "d" / "bootstrap_ranges.csv")
     assert list(zip(ranges.gate_a, ranges.gate_b)) == [("hash", "topk")] * 2
     assert "with replacement; closed form of Dodge et al. 2019" in capsys.readouterr().out
@@ -487,12 +505,12 @@ def test_cli_cuda_without_a_gpu_is_one_line(storage, tmp_path: Path, capsys) -> 
     assert capsys.readouterr().err.strip() == "error: --device cuda: no CUDA device is available here"
 
 
-def test_outputs_are_replaced_atomically(storage, tmp_path: Path, monkeypatch, capsys) -> None:
-    """A run that fails while writing leaves the previous outputs whole and no temporary file behind (a gate and its
-    "+": every output, at half the studies)."""
-    url, _ = storage
+@pytest.mark.xdist_group("bootstrap-end-to-end")
+def test_outputs_are_replaced_atomically(storage, end_to_end, tmp_path: Path, monkeypatch, capsys) -> None:
+    """A run that fails while writing leaves the previous outputs (a copy of the end-to-end run's, every output)
+    whole and no temporary file behind; the failing run reads the one books study, the cheapest to get there."""
     out = tmp_path / "rep"
-    assert run_bootstrap(url, out, "--gates", "topk,topk+", "--draws", "100") == 0
+    shutil.copytree(end_to_end[0], out)
     before = {path.name: path.read_bytes() for path in out.iterdir()}
     assert set(before) == {"bootstrap.png", "bootstrap.pdf", "bootstrap.md", "bootstrap.html", "bootstrap_curves.csv",
                            "bootstrap_factors.csv", "bootstrap_ranges.csv", "bootstrap_objective.csv",
@@ -505,7 +523,7 @@ def test_outputs_are_replaced_atomically(storage, tmp_path: Path, monkeypatch, c
         replace(source, target)
 
     monkeypatch.setattr(files_module.os, "replace", fail_on_png)
-    assert run_bootstrap(url, out, "--gates", "topk,topk+", "--draws", "100", "--seed", "9") == 2
+    assert run_bootstrap(storage[0], out, "--draws", "100", "--seed", "9", data="books") == 2
     assert capsys.readouterr().err.strip() == f"error: cannot write the outputs to {out} (disk full): pass a " \
                                               "writable --out folder, or free some space there"
     assert {path.name: path.read_bytes() for path in out.iterdir()} == before
