@@ -416,6 +416,7 @@ def check_interpreted_adam_kernel() -> None:
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+@pytest.mark.integration  # a Python process of its own, importing torch and Triton's interpreter: CI, not the inner loop
 def test_packed_adam_triton_kernel_in_the_interpreter() -> None:
     """:func:`check_interpreted_adam_kernel` in a process with ``TRITON_INTERPRET=1`` (read at import)."""
     code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_engine as t; " \

@@ -210,6 +210,7 @@ print("ok")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+@pytest.mark.integration  # a Python process of its own, importing torch and Triton's interpreter: CI, not the inner loop
 def test_triton_kernels_equal_the_reference_in_the_interpreter() -> None:
     """The CUDA kernels on CPU tensors in Triton's interpreter: every dtype, a pack of three over several blocks,
     bfloat16 ties, with and without dropout, and a vmapped forward with its backward."""

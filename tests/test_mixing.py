@@ -206,6 +206,7 @@ print("ok")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+@pytest.mark.integration  # a Python process of its own, importing torch and Triton's interpreter: CI, not the inner loop
 def test_the_triton_kernel_equals_the_numba_kernel_in_the_interpreter() -> None:
     """Every dtype, one to three tasks, rows over two blocks, zeros of both signs in h: bitwise."""
     run_interpreted(TRITON_CHECK)

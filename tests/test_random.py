@@ -149,6 +149,7 @@ print("ok")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+@pytest.mark.integration  # a Python process of its own, importing torch and Triton's interpreter: CI, not the inner loop
 def test_triton_kernel_equals_the_reference_in_the_interpreter() -> None:
     """The CUDA kernel on CPU tensors in Triton's interpreter: every dtype, one trial and a pack of three over
     several blocks, a fifth of the finite bfloat16 values, and a vmapped forward with its backward."""

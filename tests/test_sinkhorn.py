@@ -356,6 +356,7 @@ def check_interpreted_triton_kernels() -> None:
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+@pytest.mark.integration  # a Python process of its own, importing torch and Triton's interpreter: CI, not the inner loop
 def test_triton_kernels_in_the_interpreter_equal_the_numba_loops() -> None:
     """:func:`check_interpreted_triton_kernels` in a process with ``TRITON_INTERPRET=1`` (read at import)."""
     code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_sinkhorn as t; " \

@@ -142,6 +142,7 @@ def bind(kernel, launch: dict, target) -> tuple[tuple, dict]:
     return (signature, constexprs, attrs), options.__dict__
 
 
+@pytest.mark.integration  # a Python process of its own, importing torch and Triton's interpreter: CI, not the inner loop
 def test_every_kernel_compiles_for_sm90_and_sm80_in_every_launched_signature() -> None:
     import triton
     from triton.backends.compiler import GPUTarget
