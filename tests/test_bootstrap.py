@@ -296,7 +296,7 @@ def run_bootstrap(url: str, out: Path, *extra: str, data: str = "movielens") -> 
 def end_to_end(storage, tmp_path_factory) -> tuple[Path, str]:
     """One run over the four gates' movielens studies at both alphas (400 draws; each run fits every study's noisy
     quadratic, most of its time): its folder and what it printed. The end-to-end, options and atomic-output tests
-    read it (``xdist_group``: one worker, one run)."""
+    read it (the tests of ``storage`` share an ``xdist_group``: one worker builds it and runs this once)."""
     out = tmp_path_factory.mktemp("end-to-end") / "rep"
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
@@ -304,7 +304,7 @@ def end_to_end(storage, tmp_path_factory) -> tuple[Path, str]:
     return out, printed.getvalue()
 
 
-@pytest.mark.xdist_group("bootstrap-end-to-end")
+@pytest.mark.xdist_group("bootstrap-storage")
 def test_cli_end_to_end(storage, end_to_end) -> None:
     _, trials = storage
     out, printed = end_to_end
@@ -377,7 +377,7 @@ def test_cli_end_to_end(storage, end_to_end) -> None:
     assert not list(out.glob(".*"))  # atomic writes leave no temporary files
 
 
-@pytest.mark.xdist_group("bootstrap-end-to-end")
+@pytest.mark.xdist_group("bootstrap-storage")
 def test_cli_seed_and_options(storage, end_to_end, tmp_path: Path, capsys) -> None:
     """The seed on the one books study (the draws are per study: ``test_seeded_draws_are_reproducible_and_per_study``),
     the options on two gates' movielens studies against the end-to-end run's (no replacement, nested)."""
@@ -420,6 +420,7 @@ def test_cli_seed_and_options(storage, end_to_end, tmp_path: Path, capsys) -> No
         (["--bogus"], "unrecognized arguments: --bogus"),
     ],
 )
+@pytest.mark.xdist_group("bootstrap-storage")
 def test_cli_bad_input_one_line_exit_2(storage, tmp_path: Path, capsys, argv: list[str], message: str) -> None:
     url, _ = storage
     empty = optuna.create_study(study_name="empty/topk", storage=url, load_if_exists=True)  # a study, no trials
@@ -441,6 +442,7 @@ def test_cli_bad_input_one_line_exit_2(storage, tmp_path: Path, capsys, argv: li
     (["--data", "books", "--confidence", "0.99"],
      "note: 'books/topk' has 10 evaluated trials: the exact 99% bands and the factors' intervals need at least 11"),
 ])
+@pytest.mark.xdist_group("bootstrap-storage")
 def test_cli_too_few_trials_for_the_bands_draws_the_rest_with_a_note(storage, tmp_path: Path, capsys,
                                                                      argv: list[str], note: str) -> None:
     """Issue 32: a study too small for the exact bands gets the paper's bootstrap, its closed forms and the median
@@ -500,12 +502,13 @@ def test_cli_missing_data_is_one_line(capsys) -> None:
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a CUDA device is here")
+@pytest.mark.xdist_group("bootstrap-storage")
 def test_cli_cuda_without_a_gpu_is_one_line(storage, tmp_path: Path, capsys) -> None:
     assert run_bootstrap(storage[0], tmp_path / "rep", "--device", "cuda") == 2
     assert capsys.readouterr().err.strip() == "error: --device cuda: no CUDA device is available here"
 
 
-@pytest.mark.xdist_group("bootstrap-end-to-end")
+@pytest.mark.xdist_group("bootstrap-storage")
 def test_outputs_are_replaced_atomically(storage, end_to_end, tmp_path: Path, monkeypatch, capsys) -> None:
     """A run that fails while writing leaves the previous outputs (a copy of the end-to-end run's, every output)
     whole and no temporary file behind; the failing run reads the one books study, the cheapest to get there."""

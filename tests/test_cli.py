@@ -91,6 +91,7 @@ def test_help_and_listings_import_no_lightning(command: str, absent: tuple[str, 
 # ------------------------------------------------------------------------------------------------ 14.6: noise
 
 
+@pytest.mark.integration  # a process of its own, importing torch and Lightning: CI, not the inner loop
 def test_a_fit_prints_its_progress_results_and_no_adverts(tiny_root: Path, tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "mtmoe", *fit(tiny_root, "--trainer.limit_train_batches=3")],
                           capture_output=True, text=True, cwd=tmp_path, timeout=300,
