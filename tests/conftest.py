@@ -11,7 +11,7 @@ REAL_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by markers
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """A test of a throwaway PostgreSQL server (``tests/pg.py``) is an integration test, also where it asks for the
     server with ``request.getfixturevalue`` (a ``postgresql`` parameter): the inner loop ``-m "not integration"``
     starts no server. Under pytest-xdist (pyproject's ``--dist loadgroup``) these tests share one worker: one server
@@ -21,6 +21,23 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if {"postgres_url", "password_url"} & set(getattr(item, "fixturenames", ())) or "postgresql" in params:
             item.add_marker(pytest.mark.integration)
             item.add_marker(pytest.mark.xdist_group("postgres"))
+    if getattr(config.option, "loadgroup", False):  # an xdist worker under --dist loadgroup
+        group_node_ids(items)
+
+
+def group_node_ids(items: list[pytest.Item]) -> None:
+    """The ``@GROUP`` suffix of an ``xdist_group`` test's node id, by which ``--dist loadgroup`` sends a group to one
+    worker. pytest-xdist 3.8 writes it to ``item._nodeid``, which pytest 9.2 no longer reads (a node's id is
+    ``item._id``, a ``NodeId``): without this, a group's tests are spread over the workers. No public way to set a
+    node id exists; ``tests/test_xdist_groups.py`` fails if this one stops working."""
+    from _pytest.nodes import NodeId
+
+    for item in items:
+        names = sorted({str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+                        for mark in item.iter_markers("xdist_group")})
+        suffix = "@" + "_".join(names)
+        if names and not item.nodeid.endswith(suffix):
+            item._id = NodeId.parse(item.nodeid + suffix)
 
 
 @pytest.fixture(autouse=True, scope="session")
