@@ -30,13 +30,13 @@ def group_node_ids(items: list[pytest.Item]) -> None:
     worker. pytest-xdist 3.8 writes it to ``item._nodeid``, which pytest 9.2 no longer reads (a node's id is
     ``item._id``, a ``NodeId``): without this, a group's tests are spread over the workers. No public way to set a
     node id exists; ``tests/test_xdist_groups.py`` fails if this one stops working."""
-    from _pytest.nodes import NodeId
-
     for item in items:
         names = sorted({str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
                         for mark in item.iter_markers("xdist_group")})
         suffix = "@" + "_".join(names)
         if names and not item.nodeid.endswith(suffix):
+            from _pytest.nodes import NodeId  # pytest 9.2 and later only: earlier ones read xdist's suffix
+
             item._id = NodeId.parse(item.nodeid + suffix)
 
 
