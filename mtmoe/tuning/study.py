@@ -171,6 +171,16 @@ def quiet_libraries() -> None:
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated")  # Lightning's
 
 
+#: Where the trials' logs go without --log-dir.
+DEFAULT_LOG_DIR = STUDIES_DIR / "runs"
+
+
+def study_log_folder(log_dir: Path | None, study_name: str) -> Path:
+    """The study's folder of trial logs under ``log_dir`` (default :data:`DEFAULT_LOG_DIR`): one per study, its name
+    with ``/`` as ``_``."""
+    return (Path(log_dir) if log_dir is not None else DEFAULT_LOG_DIR) / study_name.replace("/", "_")
+
+
 def run_worker(url: str, study_name: str, space: SearchSpace, overrides: list[str], seed: int, workers: int,
                log_dir: Path | None = None, pack: int | str = 1, checkpoint_every: float | None = None,
                keep_checkpoints: bool = True) -> None:
@@ -186,7 +196,7 @@ def run_worker(url: str, study_name: str, space: SearchSpace, overrides: list[st
     study = optuna.load_study(study_name=study_name, storage=storage)
     if study_counts(study)["waiting"] == 0:
         return
-    log_dir = (Path(log_dir) if log_dir is not None else STUDIES_DIR / "runs") / study_name.replace("/", "_")
+    log_dir = study_log_folder(log_dir, study_name)
     configurations = plan_configurations(space, space.trials, seed)
 
     def reclaim(study: optuna.Study) -> None:
@@ -550,7 +560,7 @@ def _tune(argv: list[str]) -> None:
     if args.checkpoint_every is not None and args.no_checkpoints:
         raise UsageError("--checkpoint-every and --no-checkpoints contradict each other: give one of them")
     pack = pack_size(args.pack)
-    log_dir = writable_folder(Path(args.log_dir) if args.log_dir else STUDIES_DIR / "runs", "--log-dir",
+    log_dir = writable_folder(Path(args.log_dir) if args.log_dir else DEFAULT_LOG_DIR, "--log-dir",
                               "the trials' logs")
     url = default_storage_url() if args.storage is None else args.storage
     if url.startswith("sqlite") and args.workers > 1:
@@ -568,7 +578,7 @@ def _tune(argv: list[str]) -> None:
     if args.no_checkpoints:
         from mtmoe.tuning.checkpoints import checkpoint_folder, refuse_saved_states
 
-        refuse_saved_states(checkpoint_folder(url, study_name, log_dir / study_name.replace("/", "_")))
+        refuse_saved_states(checkpoint_folder(url, study_name, study_log_folder(log_dir, study_name)))
     space, pinned = pin_overrides(space, overrides)
     configurations = plan_configurations(space, trials, args.seed)
     settings, alpha = check_overrides(space, configurations, overrides, args.seed, pack)
