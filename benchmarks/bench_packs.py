@@ -223,7 +223,7 @@ def setup_milliseconds(gate: str, n: int) -> float:
     import optuna
 
     from mtmoe.pack.engine import PackEngine
-    from mtmoe.tuning.objective import plan_configurations
+    from mtmoe.tuning.objective import plan_configurations, quiet_optuna
     from mtmoe.tuning.packs import PackWorker
     from mtmoe.tuning.space import SearchSpace, load_space
     from mtmoe.tuning.study import enqueue_missing
@@ -232,7 +232,8 @@ def setup_milliseconds(gate: str, n: int) -> float:
     space = SearchSpace(space.data, space.gate, n, space.fixed, space.distributions)
     configurations = plan_configurations(space, n, 0)
     scratch = Path(tempfile.mkdtemp())
-    study = optuna.create_study(study_name="setup", storage=f"sqlite:///{scratch / 'setup.db'}")
+    with quiet_optuna():  # a scratch study: Optuna's "A new study created" line is no figure of the benchmark
+        study = optuna.create_study(study_name="setup", storage=f"sqlite:///{scratch / 'setup.db'}")
     enqueue_missing(study, space, configurations)
     worker = PackWorker(study, space, [], 0, scratch, n, configurations)
     trials = factory(gate, configurations[0], "cpu", "32")

@@ -4,6 +4,9 @@ Optuna's on the study's completed trials, the table, CSV and figure name the eva
 too few trials, one tuned hyperparameter, one objective value or one configuration gets a note."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +21,7 @@ from test_tuning import synthetic_study
 from mtmoe.tuning.importance import FANOVA_SEED, ped_anova
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
+CHECKOUT = Path(__file__).resolve().parents[1]
 SPACE = {"model.lr": FloatDistribution(1e-4, 1e-2, log=True), "model.gate.gamma": FloatDistribution(0.1, 10.0),
          "model.gate.k": IntDistribution(1, 4), "model.gate.entropy_reg": CategoricalDistribution([1, 5, 10])}
 
@@ -163,3 +167,39 @@ def test_the_progress_bar_shows_the_studies_and_changes_nothing(storage: str, ca
     err = capsys.readouterr().err
     assert "importances" in err and "5/5" in err, err
     pd.testing.assert_frame_equal(shown, quiet)
+
+
+#: A user's script: Optuna's info lines on for their own studies, then mtmoe's plan and importances (in-memory
+#: studies of its own), then a study of the user's.
+USER_SCRIPT = """
+import optuna
+from mtmoe.tuning.importance import importances
+from mtmoe.tuning.objective import plan_configurations
+from mtmoe.tuning.space import load_space
+from mtmoe.tuning.trials import collect
+
+optuna.logging.set_verbosity(optuna.logging.INFO)
+plan_configurations(load_space("movielens-100k", "comet"), 3, 0)
+assert len(importances(collect(STORAGE, "synthetic")[1])) > 0
+print("mtmoe done", flush=True)
+optuna.create_study(study_name="mine")
+print("verbosity", optuna.logging.get_verbosity() == optuna.logging.INFO)
+"""
+
+
+@pytest.mark.integration  # Optuna's handler writes to the stderr of the process's start: a process of its own
+def test_optuna_says_nothing_of_mtmoes_own_in_memory_studies(storage: str, tmp_path: Path) -> None:
+    """Before: ``report`` printed Optuna's "A new study created in memory with name: no-name-..." per study with
+    importances, and the plan of ``tune`` (and the benchmarks using it) another; now only mtmoe's output, and a
+    user's own study still gets Optuna's line at the verbosity the user set."""
+    env = {**os.environ, "PYTHONPATH": str(CHECKOUT)}
+    report = subprocess.run([sys.executable, "-m", "mtmoe", "report", "--data", "synthetic", "--storage", storage,
+                             "--out", str(tmp_path / "out")], capture_output=True, text=True, env=env, timeout=300)
+    assert report.returncode == 0 and "synthetic/comet" in report.stdout, report.stderr[-2000:]
+    assert report.stderr == ""
+    user = subprocess.run([sys.executable, "-c", USER_SCRIPT.replace("STORAGE", repr(storage))],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert user.returncode == 0, user.stderr[-2000:]
+    assert user.stdout.splitlines() == ["mtmoe done", "verbosity True"]
+    assert [line.split("] ", 1)[1] for line in user.stderr.splitlines()] == [
+        "A new study created in memory with name: mine"]

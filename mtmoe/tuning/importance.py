@@ -31,6 +31,7 @@ import warnings
 import pandas as pd
 
 from mtmoe.errors import UsageError, suggestion
+from mtmoe.tuning.objective import quiet_optuna
 from mtmoe.tuning.trials import as_text, gate_order
 
 #: The evaluators, in the order the table, CSV and figure give them.
@@ -104,17 +105,18 @@ def study_importances(group: pd.DataFrame, names_run: tuple[str, ...] = EVALUATO
         return {**result, "note": "every completed trial has the same objective: nothing to attribute"}
     if completed.params.map(lambda params: tuple(params.get(name) for name in names)).nunique() == 1:
         return {**result, "note": "every completed trial has the same configuration: nothing to attribute"}
-    study = optuna.create_study(direction="minimize")  # in memory: the trial table's objective is minimised
-    study.add_trials([optuna.trial.create_trial(value=row.objective, params=row.params,
-                                                distributions=row.distributions)
-                      for row in completed.itertuples()])
     found = {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # optuna's experimental and equal-importance warnings; the note says why
-        for name in names_run:
-            made, top = evaluator(name, len(completed))
-            found[name] = dict(optuna.importance.get_param_importances(study, evaluator=made, params=names))
-            result["top"][name] = top
+    with quiet_optuna():
+        study = optuna.create_study(direction="minimize")  # in memory: the trial table's objective is minimised
+        study.add_trials([optuna.trial.create_trial(value=row.objective, params=row.params,
+                                                    distributions=row.distributions)
+                          for row in completed.itertuples()])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # optuna's experimental and equal-importance warnings; the note says why
+            for name in names_run:
+                made, top = evaluator(name, len(completed))
+                found[name] = dict(optuna.importance.get_param_importances(study, evaluator=made, params=names))
+                result["top"][name] = top
     note = "one hyperparameter tuned: its importance is 1 by normalisation" if len(names) == 1 else ""
     return {**result, "importances": found, "note": note}
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import optuna
 from optuna.trial import TrialState
@@ -25,14 +26,28 @@ class TrialInterrupted(KeyboardInterrupt):
     resume."""
 
 
+@contextmanager
+def quiet_optuna() -> Iterator[None]:
+    """Optuna's info lines ("A new study created in memory", "Trial 0 finished") off while mtmoe works with an
+    in-memory study of its own (the plan, the importances): the terminal shows mtmoe's output only. The verbosity
+    set before (a user's, for their own studies) is back after; warnings and errors stay."""
+    verbosity = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(max(verbosity, optuna.logging.WARNING))
+    try:
+        yield
+    finally:
+        optuna.logging.set_verbosity(verbosity)
+
+
 def plan_configurations(space: SearchSpace, n: int, seed: int) -> list[dict[str, Any]]:
-    """The study's N configurations, drawn once from one seed by Optuna's RandomSampler."""
-    planner = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=seed))
+    """The study's N configurations, drawn once from one seed by Optuna's RandomSampler (an in-memory study)."""
     configurations = []
-    for _ in range(n):
-        trial = planner.ask(space.distributions)
-        configurations.append(dict(trial.params))
-        planner.tell(trial, 0.0)
+    with quiet_optuna():
+        planner = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=seed))
+        for _ in range(n):
+            trial = planner.ask(space.distributions)
+            configurations.append(dict(trial.params))
+            planner.tell(trial, 0.0)
     return configurations
 
 
