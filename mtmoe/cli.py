@@ -106,17 +106,19 @@ def print_gates(data: str | None) -> None:
 
 def print_datasets(root: str | None) -> None:
     """Per dataset: its DataModule, the folders of the data root its files go in, and whether they are there
-    (:func:`mtmoe.data.layout.files_status`)."""
+    (:func:`mtmoe.data.layout.files_status`); the header names where the root comes from, and the flag that looks
+    elsewhere unless it was given."""
     import os
 
     from mtmoe.data.layout import data_root, files_status
 
-    where = "--data.root" if root else "MTMOE_DATA" if os.environ.get("MTMOE_DATA") else "MTMOE_DATA unset"
+    where = ("--data.root" if root else
+             ("MTMOE_DATA" if os.environ.get("MTMOE_DATA") else "MTMOE_DATA unset") + "; --data.root PATH looks elsewhere")
     root = data_root(root)
     rows = [("dataset", "DataModule", "files go in", "files")]
     rows += [(name, path, *reversed(files_status(name, root))) for name, path in sorted(DATASETS.items())]
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
-    print(f"data root: {root} ({where}; --data.root PATH looks elsewhere)")
+    print(f"data root: {root} ({where})")
     for row in rows:
         print("  ".join(f"{cell:<{width}}" for cell, width in zip(row, widths)) + f"  {row[3]}")
 
