@@ -94,6 +94,47 @@ def test_a_torn_last_journal_record_is_cut_off_with_one_warning_and_the_study_re
     assert_each_config_once(trials_of(storage_for(url), "torn"), 2)
 
 
+@pytest.mark.parametrize("command", ["report", "bootstrap"])
+def test_report_and_bootstrap_read_a_torn_journal_and_leave_it_as_it_is(tmp_path: Path, capsys, command: str) -> None:
+    """Before: the read-only commands cut a torn last record off, as ``tune`` repairs it, writing to the storage they
+    only read. Now the file's bytes are unchanged, one ``warning:`` line names the command that repairs it, and the
+    results are those of the whole records before the torn one."""
+    journal = tmp_path / "j.log"
+    url = f"journal:{journal}"
+    rng = np.random.default_rng(0)
+    for gate, loss in (("softmax", 0.43), ("topk", 0.42)):
+        synthetic_study(storage_for(url), f"movielens-100k/{gate}", gate, 12, loss, rng)
+    argv = [command, "--data", "movielens-100k", "--storage", url, "--out", str(tmp_path / "out")]
+
+    def results() -> tuple[list[str], list[str], dict[str, bytes]]:
+        """(stdout's lines but bootstrap's timings, stderr's lines, the CSV files)."""
+        assert run_cli(argv) == 0
+        out, err = capsys.readouterr()
+        return ([line for line in out.splitlines() if not line.startswith("bootstrap: ")], err.splitlines(),
+                {p.name: p.read_bytes() for p in (tmp_path / "out").glob("*.csv")})
+
+    expected = results()
+    assert expected[0] and expected[2] and not expected[1]
+    whole = journal.read_bytes()
+    study = optuna.load_study(study_name="movielens-100k/topk", storage=storage_for(url))
+    study.add_trial(optuna.trial.create_trial(  # the best trial of all, had its record been written whole
+        value=0.1, params={"model.lr": 1e-4}, user_attrs={"config_id": 12, "test_loss": 0.1},
+        distributions={"model.lr": optuna.distributions.FloatDistribution(1e-5, 1e-3, log=True)}))
+    appended = journal.read_bytes()[len(whole):]
+    assert appended.count(b"\n") == 1  # one record: tearing it leaves no part of the trial
+    torn = whole + appended[:-9]
+    journal.write_bytes(torn)
+    out, err, csvs = results()
+    assert journal.read_bytes() == torn
+    assert err == [
+        f"warning: journal {journal}: its last record is torn (a crash while writing it); the {len(whole)} bytes of "
+        f"whole records before it are read, the file is left as it is (the next `python -m mtmoe tune --storage "
+        f"{url}` cuts the torn record off)"]
+    assert (out, csvs) == (expected[0], expected[2])
+    journal.write_bytes(whole + appended)  # the record whole: the trial leads, and the results show it
+    assert results()[0] != expected[0]
+
+
 @pytest.mark.parametrize("command", ["report", "bootstrap", "tune"])
 def test_a_file_that_is_no_journal_given_as_one_is_refused_and_left_as_it_is(tiny_root: Path, tmp_path: Path, capsys,
                                                                              command: str) -> None:

@@ -19,8 +19,9 @@ hundreds of workers).
   ``MTMOE_HEARTBEAT_GRACE`` seconds, default 10/30).
 * **Faults.** A ``--storage`` that cannot be used (empty, unparsable, a file in a missing folder) is refused before
   anything is created (:func:`check_url`); a damaged database is one line saying to restore it (:func:`readable`); a
-  journal whose last record a crash tore is cut back to its last whole record, with a warning
-  (:func:`repair_journal`), and a file that is no journal (a SQLite file given as ``journal:PATH``) is refused,
+  journal whose last record a crash tore is cut back to its last whole record by ``tune``, with a warning
+  (:func:`repair_journal`; ``report`` and ``bootstrap`` read up to it and leave the file as it is,
+  :func:`warn_torn_journal`), and a file that is no journal (a SQLite file given as ``journal:PATH``) is refused,
   left as it is (:func:`check_journal`).
 * **First start.** :func:`setup_lock` serialises what processes starting together on one storage do first (creating
   the tables, the study, enqueuing its plan): PostgreSQL with an advisory lock, SQLite and journal files with a file
@@ -265,6 +266,16 @@ def repair_journal(path: str) -> None:
         lock.release()
 
 
+def warn_torn_journal(path: str) -> None:
+    """What a read-only command (``report``, ``bootstrap``) does with a journal whose last record is torn: one warning
+    line; the file is left as it is, and Optuna's reader reads the whole records before the torn one. The next
+    ``tune`` on the journal cuts it off (:func:`repair_journal`)."""
+    if (start := _torn_tail(path)) is not None:
+        print(f"warning: journal {path}: its last record is torn (a crash while writing it); the {start} bytes of "
+              f"whole records before it are read, the file is left as it is (the next `python -m mtmoe tune "
+              f"--storage journal:{path}` cuts the torn record off)", file=sys.stderr, flush=True)
+
+
 #: How every record of an Optuna journal file starts (``JournalStorage`` writes each as compact JSON, op code first).
 JOURNAL_RECORD_START = b'{"op_code":'
 
@@ -325,16 +336,17 @@ def _line_start(file: Any, end: int) -> int:
     return 0
 
 
-def storage_for(url: str):
+def storage_for(url: str, read_only: bool = False):
     """An Optuna storage: RDB URL (with heartbeats), ``journal:PATH`` (a torn last record cut off first,
-    :func:`repair_journal`), ``grpc://HOST:PORT`` (:func:`grpc_proxy`); unreachable -> one-line UsageError."""
+    :func:`repair_journal`; ``read_only``: the file left as it is, :func:`warn_torn_journal`), ``grpc://HOST:PORT``
+    (:func:`grpc_proxy`); unreachable -> one-line UsageError."""
     if (address := grpc_address(url)) is not None:
         return grpc_proxy(*address)
     try:
         if (path := journal_path(url)) is not None:
             from optuna.storages.journal import JournalFileBackend
 
-            repair_journal(path)
+            (warn_torn_journal if read_only else repair_journal)(path)
             return optuna.storages.JournalStorage(JournalFileBackend(path))
         interval, grace = heartbeat_settings()
         with warnings.catch_warnings():  # heartbeats are "experimental": not worth a warning on every command
@@ -419,8 +431,9 @@ def _sqlite_file(url: str) -> str | None:
 
 
 def open_storage(url: str | None):
-    """(URL, storage) of an existing storage, read-only in spirit: a missing SQLite or journal file is an error,
-    never created. ``None``: the default storage."""
+    """(URL, storage) of an existing storage, for the read-only commands: a missing SQLite or journal file is an
+    error, never created, and a journal's torn last record is read past, not cut off (:func:`warn_torn_journal`).
+    ``None``: the default storage."""
     url = default_storage_url() if url is None else url
     if url.startswith("sqlite:///"):
         path = Path(url.removeprefix("sqlite:///"))
@@ -429,7 +442,7 @@ def open_storage(url: str | None):
     elif (path := journal_path(url)) is not None and not Path(path).is_file():
         raise UsageError(f"no journal file {path} (run tune first, or pass --storage)")
     check_url(url)
-    return url, storage_for(url)
+    return url, storage_for(url, read_only=True)
 
 
 def has_heartbeat(storage: Any) -> bool:
