@@ -46,101 +46,110 @@ RECOMMENDERS = ("books", "movielens", "movielens-100k", "jester")
 SHARED_KEYS = {"data.batch_size", "trainer.max_epochs", "early_stopping.patience", "model.n_experts"}  # in headers
 PAPER_GATES = ["softmax", "hash", "hash+", "topk", "topk+", "dselect", "comet", "comet+"]
 
+
+def paper_rows(text: str) -> dict[str, dict[str, str]]:
+    """The paper's figures of one dataset and alpha, a line per gate, ``gate loss n/s task1 task2`` (figures the
+    paper does not give: ``-``, or left out at the end) -> {gate: {"loss": ..., "n_s": ..., ...}}, as printed."""
+    columns = ("loss", "n_s", "task1", "task2")
+    return {gate: {column: value for column, value in zip(columns, values) if value != "-"}
+            for gate, *values in map(str.split, text.strip().splitlines())}
+
+
 # The paper's figures (comet-protocol.md §8): Table 2/3 test loss ×1e-2 and n/s, Table 7 task metrics
 # (AUC ×100 and MSE for the recommenders, accuracy ×100 averaged over the tasks for the images). Mean ± SE of the
 # best configurations of 500-trial searches, over 100 repetitions. "movielens" is MovieLens-1M; Jester's softmax
 # loss at alpha 0.9 is not recoverable from the text version.
 PAPER: dict[tuple[str, float | None], dict[str, dict[str, str]]] = {
-    ("books", 0.1): {
-        "softmax": {"loss": "244.47", "n_s": "9.00", "task1": "56.70", "task2": "2.6470"},
-        "hash": {"loss": "247.43", "n_s": "1.00", "task1": "54.55", "task2": "2.6791"},
-        "hash+": {"loss": "247.33", "n_s": "1.00"},
-        "topk": {"loss": "247.87", "n_s": "4.00", "task1": "55.28", "task2": "2.6783"},
-        "topk+": {"loss": "247.88", "n_s": "4.00"},
-        "dselect": {"loss": "246.43", "n_s": "1.09", "task1": "59.19", "task2": "2.6667"},
-        "comet": {"loss": "240.79", "n_s": "2.81"},
-        "comet+": {"loss": "240.82", "n_s": "3.03", "task1": "68.18", "task2": "2.6063"},
-    },
-    ("books", 0.9): {
-        "softmax": {"loss": "73.88", "n_s": "9.00", "task1": "77.85", "task2": "2.6195"},
-        "hash": {"loss": "75.02", "n_s": "1.00", "task1": "77.32", "task2": "2.7152"},
-        "hash+": {"loss": "75.06", "n_s": "1.00"},
-        "topk": {"loss": "74.78", "n_s": "4.00", "task1": "77.46", "task2": "2.6942"},
-        "topk+": {"loss": "74.86", "n_s": "4.00"},
-        "dselect": {"loss": "75.98", "n_s": "1.07", "task1": "77.07", "task2": "2.7581"},
-        "comet": {"loss": "73.62", "n_s": "2.94"},
-        "comet+": {"loss": "73.55", "n_s": "3.15", "task1": "77.95", "task2": "2.6158"},
-    },
-    ("movielens", 0.9): {
-        "softmax": {"loss": "42.26", "n_s": "16.00", "task1": "90.92", "task2": "0.7585"},
-        "hash": {"loss": "46.91", "n_s": "1.00", "task1": "88.95", "task2": "0.8065"},
-        "hash+": {"loss": "46.84", "n_s": "1.00"},
-        "topk": {"loss": "41.83", "n_s": "2.00", "task1": "91.25", "task2": "0.7635"},
-        "topk+": {"loss": "41.74", "n_s": "2.00"},
-        "dselect": {"loss": "40.82", "n_s": "1.94", "task1": "91.65", "task2": "0.7455"},
-        "comet": {"loss": "40.76", "n_s": "1.76"},
-        "comet+": {"loss": "40.69", "n_s": "1.66", "task1": "91.70", "task2": "0.7437"},
-    },
-    ("movielens", 0.1): {
-        "softmax": {"loss": "75.52", "n_s": "16.00", "task1": "85.50", "task2": "0.7867"},
-        "hash": {"loss": "79.41", "n_s": "1.00", "task1": "84.27", "task2": "0.8279"},
-        "hash+": {"loss": "78.92", "n_s": "1.00"},
-        "topk": {"loss": "76.52", "n_s": "2.00", "task1": "87.12", "task2": "0.8005"},
-        "topk+": {"loss": "75.12", "n_s": "2.00"},
-        "dselect": {"loss": "73.91", "n_s": "1.94", "task1": "88.16", "task2": "0.7734"},
-        "comet": {"loss": "73.91", "n_s": "1.94"},
-        "comet+": {"loss": "73.67", "n_s": "1.98", "task1": "88.02", "task2": "0.7707"},
-    },
-    ("jester", 0.1): {
-        "softmax": {"loss": "68.17", "n_s": "16.00", "task1": "97.22", "task2": "0.7380"},
-        "hash": {"loss": "67.47", "n_s": "1.00", "task1": "97.01", "task2": "0.7301"},
-        "topk": {"loss": "68.38", "n_s": "2.00", "task1": "97.38", "task2": "0.7412"},
-        "topk+": {"loss": "68.00", "n_s": "2.00"},
-        "dselect": {"loss": "67.06", "n_s": "1.96", "task1": "97.45", "task2": "0.7273"},
-        "comet": {"loss": "67.12", "n_s": "1.98"},
-        "comet+": {"loss": "66.91", "n_s": "2.00", "task1": "97.45", "task2": "0.7257"},
-    },
-    ("jester", 0.9): {
-        "softmax": {"n_s": "16.00", "task1": "97.350", "task2": "0.7460"},
-        "hash": {"loss": "22.083", "n_s": "1.00", "task1": "97.323", "task2": "0.7530"},
-        "topk": {"loss": "21.958", "n_s": "2.00", "task1": "97.346", "task2": "0.7456"},
-        "topk+": {"loss": "21.961", "n_s": "2.00"},
-        "dselect": {"loss": "21.930", "n_s": "2.00", "task1": "97.361", "task2": "0.7464"},
-        "comet": {"loss": "21.946", "n_s": "2.00"},
-        "comet+": {"loss": "21.906", "n_s": "2.00", "task1": "97.362", "task2": "0.7439"},
-    },
-    ("multimnist", None): {
-        "softmax": {"loss": "6.88", "n_s": "16.00", "task1": "98.01"},
-        "topk": {"loss": "6.84", "n_s": "4.00", "task1": "98.01"},
-        "topk+": {"loss": "6.70", "n_s": "4.00"},
-        "dselect": {"loss": "6.64", "n_s": "3.40", "task1": "98.03"},
-        "comet": {"loss": "6.48", "n_s": "3.49"},
-        "comet+": {"loss": "6.49", "n_s": "3.53", "task1": "98.07"},
-    },
-    ("multifashionmnist", None): {
-        "softmax": {"loss": "34.21", "n_s": "5.00", "task1": "87.99"},
-        "topk": {"loss": "33.82", "n_s": "2.00", "task1": "88.03"},
-        "topk+": {"loss": "33.62", "n_s": "2.00"},
-        "dselect": {"loss": "35.49", "n_s": "1.00", "task1": "87.42"},
-        "comet": {"loss": "33.70", "n_s": "1.49"},
-        "comet+": {"loss": "33.67", "n_s": "1.54", "task1": "88.12"},
-    },
-    ("celeba", None): {
-        "softmax": {"loss": "35.10", "n_s": "6.00", "task1": "83.84"},
-        "topk": {"loss": "34.48", "n_s": "2.00", "task1": "83.95"},
-        "topk+": {"loss": "34.54", "n_s": "2.00"},
-        "dselect": {"loss": "35.39", "n_s": "1.00", "task1": "83.53"},
-        "comet": {"loss": "33.96", "n_s": "1.00"},
-        "comet+": {"loss": "33.93", "n_s": "1.00", "task1": "84.27"},
-    },
-    ("digits", None): {
-        "softmax": {"loss": "17.48", "n_s": "8.00", "task1": "93.53"},
-        "topk": {"loss": "17.46", "n_s": "2.00", "task1": "95.34"},
-        "topk+": {"loss": "17.29", "n_s": "2.00"},
-        "dselect": {"loss": "17.18", "n_s": "1.15", "task1": "95.41"},
-        "comet": {"loss": "17.19", "n_s": "1.07"},
-        "comet+": {"loss": "17.08", "n_s": "1.06", "task1": "95.45"},
-    },
+    ("books", 0.1): paper_rows("""
+        softmax  244.47  9.00  56.70  2.6470
+        hash     247.43  1.00  54.55  2.6791
+        hash+    247.33  1.00
+        topk     247.87  4.00  55.28  2.6783
+        topk+    247.88  4.00
+        dselect  246.43  1.09  59.19  2.6667
+        comet    240.79  2.81
+        comet+   240.82  3.03  68.18  2.6063
+    """),
+    ("books", 0.9): paper_rows("""
+        softmax  73.88  9.00  77.85  2.6195
+        hash     75.02  1.00  77.32  2.7152
+        hash+    75.06  1.00
+        topk     74.78  4.00  77.46  2.6942
+        topk+    74.86  4.00
+        dselect  75.98  1.07  77.07  2.7581
+        comet    73.62  2.94
+        comet+   73.55  3.15  77.95  2.6158
+    """),
+    ("movielens", 0.9): paper_rows("""
+        softmax  42.26  16.00  90.92  0.7585
+        hash     46.91  1.00   88.95  0.8065
+        hash+    46.84  1.00
+        topk     41.83  2.00   91.25  0.7635
+        topk+    41.74  2.00
+        dselect  40.82  1.94   91.65  0.7455
+        comet    40.76  1.76
+        comet+   40.69  1.66   91.70  0.7437
+    """),
+    ("movielens", 0.1): paper_rows("""
+        softmax  75.52  16.00  85.50  0.7867
+        hash     79.41  1.00   84.27  0.8279
+        hash+    78.92  1.00
+        topk     76.52  2.00   87.12  0.8005
+        topk+    75.12  2.00
+        dselect  73.91  1.94   88.16  0.7734
+        comet    73.91  1.94
+        comet+   73.67  1.98   88.02  0.7707
+    """),
+    ("jester", 0.1): paper_rows("""
+        softmax  68.17  16.00  97.22  0.7380
+        hash     67.47  1.00   97.01  0.7301
+        topk     68.38  2.00   97.38  0.7412
+        topk+    68.00  2.00
+        dselect  67.06  1.96   97.45  0.7273
+        comet    67.12  1.98
+        comet+   66.91  2.00   97.45  0.7257
+    """),
+    ("jester", 0.9): paper_rows("""
+        softmax  -       16.00  97.350  0.7460
+        hash     22.083  1.00   97.323  0.7530
+        topk     21.958  2.00   97.346  0.7456
+        topk+    21.961  2.00
+        dselect  21.930  2.00   97.361  0.7464
+        comet    21.946  2.00
+        comet+   21.906  2.00   97.362  0.7439
+    """),
+    ("multimnist", None): paper_rows("""
+        softmax  6.88  16.00  98.01
+        topk     6.84  4.00   98.01
+        topk+    6.70  4.00
+        dselect  6.64  3.40   98.03
+        comet    6.48  3.49
+        comet+   6.49  3.53   98.07
+    """),
+    ("multifashionmnist", None): paper_rows("""
+        softmax  34.21  5.00  87.99
+        topk     33.82  2.00  88.03
+        topk+    33.62  2.00
+        dselect  35.49  1.00  87.42
+        comet    33.70  1.49
+        comet+   33.67  1.54  88.12
+    """),
+    ("celeba", None): paper_rows("""
+        softmax  35.10  6.00  83.84
+        topk     34.48  2.00  83.95
+        topk+    34.54  2.00
+        dselect  35.39  1.00  83.53
+        comet    33.96  1.00
+        comet+   33.93  1.00  84.27
+    """),
+    ("digits", None): paper_rows("""
+        softmax  17.48  8.00  93.53
+        topk     17.46  2.00  95.34
+        topk+    17.29  2.00
+        dselect  17.18  1.15  95.41
+        comet    17.19  1.07
+        comet+   17.08  1.06  95.45
+    """),
 }
 
 

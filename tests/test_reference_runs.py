@@ -28,6 +28,17 @@ def test_centre_of_each_distribution(distribution, expected) -> None:
     assert reference_runs.centre(distribution) == expected
 
 
+def test_paper_figures_are_read_as_printed() -> None:
+    """The paper's tables (comet-protocol.md §8), a line per gate: a figure the paper does not give is absent."""
+    paper = reference_runs.PAPER
+    assert paper[("books", 0.1)]["softmax"] == {"loss": "244.47", "n_s": "9.00", "task1": "56.70", "task2": "2.6470"}
+    assert paper[("books", 0.1)]["hash+"] == {"loss": "247.33", "n_s": "1.00"}  # trailing figures left out
+    assert paper[("jester", 0.9)]["softmax"] == {"n_s": "16.00", "task1": "97.350", "task2": "0.7460"}  # "-"
+    assert paper[("digits", None)]["comet+"] == {"loss": "17.08", "n_s": "1.06", "task1": "95.45"}
+    assert [len(gates) for gates in paper.values()] == [8, 8, 8, 8, 7, 7, 6, 6, 6, 6]
+    assert all(list(gates) == [g for g in reference_runs.PAPER_GATES if g in gates] for gates in paper.values())
+
+
 def test_books_setting_is_the_study_files() -> None:
     space, params = reference_runs.setting("books", "comet+")
     assert space.fixed["data.batch_size"] == 2048 and space.fixed["model.gate.gamma"] == 0.5  # S1.3: fixed for COMET+
