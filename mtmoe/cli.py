@@ -10,12 +10,15 @@ table of results on the terminal and the same results as ``results.json`` next t
 Bad input (unknown names, out-of-range settings, missing data files) prints one ``error:`` line and exits with
 code 2; a fit that diverged writes its results, prints one ``error:`` line and exits with code 1. Ctrl-C and SIGTERM
 stop every command alike (:mod:`mtmoe.interrupts`): one ``error: interrupted`` line saying what was kept and how
-to go on, exit code 130 (Ctrl-C) or 143 (SIGTERM). Lightning's account of the seed and the hardware
+to go on, exit code 130 (Ctrl-C) or 143 (SIGTERM); output piped to a reader that leaves early (``| head``)
+ends the command quietly, exit code 141 as for a shell tool. Lightning's account of the seed and the hardware
 (``Seed set to 0``, ``GPU available: ...``) is shown only with ``MTMOE_VERBOSE=1`` in the environment
 (:data:`VERBOSE`).
 """
 from __future__ import annotations
 
+import os
+import signal
 import sys
 from argparse import ArgumentError
 
@@ -175,3 +178,6 @@ def main(argv: list[str] | None = None) -> None:
         detail = f"; {stop}" if str(stop) else ""
         print(f"error: interrupted ({interrupts.signal_name()}){detail}", file=sys.stderr, flush=True)
         sys.exit(interrupts.exit_code())
+    except BrokenPipeError:  # the reader of the output left (`| head`): stop quietly, as a shell tool does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # else the flush at exit fails again
+        sys.exit(128 + signal.SIGPIPE)

@@ -103,6 +103,21 @@ def test_a_fit_prints_its_progress_results_and_no_adverts(tiny_root: Path, tmp_p
     assert "GPU available" not in proc.stderr and "Seed set" not in proc.stderr  # MTMOE_VERBOSE=1 shows them
 
 
+@pytest.mark.integration  # processes of their own, writing to a pipe whose reader has left
+@pytest.mark.parametrize("argv", [["--help"], ["--version"], ["gates"], ["datasets"]])
+def test_output_to_a_reader_that_left_ends_quietly(tmp_path: Path, argv: list[str]) -> None:
+    """``python -m mtmoe datasets | head -1``: before, a ``BrokenPipeError`` traceback once ``head`` had gone; now
+    nothing on stderr and exit code 141, as a shell tool killed by SIGPIPE."""
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the command writes: every write fails with EPIPE
+    try:
+        proc = subprocess.run([sys.executable, "-m", "mtmoe", *argv], stdout=write, stderr=subprocess.PIPE,
+                              text=True, cwd=tmp_path, timeout=120, env={**os.environ, "PYTHONPATH": str(CHECKOUT)})
+    finally:
+        os.close(write)
+    assert (proc.returncode, proc.stderr) == (141, "")
+
+
 # ---------------------------------------------------------------------------------------- 14.8: small truths
 
 
