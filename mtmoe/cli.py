@@ -115,8 +115,8 @@ def print_datasets(root: str | None) -> None:
 
     from mtmoe.data.layout import data_root, files_status
 
-    where = ("--data.root" if root else
-             ("MTMOE_DATA" if os.environ.get("MTMOE_DATA") else "MTMOE_DATA unset") + "; --data.root PATH looks elsewhere")
+    where = "MTMOE_DATA" if os.environ.get("MTMOE_DATA") else "MTMOE_DATA unset"
+    where = "--data.root" if root else f"{where}; --data.root PATH looks elsewhere"
     root = data_root(root)
     rows = [("dataset", "DataModule", "files go in", "files")]
     rows += [(name, path, *reversed(files_status(name, root))) for name, path in sorted(DATASETS.items())]

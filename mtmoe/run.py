@@ -498,7 +498,7 @@ def describe_parse_error(message: str, parser: Any, args: list[str]) -> str:
     not_accepted = re.search(r"Option '([^']+)' is not accepted", message)
     class_path = re.search(r"class_path[= ]'([\w.]+)'", message)
     if keys and not_accepted and class_path:  # --data.NAME or --model.gate.NAME that the class does not take
-        return unknown_argument(".".join(keys), not_accepted.group(1), class_path.group(1))
+        return unknown_argument(".".join(keys), not_accepted.group(1), class_path.group(1), args)
     if keys:  # a value of the wrong type: the innermost key (model.gate -> k), the types it takes, the value given
         innermost = message.rsplit('Parser key "', 1)[1]
         union = re.search(r"Subtypes: \[(.*?)\] Errors:", innermost)
@@ -532,9 +532,16 @@ def describe_parse_error(message: str, parser: Any, args: list[str]) -> str:
     return message + (did_you_mean(unknown.group(1), options) if unknown else "")
 
 
-def unknown_argument(key: str, name: str, class_path: str) -> str:
+def unknown_argument(key: str, name: str, class_path: str, args: list[str]) -> str:
     """``--KEY.NAME`` where the class of ``--KEY`` (a DataModule, a gate) takes no argument ``NAME``, as one line:
-    the closest argument it takes, else the option that lists them."""
+    given before any option that chooses the class (``--model.gate.k 2 --gate topk``: jsonargparse gives ``k`` to
+    the base class ``Gate``), that order; else the closest argument the class takes, or the option that lists them."""
+    flags = [arg.partition("=")[0] for arg in args]
+    given = flags.index(f"--{key}.{name}") if f"--{key}.{name}" in flags else None
+    if given is not None and f"--{key}" in flags[given:] and f"--{key}" not in flags[:given]:
+        chooser = {"model.gate": "--gate"}.get(key, f"--{key}")
+        return (f"--{key}.{name} is given before {chooser}, which chooses the class it is an argument of: give "
+                f"{chooser} first, then its arguments")
     close = difflib.get_close_matches(name, sorted(init_arguments(import_class(class_path)) - {"dims"}), n=1)
     return (f"--{key}.{name}: {class_path.rpartition('.')[2]} takes no argument {name!r}; "
             + (f"did you mean --{key}.{close[0]}?" if close else f"--{key}.help {class_path} lists its arguments"))

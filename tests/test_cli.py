@@ -264,6 +264,20 @@ def test_a_bad_value_or_option_names_the_key_in_one_line(tiny_root: Path, extra:
     assert not Path("runs").exists()
 
 
+@pytest.mark.parametrize("early, chooser", [(["--model.gate.k=2"], "--gate"),
+                                            (["--data.negative_seed", "3"], "--data")])
+def test_an_argument_of_a_class_given_before_the_class_says_so(tiny_root: Path, early: list[str], chooser: str,
+                                                               capsys) -> None:
+    """Before: ``--model.gate.k=2 --gate topk`` was "Gate takes no argument 'k'" (jsonargparse gives it to the base
+    class, as the ``--data`` arguments to InMemoryDataModule): an argument the chosen class takes, refused by the
+    name of another. Now the line says to give the option that chooses the class first."""
+    assert run_cli(["fit", *early, *fit(tiny_root)[1:]]) == 2
+    flag = early[0].partition("=")[0]
+    assert one_error_line(capsys) == (f"error: {flag} is given before {chooser}, which chooses the class it is an "
+                                      f"argument of: give {chooser} first, then its arguments")
+    assert not Path("runs").exists()
+
+
 @pytest.mark.parametrize("command", ["fit", "validate"])
 def test_a_missing_dataset_names_the_flag(command: str, capsys) -> None:
     """Before: "the following arguments are required: fit.data" (jsonargparse's key, no flag of that name)."""
@@ -414,7 +428,7 @@ def test_datasets_says_whose_files_are_under_the_data_root_and_where_they_go(tin
                                        "official host is reported offline")
     assert run_cli(["datasets", f"--data.root={tmp_path / 'elsewhere'}"]) == 0  # --data.root wins over MTMOE_DATA
     header, rows = datasets_rows(capsys)
-    assert header == f"data root: {tmp_path / 'elsewhere'} (--data.root)"  # before: "; --data.root PATH looks elsewhere"
+    assert header == f"data root: {tmp_path / 'elsewhere'} (--data.root)"  # before: "; --data.root PATH looks ..."
     assert rows["movielens-100k"][3] == "missing ml-100k/u.data (downloaded on first use)"
 
 
