@@ -205,6 +205,7 @@ BAD_TUNE_INPUT = {
     "an empty storage": (["--storage", ""], "--storage is empty"),
     "an unparsable sqlite URL": (["--storage", "sqlite:/nonexistent/dir/x.db"], "is not a storage URL"),
     "a missing folder": (["--storage", "sqlite:////nonexistent/dir/x.db"], "there is no folder /nonexistent/dir"),
+    "a journal of no file": (["--storage", "journal:"], "--storage 'journal:' names no file: write journal:PATH"),
     "a trillion trials": (["--trials", "1000000000000"], "--trials must be between 1 and 100000"),
     "a log folder under a file": (["--log-dir", "/dev/null/runs"],
                                   "cannot write the trials' logs to /dev/null/runs: /dev/null is a file, not a folder"),

@@ -219,6 +219,8 @@ def check_url(url: str) -> None:
         raise UsageError("--storage is empty: pass postgresql://user@host/db, sqlite:///PATH, journal:PATH or "
                          "grpc://HOST:PORT, or leave the flag out for the default studies/optuna.db")
     path = journal_path(url)
+    if path is not None and not path.strip():
+        raise UsageError(f"--storage {url!r} names no file: write journal:PATH")
     if path is not None:
         check_journal(path)
     if grpc_address(url) is None and path is None:
@@ -439,7 +441,7 @@ def open_storage(url: str | None):
         path = Path(url.removeprefix("sqlite:///"))
         if not path.is_file():
             raise UsageError(f"no study storage at {path} (run `python -m mtmoe tune` first, or pass --storage)")
-    elif (path := journal_path(url)) is not None and not Path(path).is_file():
+    elif (path := journal_path(url)) and not Path(path).is_file():  # "journal:" alone: check_url says so
         raise UsageError(f"no journal file {path} (run tune first, or pass --storage)")
     check_url(url)
     return url, storage_for(url, read_only=True)
