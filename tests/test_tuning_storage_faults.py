@@ -135,6 +135,35 @@ def test_report_and_bootstrap_read_a_torn_journal_and_leave_it_as_it_is(tmp_path
     assert results()[0] != expected[0]
 
 
+#: A process without SQLAlchemy, as on a lent GPU (benchmarks/gpu_check.py), running the command line of argv.
+WITHOUT_SQLALCHEMY = ("import sys\nsys.modules.update(dict.fromkeys(('sqlalchemy', 'alembic', 'psycopg2')))\n"
+                      "from mtmoe.cli import main\nmain(sys.argv[1:])\n")
+
+
+@pytest.mark.integration  # a process of its own, without SQLAlchemy
+def test_a_journal_damaged_before_its_last_record_is_one_line_even_without_sqlalchemy(tmp_path: Path,
+                                                                                     capsys) -> None:
+    """A record in the middle of a journal that is no JSON (a disk fault, an edit): not a torn tail to read past.
+    Before: where SQLAlchemy is missing (a lent GPU's image), ``report`` answered with a ``ModuleNotFoundError``
+    traceback (the error's wording imported it); with it, "cannot open the study storage" and the JSON error. Now one
+    line saying the journal is damaged and to restore it, with or without SQLAlchemy; the file left as it is."""
+    journal = tmp_path / "j.log"
+    synthetic_study(storage_for(f"journal:{journal}"), "movielens-100k/topk", "topk", 4, 0.42,
+                    np.random.default_rng(0))
+    records = journal.read_bytes().split(b"\n")
+    records[3] = records[3][:20]
+    damaged = b"\n".join(records)
+    journal.write_bytes(damaged)
+    expected = "it is damaged; restore it from a backup, or pass another --storage"
+    for command in ("report", "bootstrap"):
+        argv = [command, "--data", "movielens-100k", "--storage", f"journal:{journal}", "--out", str(tmp_path / "o")]
+        assert expected in one_error_line(capsys, run_cli(argv))
+        proc = subprocess.run([sys.executable, "-c", WITHOUT_SQLALCHEMY, *argv], capture_output=True, text=True,
+                              timeout=120, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and expected in proc.stderr, proc.stderr[-2000:]
+    assert journal.read_bytes() == damaged and not (tmp_path / "o").exists()
+
+
 @pytest.mark.parametrize("command", ["report", "bootstrap", "tune"])
 def test_a_file_that_is_no_journal_given_as_one_is_refused_and_left_as_it_is(tiny_root: Path, tmp_path: Path, capsys,
                                                                              command: str) -> None:

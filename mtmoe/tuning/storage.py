@@ -177,18 +177,24 @@ def rdb_url(url: str) -> str:
 
 def _storage_error(url: str, error: BaseException) -> UsageError:
     """A driver's or the filesystem's error as one line naming the storage, passwords masked, saying what to do: a
-    damaged database (SQLite's "database disk image is malformed") is restored, an unreachable one checked."""
-    import sqlalchemy.exc
-
+    damaged database (SQLite's "database disk image is malformed", a journal record before the last that is no
+    JSON) is restored, an unreachable one checked. A journal or a gRPC proxy needs no SQLAlchemy (a lent GPU's image
+    has none)."""
     while error.__cause__ is not None and isinstance(error, optuna.exceptions.StorageInternalError):
         error = error.__cause__  # Optuna's "An exception is raised during the commit" hides the driver's reason
-    damaged = isinstance(error, sqlalchemy.exc.DatabaseError) and not isinstance(error, sqlalchemy.exc.OperationalError)
-    if isinstance(error, sqlalchemy.exc.DBAPIError):
-        error = error.orig or error  # the driver's message, without SQLAlchemy's statement and link
+    damaged = isinstance(error, json.JSONDecodeError)  # Optuna's journal reader: a torn last record is skipped
+    if _needs_sqlalchemy(url):
+        import sqlalchemy.exc
+
+        damaged = isinstance(error, sqlalchemy.exc.DatabaseError) and not isinstance(error,
+                                                                                   sqlalchemy.exc.OperationalError)
+        if isinstance(error, sqlalchemy.exc.DBAPIError):
+            error = error.orig or error  # the driver's message, without SQLAlchemy's statement and link
     reason = display_url(url, " ".join(str(error).split()))[:300]
     if damaged:
+        how = " (a SQLite file: `sqlite3 FILE .recover`)" if url.startswith("sqlite") else ""
         return UsageError(f"the study storage {display_url(url)!r} cannot be read ({reason}): it is damaged; restore "
-                          "it from a backup (a SQLite file: `sqlite3 FILE .recover`), or pass another --storage")
+                          f"it from a backup{how}, or pass another --storage")
     return UsageError(f"cannot open the study storage {display_url(url)!r}: {reason}")
 
 
