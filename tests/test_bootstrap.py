@@ -624,7 +624,7 @@ def test_the_figure_at_paper_scale_tells_every_gate_apart(paper_scale: str) -> N
 def test_reports_come_in_the_papers_order_with_alpha(tmp_path: Path, capsys) -> None:
     """Rows by dataset, alpha, then the paper's gate order, the default alpha shown (before: alphabetical, comet+
     before comet, an empty alpha). The paper-scale studies with 30 trials each, not 250: the order does not depend
-    on N, and the exact bands and the noisy quadratic fits cost most of a minute at 250."""
+    on N, and the exact bands and the noisy quadratic fits cost far more at 250."""
     url = f"journal:{tmp_path / 'studies.log'}"
     write_paper_scale(url, trials=30)
     out = tmp_path / "rep"

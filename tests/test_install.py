@@ -3,8 +3,8 @@
 The slow test builds a wheel from this checkout, installs it into a fresh virtual environment and runs, from a
 folder outside the checkout, a tiny ``fit``, ``tune``, ``report`` and ``bootstrap`` on the real MovieLens-100K:
 their outputs appear where README.md says (under the current directory), and nothing is written into the installed
-package. The new environment reads the dependencies from this one (installing torch and its CUDA libraries again,
-about 6 GB, was most of the test's four minutes); pip installs the wheel itself and ``pip check`` finds every
+package. The new environment reads the dependencies from this one (installing torch and its CUDA libraries again
+was most of the test's time: benchmarks/README.md); pip installs the wheel itself and ``pip check`` finds every
 requirement the wheel declares met. Resolving the dependencies from the index in a fresh environment is what CI's
 own installs do (``.ci/run``: ``pip install -e '.[dev]'``, plain and at the lower bounds), from the same
 ``pyproject.toml``.
