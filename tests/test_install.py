@@ -81,7 +81,8 @@ def fresh_environment(path: Path, env: dict[str, str]) -> Path:
     run([sys.executable, "-m", "venv", "--without-pip", path], path.parent, env)
     python = path / "bin" / "python"
     own = Path(run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], path.parent, env).strip())
-    (own / "dependencies.pth").write_text(sysconfig.get_path("purelib") + "\n")
+    (own / "dependencies.pth").write_text("".join(f"{folder}\n" for folder in dict.fromkeys(
+        sysconfig.get_path(name) for name in ("purelib", "platlib"))))
     return python
 
 
