@@ -4,6 +4,7 @@ tests/test_api.py), every ``python -m mtmoe`` command of a bash block parses and
 written."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -164,7 +165,8 @@ def quick_start_env(tmp_path: Path) -> dict[str, str]:
 @pytest.mark.timeout(1800)  # a few minutes on an idle 2-core machine; 16 minutes measured at load average 11
 def test_quick_start_runs_as_written(tmp_path: Path) -> None:
     """README's quick start, its first bash block run by bash in an empty folder on the real MovieLens-100K, then its
-    dashboard command on a free port until the dashboard answers."""
+    dashboard command on a free port until the dashboard answers. Its fit is the suite's check that a model learns
+    from the real data."""
     commands, dashboard = code_blocks(section(README.read_text(), "Quick start"), "bash")
     env = quick_start_env(tmp_path)
     work = tmp_path / "work"
@@ -172,7 +174,10 @@ def test_quick_start_runs_as_written(tmp_path: Path) -> None:
     done = subprocess.run(["bash", "-euo", "pipefail", "-c", commands], cwd=work, env=env, capture_output=True,
                           text=True, timeout=1700)
     assert done.returncode == 0, done.stderr[-4000:]
-    assert (work / "runs" / "lightning_logs" / "version_0" / "results.json").is_file()
+    test = json.loads((work / "runs" / "lightning_logs" / "version_0" / "results.json").read_text())["test"]
+    assert test["watch/auroc"] > 0.75  # the few epochs of the real data already separate watched from sampled movies
+    assert test["rating/mse"] < 1.5  # a constant predictor's MSE on ML-100K ratings is about 1.27: it is learning
+    assert 1.0 <= test["watch/experts_per_sample"] <= 16.0
     table = mtmoe.trials(f"sqlite:///{work / 'studies' / 'optuna.db'}", data="movielens-100k")
     assert table.groupby("gate")["objective"].count().to_dict() == {"comet": 8, "topk": 8}
     assert table["objective"].lt(float("inf")).all()

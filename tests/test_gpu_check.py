@@ -44,15 +44,17 @@ def test_the_dry_run_runs_every_step_and_writes_the_summary(tmp_path: Path) -> N
 
     if files_status("movielens-100k", data_root())[0] != "present":
         pytest.skip("needs MovieLens-100K under $MTMOE_DATA")
-    result = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(tmp_path)], cwd=ROOT,
-                            capture_output=True, text=True, timeout=1200)
+    # the precisions a lease runs (fp32's bench_packs.py options are tf32's without the matmul precision)
+    result = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(tmp_path), "--precisions",
+                             ",".join(gpu_check.GPU_PRECISIONS)], cwd=ROOT, capture_output=True, text=True,
+                            timeout=1200)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert result.stdout.strip().splitlines()[-1].startswith("gpu-check dry-run ok")
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["trials_complete"] == gpu_check.DRY.trials and summary["wall_s"] > 0
     assert summary["study"]["trial_epochs_per_hour"] > 0  # from the trial-epochs the journal gained
     assert summary["device"] and summary["commit"] and summary["tests"]["line"]
-    assert {row["precision"] for row in summary["throughput"]} == set(gpu_check.PRECISIONS)
+    assert {row["precision"] for row in summary["throughput"]} == set(gpu_check.GPU_PRECISIONS)
     assert all(s["status"] == "ok" or s["status"].startswith("skipped") for s in summary["steps"].values())
     returned = sorted(p.name for p in tmp_path.iterdir())
     expected = {"summary.json", "summary.md", "logs.tar.gz", "study.journal", "report.md", "results.tar.gz"}
