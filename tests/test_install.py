@@ -3,25 +3,30 @@
 The slow test builds a wheel from this checkout, installs it into a fresh virtual environment and runs, from a
 folder outside the checkout, a tiny ``fit``, ``tune``, ``report`` and ``bootstrap`` on the real MovieLens-100K:
 their outputs appear where README.md says (under the current directory), and nothing is written into the installed
-package. The new environment reads the dependencies from this one (installing torch and its CUDA libraries again
-was most of the test's time: benchmarks/README.md); pip installs the wheel itself and ``pip check`` finds every
-requirement the wheel declares met. Resolving the dependencies from the index in a fresh environment is what CI's
-own installs do (``.ci/run``: ``pip install -e '.[dev]'``, plain and at the lower bounds), from the same
-``pyproject.toml``.
+package. The new environment sees only the dependencies the wheel declares (and pip), linked from this
+environment rather than installed again (torch and its CUDA libraries were most of the test's time:
+benchmarks/README.md), so an undeclared import fails as in a user's environment; pip installs the wheel itself and
+``pip check`` finds every requirement it declares met. Resolving the dependencies from the index into a fresh
+environment is what CI's own installs do (``.ci/run``: ``pip install -e '.[dev]'``, plain and at the lower
+bounds), from the same ``pyproject.toml``.
 """
 from __future__ import annotations
 
+import email
+import importlib.metadata
 import json
 import os
 import shutil
 import subprocess
 import sys
-import sysconfig
 import time
 import zipfile
+from importlib.metadata import Distribution
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from conftest import REAL_DATA
 
@@ -74,15 +79,40 @@ def build_wheel(out: Path, env: dict[str, str]) -> Path:
     return wheel
 
 
-def fresh_environment(path: Path, env: dict[str, str]) -> Path:
-    """A new virtual environment at ``path``, without packages of its own (not even pip and setuptools: older
-    copies would shadow this environment's), that imports this one's installed packages (a path in a ``.pth``
-    file: the ``.pth`` files there, this checkout's editable install among them, are not run); its python."""
+def runtime_requirements(wheel: Path) -> list[Distribution]:
+    """The installed distributions the wheel's ``Requires-Dist`` lines need, transitively: markers evaluated for
+    this interpreter, a requirement's extras followed, the wheel's own extras (``dev``, ``tensorboard``) not."""
+    with zipfile.ZipFile(wheel) as archive:
+        (name,) = [n for n in archive.namelist() if n.endswith(".dist-info/METADATA")]
+        lines = email.message_from_bytes(archive.read(name)).get_all("Requires-Dist") or []
+    todo = [(Requirement(line), "") for line in lines]
+    found: dict[str, Distribution] = {}
+    while todo:
+        requirement, extra = todo.pop()
+        if requirement.marker is not None and not requirement.marker.evaluate({"extra": extra}):
+            continue
+        key = f"{canonicalize_name(requirement.name)}{sorted(requirement.extras)}"
+        if key not in found:
+            found[key] = dist = importlib.metadata.distribution(requirement.name)
+            todo += [(Requirement(line), extra) for extra in ("", *requirement.extras) for line in dist.requires or []]
+    return list({dist.metadata["Name"]: dist for dist in found.values()}.values())
+
+
+def fresh_environment(path: Path, wheel: Path, env: dict[str, str]) -> Path:
+    """A new virtual environment at ``path`` (without pip: an older copy would shadow this one's) that sees, of this
+    environment's packages, only those the wheel requires and pip to install it: a folder of links to their files,
+    named in a ``.pth`` file. A module the package imports without declaring it fails there, as in a user's fresh
+    environment, without installing torch and its CUDA libraries again (about 6 GB); its python."""
     run([sys.executable, "-m", "venv", "--without-pip", path], path.parent, env)
     python = path / "bin" / "python"
     own = Path(run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], path.parent, env).strip())
-    (own / "dependencies.pth").write_text("".join(f"{folder}\n" for folder in dict.fromkeys(
-        sysconfig.get_path(name) for name in ("purelib", "platlib"))))
+    linked = path / "dependencies"
+    linked.mkdir()
+    for dist in [*runtime_requirements(wheel), importlib.metadata.distribution("pip")]:
+        for top in {file.parts[0] for file in dist.files or [] if file.parts[0] not in ("..", "__pycache__")}:
+            if not (linked / top).exists() and Path(dist.locate_file(top)).exists():
+                (linked / top).symlink_to(dist.locate_file(top))
+    (own / "dependencies.pth").write_text(f"{linked}\n")
     return python
 
 
@@ -95,7 +125,7 @@ def test_wheel_in_a_fresh_environment_runs_from_anywhere(tmp_path: Path) -> None
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {"mtmoe/data/manifest.json", "mtmoe/tuning/spaces/movielens-100k.yaml", "mtmoe/lit/module.py"} <= names
     venv = tmp_path / "venv"
-    python = fresh_environment(venv, env)
+    python = fresh_environment(venv, wheel, env)
     run([python, "-m", "pip", "install", "--quiet", "--no-deps", wheel], tmp_path, env)
     run([python, "-m", "pip", "check"], tmp_path, env)  # every requirement of the wheel is installed and fits
     where = "import mtmoe, pathlib; print(pathlib.Path(mtmoe.__file__).parents[1])"
