@@ -20,9 +20,9 @@ import torch
 from torch import Tensor, nn
 
 from mtmoe.errors import UsageError
-from mtmoe.gates.base import Gate, GateDims, GateOutput, RoutingInput, check_gamma, product, resolve_k, safe_log
+from mtmoe.gates.base import Gate, GateDims, GateOutput, RoutingInput, check_gamma, resolve_k, safe_log
+from mtmoe.gates.reach import reach
 from mtmoe.gates.registry import register_gate
-from mtmoe.gates.smooth_step import smooth_step
 from mtmoe.scalars import cast
 
 
@@ -90,11 +90,7 @@ class COMETGate(Gate):
 
     def reach_of_splits(self, split: Tensor) -> Tensor:
         """:meth:`reach` from the split map's output ``W_q x + c_q`` ``[B, (n-1) k]``."""
-        n = self.n_experts
-        h = smooth_step(split.view(-1, n - 1, self.k), self.gamma)  # [B, n-1, k]
-        edges = torch.cat([h, 1 - h, h.new_ones(()).expand(h.shape[0], 1, self.k)], dim=1)  # [B, 2(n-1)+1, k]
-        v = product(edges.index_select(1, self.paths.flatten()).view(-1, n, self.paths.shape[1], self.k), dim=2)
-        return v.transpose(1, 2)
+        return reach(split, self.gamma, self.paths).transpose(-1, -2)  # [B, n, k] by one kernel (mtmoe.gates.reach)
 
     def forward(self, routing: RoutingInput) -> GateOutput:
         v = self.reach_of_splits(routing.linear(self.split))
