@@ -376,7 +376,9 @@ class _Reach(torch.autograd.Function):
 
     @staticmethod
     def vmap(info, in_dims, t: Tensor, coefficients: Tensor, paths: Tensor) -> tuple[Tensor, int]:
-        t_dim, c_dim, _ = in_dims
+        t_dim, c_dim, paths_dim = in_dims
+        if paths_dim is not None:  # a pack's stacked buffers: the same paths for every trial (one n per pack)
+            paths = paths.select(paths_dim, 0)
         t = t.expand(info.batch_size, *t.shape) if t_dim is None else t.movedim(t_dim, 0)
         coefficients = (coefficients.expand(info.batch_size, *coefficients.shape) if c_dim is None
                         else coefficients.movedim(c_dim, 0))
