@@ -200,8 +200,8 @@ for dtype in (torch.float32, torch.bfloat16):
     for n in (4, 5, 8, 16):
         for k in (1, 2):
             paths = path_index(n)
-            for gamma in (0.01, 1.0):
-                t = torch.randn(3, 29, (n - 1) * k, generator=torch.Generator().manual_seed(n)) * gamma
+            for gamma in ((0.01, 1.0) if n == 16 else (1.0 if k == 1 else 0.01,)):
+                t = torch.randn(2, 40, (n - 1) * k, generator=torch.Generator().manual_seed(n)) * gamma
                 t[0, 0, 0], t[0, 1, 0] = -gamma / 2, gamma / 2
                 t = t.to(dtype)
                 assert use_triton(t.device)
@@ -209,7 +209,7 @@ for dtype in (torch.float32, torch.bfloat16):
                 for a, b in zip(run(reach, t, gamma, paths), run(reach_reference, t, gamma, paths)):
                     assert torch.equal(bits(a), bits(b)), (dtype, n, k)
     gammas = torch.tensor([0.01, 1.0, 10.0], dtype=torch.float64)  # a pack: each trial's gamma
-    t = torch.randn(3, 70, 30, generator=torch.Generator().manual_seed(0)).to(dtype)
+    t = torch.randn(3, 40, 30, generator=torch.Generator().manual_seed(0)).to(dtype)
     packed = vmap(lambda t, g: reach(t, g, path_index(16)))(t, gammas)
     for trial in range(3):
         assert torch.equal(bits(packed[trial]), bits(reach_reference(t[trial], gammas[trial], path_index(16))))

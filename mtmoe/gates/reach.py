@@ -207,8 +207,7 @@ if triton is not None:
         return h, low, inner
 
     @triton.jit
-    def _edge_cuda(t_ptr, row, c, e, inside, half, cubed, linear, N: tl.constexpr, K: tl.constexpr,
-                   BFLOAT16: tl.constexpr):
+    def _edge_cuda(t_ptr, row, c, e, inside, half, cubed, linear, K, N: tl.constexpr, BFLOAT16: tl.constexpr):
         """Edge ``e`` (``[NP]``, an index into ``cat([h, 1 - h, 1])``) of rows ``row``, trees ``c`` (``[BLOCK]``):
         ``[BLOCK, NP]``."""
         split = e < 2 * (N - 1)
@@ -219,18 +218,19 @@ if triton is not None:
         return tl.where((e < N - 1)[None, :], h, tl.where(split[None, :], _r(1.0 - h, BFLOAT16), 1.0))
 
     @triton.jit
-    def _prefix_cuda(t_ptr, paths_ptr, row, c, leaf, inside, half, cubed, linear, UPTO: tl.constexpr,
-                     N: tl.constexpr, K: tl.constexpr, DEPTH: tl.constexpr, BFLOAT16: tl.constexpr):
-        """The product of each leaf's first ``UPTO + 1`` edges, left to right: ``[BLOCK, NP]``."""
+    def _prefix_cuda(t_ptr, paths_ptr, row, c, leaf, inside, half, cubed, linear, K, upto, N: tl.constexpr,
+                     DEPTH: tl.constexpr, BFLOAT16: tl.constexpr):
+        """The product of each leaf's first ``upto + 1`` edges (at least one), left to right: ``[BLOCK, NP]``."""
         out = _edge_cuda(t_ptr, row, c, tl.load(paths_ptr + leaf * DEPTH, mask=leaf < N, other=2 * (N - 1)), inside,
-                         half, cubed, linear, N, K, BFLOAT16)
-        for d in tl.static_range(1, UPTO + 1):
+                         half, cubed, linear, K, N, BFLOAT16)
+        for d in tl.static_range(1, DEPTH):
             e = tl.load(paths_ptr + leaf * DEPTH + d, mask=leaf < N, other=2 * (N - 1))
-            out = _r(out * _edge_cuda(t_ptr, row, c, e, inside, half, cubed, linear, N, K, BFLOAT16), BFLOAT16)
+            product = _r(out * _edge_cuda(t_ptr, row, c, e, inside, half, cubed, linear, K, N, BFLOAT16), BFLOAT16)
+            out = tl.where(d <= upto, product, out)
         return out
 
     @triton.jit
-    def _columns(coefficients_ptr, columns, per_trial, BLOCK: tl.constexpr, K: tl.constexpr):
+    def _columns(coefficients_ptr, columns, per_trial, K, BLOCK: tl.constexpr):
         """This program's columns (row, tree): rows, trees, which are inside, and their trials' coefficients."""
         column = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         inside = column < columns
@@ -241,23 +241,23 @@ if triton is not None:
         return column // K, column % K, inside, half, cubed, linear
 
     @triton.jit(do_not_specialize=["columns", "per_trial"])
-    def _reach_cuda(t_ptr, coefficients_ptr, paths_ptr, v_ptr, columns, per_trial, N: tl.constexpr, K: tl.constexpr,
+    def _reach_cuda(t_ptr, coefficients_ptr, paths_ptr, v_ptr, columns, per_trial, K, N: tl.constexpr,
                     DEPTH: tl.constexpr, NP: tl.constexpr, BLOCK: tl.constexpr, BFLOAT16: tl.constexpr):
         """Program ``block``: :func:`_reach_cpu` on ``BLOCK`` columns (row, tree), the leaves along a second axis."""
-        row, c, inside, half, cubed, linear = _columns(coefficients_ptr, columns, per_trial, BLOCK, K)
+        row, c, inside, half, cubed, linear = _columns(coefficients_ptr, columns, per_trial, K, BLOCK)
         leaf = tl.arange(0, NP)
-        v = _prefix_cuda(t_ptr, paths_ptr, row, c, leaf, inside, half, cubed, linear, DEPTH - 1, N, K, DEPTH,
+        v = _prefix_cuda(t_ptr, paths_ptr, row, c, leaf, inside, half, cubed, linear, K, DEPTH - 1, N, DEPTH,
                          BFLOAT16)
         tl.store(v_ptr + row[:, None] * (N * K) + leaf[None, :] * K + c[:, None],
                  _rounded(v, BFLOAT16).to(v_ptr.dtype.element_ty), mask=inside[:, None] & (leaf < N)[None, :])
 
     @triton.jit(do_not_specialize=["columns", "per_trial", "stride_row", "stride_leaf", "stride_tree"])
     def _reach_backward_cuda(t_ptr, coefficients_ptr, paths_ptr, grad_ptr, out_ptr, columns, per_trial, stride_row,
-                             stride_leaf, stride_tree, N: tl.constexpr, K: tl.constexpr, DEPTH: tl.constexpr,
-                             NP: tl.constexpr, QP: tl.constexpr, BLOCK: tl.constexpr, BFLOAT16: tl.constexpr):
+                             stride_leaf, stride_tree, K, N: tl.constexpr, DEPTH: tl.constexpr, NP: tl.constexpr,
+                             QP: tl.constexpr, BLOCK: tl.constexpr, BFLOAT16: tl.constexpr):
         """Program ``block``: :func:`_reach_backward_cpu` on ``BLOCK`` columns. Each edge is used at one depth
         only, so its sum runs over the leaves in order whatever the order of the depths."""
-        row, c, inside, half, cubed, linear = _columns(coefficients_ptr, columns, per_trial, BLOCK, K)
+        row, c, inside, half, cubed, linear = _columns(coefficients_ptr, columns, per_trial, K, BLOCK)
         leaf = tl.arange(0, NP)
         node = tl.arange(0, QP)
         g = _widened(tl.load(grad_ptr + row[:, None] * stride_row + leaf[None, :] * stride_leaf
@@ -266,14 +266,13 @@ if triton is not None:
         left = tl.zeros((BLOCK, QP), tl.float32)  # the sums of the edges h (left) and 1 - h (right) of each node
         right = tl.zeros((BLOCK, QP), tl.float32)
         for back in tl.static_range(DEPTH):
-            d = DEPTH - 1 - back
+            d = DEPTH - 1 - back  # out_d = out_{d-1} * f_d: f_d's gradient g * out_{d-1}, out_{d-1}'s g * f_d
             e = tl.load(paths_ptr + leaf * DEPTH + d, mask=leaf < N, other=2 * (N - 1))
-            if d > 0:
-                edge_grad = _r(g * _prefix_cuda(t_ptr, paths_ptr, row, c, leaf, inside, half, cubed, linear, d - 1,
-                                                N, K, DEPTH, BFLOAT16), BFLOAT16)
-                g = _r(g * _edge_cuda(t_ptr, row, c, e, inside, half, cubed, linear, N, K, BFLOAT16), BFLOAT16)
-            else:
-                edge_grad = g
+            prefix = _prefix_cuda(t_ptr, paths_ptr, row, c, leaf, inside, half, cubed, linear, K, d - 1, N, DEPTH,
+                                  BFLOAT16)
+            edge_grad = tl.where(d > 0, _r(g * prefix, BFLOAT16), g)
+            g = tl.where(d > 0, _r(g * _edge_cuda(t_ptr, row, c, e, inside, half, cubed, linear, K, N, BFLOAT16),
+                                   BFLOAT16), g)
             for j in tl.static_range(N):
                 column = tl.sum(tl.where((leaf == j)[None, :], edge_grad, 0.0), axis=1)[:, None]  # exact
                 ej = tl.load(paths_ptr + j * DEPTH + d)
@@ -317,8 +316,8 @@ def _reach_kernel(t: Tensor, coefficients: Tensor, paths: Tensor) -> Tensor:
         fused_kernel("comet reach (triton)", read, v.nbytes)
         columns = t.numel() // (n - 1)
         _reach_cuda[(triton.cdiv(columns, _BLOCK),)](
-            t, coefficients.float(), paths, v, columns, columns // coefficients[..., 0].numel(), N=n, K=k,
-            DEPTH=depth, NP=triton.next_power_of_2(n), BLOCK=_BLOCK, BFLOAT16=t.dtype == torch.bfloat16,
+            t, coefficients.float(), paths, v, columns, columns // coefficients[..., 0].numel(), k, N=n, DEPTH=depth,
+            NP=triton.next_power_of_2(n), BLOCK=_BLOCK, BFLOAT16=t.dtype == torch.bfloat16,
             enable_fp_fusion=False)
         return v
     fused_kernel("comet reach (numba)", read, v.nbytes)
@@ -341,7 +340,7 @@ def _reach_backward(t: Tensor, coefficients: Tensor, paths: Tensor, grad: Tensor
         columns = t.numel() // (n - 1)
         _reach_backward_cuda[(triton.cdiv(columns, _BLOCK),)](
             t, coefficients.float(), paths, grad, out, columns, columns // coefficients[..., 0].numel(),
-            *grad.stride(), N=n, K=k, DEPTH=depth, NP=triton.next_power_of_2(n),
+            *grad.stride(), k, N=n, DEPTH=depth, NP=triton.next_power_of_2(n),
             QP=triton.next_power_of_2(n - 1), BLOCK=_BLOCK, BFLOAT16=t.dtype == torch.bfloat16,
             enable_fp_fusion=False)
         return out
