@@ -223,7 +223,7 @@ if triton is not None:
         """The product of each leaf's first ``upto + 1`` edges (at least one), left to right: ``[BLOCK, NP]``."""
         out = _edge_cuda(t_ptr, row, c, tl.load(paths_ptr + leaf * DEPTH, mask=leaf < N, other=2 * (N - 1)), inside,
                          half, cubed, linear, K, N, BFLOAT16)
-        for d in tl.static_range(1, DEPTH):
+        for d in range(1, DEPTH):
             e = tl.load(paths_ptr + leaf * DEPTH + d, mask=leaf < N, other=2 * (N - 1))
             product = _r(out * _edge_cuda(t_ptr, row, c, e, inside, half, cubed, linear, K, N, BFLOAT16), BFLOAT16)
             out = tl.where(d <= upto, product, out)
@@ -240,7 +240,7 @@ if triton is not None:
         linear = tl.load(coefficients_ptr + trial * 3 + 2, mask=inside, other=0.0)
         return column // K, column % K, inside, half, cubed, linear
 
-    @triton.jit(do_not_specialize=["columns", "per_trial"])
+    @triton.jit(do_not_specialize=["columns", "per_trial", "K"])
     def _reach_cuda(t_ptr, coefficients_ptr, paths_ptr, v_ptr, columns, per_trial, K, N: tl.constexpr,
                     DEPTH: tl.constexpr, NP: tl.constexpr, BLOCK: tl.constexpr, BFLOAT16: tl.constexpr):
         """Program ``block``: :func:`_reach_cpu` on ``BLOCK`` columns (row, tree), the leaves along a second axis."""
@@ -251,7 +251,7 @@ if triton is not None:
         tl.store(v_ptr + row[:, None] * (N * K) + leaf[None, :] * K + c[:, None],
                  _rounded(v, BFLOAT16).to(v_ptr.dtype.element_ty), mask=inside[:, None] & (leaf < N)[None, :])
 
-    @triton.jit(do_not_specialize=["columns", "per_trial", "stride_row", "stride_leaf", "stride_tree"])
+    @triton.jit(do_not_specialize=["columns", "per_trial", "stride_row", "stride_leaf", "stride_tree", "K"])
     def _reach_backward_cuda(t_ptr, coefficients_ptr, paths_ptr, grad_ptr, out_ptr, columns, per_trial, stride_row,
                              stride_leaf, stride_tree, K, N: tl.constexpr, DEPTH: tl.constexpr, NP: tl.constexpr,
                              QP: tl.constexpr, BLOCK: tl.constexpr, BFLOAT16: tl.constexpr):
@@ -265,7 +265,7 @@ if triton is not None:
                      False, BFLOAT16)
         left = tl.zeros((BLOCK, QP), tl.float32)  # the sums of the edges h (left) and 1 - h (right) of each node
         right = tl.zeros((BLOCK, QP), tl.float32)
-        for back in tl.static_range(DEPTH):
+        for back in range(DEPTH):
             d = DEPTH - 1 - back  # out_d = out_{d-1} * f_d: f_d's gradient g * out_{d-1}, out_{d-1}'s g * f_d
             e = tl.load(paths_ptr + leaf * DEPTH + d, mask=leaf < N, other=2 * (N - 1))
             prefix = _prefix_cuda(t_ptr, paths_ptr, row, c, leaf, inside, half, cubed, linear, K, d - 1, N, DEPTH,
@@ -273,7 +273,7 @@ if triton is not None:
             edge_grad = tl.where(d > 0, _r(g * prefix, BFLOAT16), g)
             g = tl.where(d > 0, _r(g * _edge_cuda(t_ptr, row, c, e, inside, half, cubed, linear, K, N, BFLOAT16),
                                    BFLOAT16), g)
-            for j in tl.static_range(N):
+            for j in range(N):
                 column = tl.sum(tl.where((leaf == j)[None, :], edge_grad, 0.0), axis=1)[:, None]  # exact
                 ej = tl.load(paths_ptr + j * DEPTH + d)
                 left = tl.where((node == ej)[None, :], _r(left + column, BFLOAT16), left)
