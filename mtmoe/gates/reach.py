@@ -289,8 +289,8 @@ if triton is not None:
         square = _r(inner * inner, BFLOAT16)
         g = _r(_r(_r(g * cubed, BFLOAT16) * _r(square * 3.0, BFLOAT16), BFLOAT16) + _r(g * linear, BFLOAT16),
                BFLOAT16)
-        g = tl.where(low > half, 0.0, tl.where(low == half, _r(g / 2.0, BFLOAT16), g))
-        g = tl.where(t < -half, 0.0, tl.where(t == -half, _r(g / 2.0, BFLOAT16), g))
+        g = tl.where(low > half, 0.0, tl.where(low == half, _r(g * 0.5, BFLOAT16), g))  # exact, as CUDA's g / 2
+        g = tl.where(t < -half, 0.0, tl.where(t == -half, _r(g * 0.5, BFLOAT16), g))  # (not Triton's approximate /)
         tl.store(out_ptr + offsets, _rounded(g, BFLOAT16).to(out_ptr.dtype.element_ty), mask=nodes)
 
 
