@@ -38,10 +38,11 @@ def splits(dtype: torch.dtype, n: int, k: int, gamma: float, rows: int = 41, see
 
 
 def forward_backward(function, t: torch.Tensor, gamma, paths: torch.Tensor, seed: int = 1):
-    """The reach ``[rows, k, n]`` (as the gate reads it) and the gradient of ``t`` from a random upstream one."""
+    """The reach ``[*trials, rows, k, n]`` (as the gate reads it) and the gradient of ``t`` from a random upstream one
+    (the same for each trial)."""
     t = t.detach().clone().requires_grad_()
     v = function(t, gamma, paths).transpose(-1, -2)
-    v.backward(torch.randn(v.shape, generator=torch.Generator().manual_seed(seed)).to(v.dtype))
+    v.backward(torch.randn(v.shape[-3:], generator=torch.Generator().manual_seed(seed)).to(v.dtype).expand(v.shape))
     return v.detach(), t.grad
 
 
@@ -157,14 +158,17 @@ def test_a_gate_computes_what_the_plain_path_computes(autocast: bool, vmapped: b
 
 
 def test_a_packed_trial_computes_what_it_computes_alone(monkeypatch) -> None:
-    """The kernels take each trial's gamma from its row block: a pack's trial t bitwise trial t alone."""
+    """The kernels take each trial's gamma and paths (a pack's stacked buffer) from its row block: a pack's trial t
+    bitwise trial t alone, values and gradients, also beside an empty slot whose paths are zeros."""
     monkeypatch.setattr(triton_support, "INTERPRET", False)
-    paths = path_index(8)
-    gammas = torch.tensor([0.01, 1.0, 10.0], dtype=torch.float64)
+    gammas = torch.tensor([0.01, 1.0, 10.0, 1.0], dtype=torch.float64)
+    paths = torch.stack([path_index(8)] * 3 + [torch.zeros_like(path_index(8))])
     t = torch.stack([splits(torch.float32, 8, 2, float(g), seed=s) for s, g in enumerate(gammas)])
-    packed = vmap(lambda t, g: reach(t, g, paths))(t, gammas)
-    for trial, gamma in enumerate(gammas):
-        assert_bitwise(packed[trial], reach(t[trial], gamma, paths))
+    packed = forward_backward(lambda t, g, p: vmap(reach)(t, g, p), t, gammas, paths)
+    for trial in range(4):
+        alone = forward_backward(reach_reference, t[trial], gammas[trial], paths[trial])
+        for a, b in zip(packed, alone):
+            assert_bitwise(a[trial], b)
 
 
 def test_the_kernels_report_their_traffic(monkeypatch) -> None:
@@ -194,7 +198,7 @@ bits = lambda x: x.view({2: torch.int16, 4: torch.int32}[x.element_size()])
 def run(function, t, gamma, paths):
     t = t.detach().clone().requires_grad_()
     v = function(t, gamma, paths).transpose(-1, -2)
-    v.backward(torch.randn(v.shape, generator=torch.Generator().manual_seed(1)).to(v.dtype))
+    v.backward(torch.randn(v.shape[-3:], generator=torch.Generator().manual_seed(1)).to(v.dtype).expand(v.shape))
     return v.detach(), t.grad
 for dtype in (torch.float32, torch.bfloat16):
     for n in (4, 5, 8, 16):
@@ -208,11 +212,13 @@ for dtype in (torch.float32, torch.bfloat16):
                 gamma = torch.tensor(gamma, dtype=torch.float64)
                 for a, b in zip(run(reach, t, gamma, paths), run(reach_reference, t, gamma, paths)):
                     assert torch.equal(bits(a), bits(b)), (dtype, n, k)
-    gammas = torch.tensor([0.01, 1.0, 10.0], dtype=torch.float64)  # a pack: each trial's gamma
+    gammas = torch.tensor([0.01, 1.0, 10.0], dtype=torch.float64)  # a pack: each trial's gamma and paths
+    paths = torch.stack([path_index(16), path_index(16), torch.zeros_like(path_index(16))])
     t = torch.randn(3, 40, 30, generator=torch.Generator().manual_seed(0)).to(dtype)
-    packed = vmap(lambda t, g: reach(t, g, path_index(16)))(t, gammas)
+    packed = run(lambda t, g, p: vmap(reach)(t, g, p), t, gammas, paths)
     for trial in range(3):
-        assert torch.equal(bits(packed[trial]), bits(reach_reference(t[trial], gammas[trial], path_index(16))))
+        alone = run(reach_reference, t[trial], gammas[trial], paths[trial])
+        assert all(torch.equal(bits(a[trial]), bits(b)) for a, b in zip(packed, alone)), (dtype, trial)
 print("ok")
 """
 
@@ -221,7 +227,7 @@ print("ok")
 @pytest.mark.integration  # a Python process of its own, importing torch and Triton's interpreter: CI, not the inner loop
 def test_the_triton_kernels_compute_the_plain_path_in_the_interpreter() -> None:
     """Float32 and bfloat16, n in {4, 5, 8, 16}, k in {1, 2}, saturated and not, ties, over several programs, and a
-    vmapped pack with its own gammas: bitwise."""
+    vmapped pack with its own gammas and paths (one all zeros, as an empty slot's): bitwise."""
     run_interpreted(TRITON_CHECK)
 
 

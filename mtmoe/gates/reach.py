@@ -121,17 +121,18 @@ def _edges(t: np.ndarray, r: int, c: int, half: np.float32, cubed: np.float32, l
 
 
 @numba.njit(cache=True, nogil=True)
-def _reach_cpu(t: np.ndarray, coefficients: np.ndarray, paths: np.ndarray, v: np.ndarray, bfloat16: bool, lo: int,
-               hi: int) -> None:
+def _reach_cpu(t: np.ndarray, coefficients: np.ndarray, trial_paths: np.ndarray, v: np.ndarray, bfloat16: bool,
+               lo: int, hi: int) -> None:
     """``v[r]`` ``[n, k]`` of rows ``[lo, hi)`` of ``t`` ``[R, n-1, k]``; trial ``r // (R / T)`` has the smooth
-    step's ``coefficients[trial]`` (``[T, 3]``, float32)."""
+    step's ``coefficients[trial]`` (``[T, 3]``, float32) and its leaves' paths ``trial_paths[trial]``."""
     rows, m, k = t.shape
-    n, depth = paths.shape
+    _, n, depth = trial_paths.shape
     per_trial = rows // coefficients.shape[0]
     edges = np.empty(2 * m + 1, np.float32)
     for r in range(lo, hi):
         trial = r // per_trial
         half, cubed, linear = coefficients[trial, 0], coefficients[trial, 1], coefficients[trial, 2]
+        paths = trial_paths[trial]
         for c in range(k):
             _edges(t, r, c, half, cubed, linear, edges, bfloat16)
             for leaf in range(n):
@@ -142,12 +143,12 @@ def _reach_cpu(t: np.ndarray, coefficients: np.ndarray, paths: np.ndarray, v: np
 
 
 @numba.njit(cache=True, nogil=True)
-def _reach_backward_cpu(t: np.ndarray, coefficients: np.ndarray, paths: np.ndarray, grad: np.ndarray,
+def _reach_backward_cpu(t: np.ndarray, coefficients: np.ndarray, trial_paths: np.ndarray, grad: np.ndarray,
                         out: np.ndarray, bfloat16: bool, lo: int, hi: int) -> None:
     """The gradient of ``t`` (``out``, ``[R, n-1, k]``) from that of ``v`` (``grad``, ``[R, n, k]``, any strides) on
     rows ``[lo, hi)``, as autograd computes it through the plain operations."""
     rows, m, k = t.shape
-    n, depth = paths.shape
+    _, n, depth = trial_paths.shape
     per_trial = rows // coefficients.shape[0]
     edges = np.empty(2 * m + 1, np.float32)
     prefix = np.empty(depth, np.float32)
@@ -156,6 +157,7 @@ def _reach_backward_cpu(t: np.ndarray, coefficients: np.ndarray, paths: np.ndarr
     for r in range(lo, hi):
         trial = r // per_trial
         half, cubed, linear = coefficients[trial, 0], coefficients[trial, 1], coefficients[trial, 2]
+        paths = trial_paths[trial]
         for c in range(k):
             _edges(t, r, c, half, cubed, linear, edges, bfloat16)
             for leaf in range(n):  # product(): out_d = out_{d-1} * f_d; backward mul by mul from the last factor
@@ -208,56 +210,67 @@ if triton is not None:
 
     @triton.jit
     def _edge_cuda(t_ptr, row, c, e, inside, half, cubed, linear, K, N: tl.constexpr, BFLOAT16: tl.constexpr):
-        """Edge ``e`` (``[NP]``, an index into ``cat([h, 1 - h, 1])``) of rows ``row``, trees ``c`` (``[BLOCK]``):
-        ``[BLOCK, NP]``."""
+        """Edges ``e`` (``[BLOCK, NP]``, indices into ``cat([h, 1 - h, 1])``) of rows ``row``, trees ``c``
+        (``[BLOCK]``): ``[BLOCK, NP]``."""
         split = e < 2 * (N - 1)
         q = tl.where(e < N - 1, e, tl.where(split, e - (N - 1), 0))
-        t = _widened(tl.load(t_ptr + row[:, None] * ((N - 1) * K) + q[None, :] * K + c[:, None],
-                             mask=inside[:, None] & split[None, :], other=0.0), False, BFLOAT16)
+        t = _widened(tl.load(t_ptr + row[:, None] * ((N - 1) * K) + q * K + c[:, None],
+                             mask=inside[:, None] & split, other=0.0), False, BFLOAT16)
         h = _step_cuda(t, half[:, None], cubed[:, None], linear[:, None], BFLOAT16)[0]
-        return tl.where((e < N - 1)[None, :], h, tl.where(split[None, :], _r(1.0 - h, BFLOAT16), 1.0))
+        return tl.where(e < N - 1, h, tl.where(split, _r(1.0 - h, BFLOAT16), 1.0))
 
     @triton.jit
-    def _prefix_cuda(t_ptr, paths_ptr, row, c, leaf, inside, half, cubed, linear, K, upto, N: tl.constexpr,
+    def _path_cuda(paths, leaf, d, inside, N: tl.constexpr, DEPTH: tl.constexpr):
+        """Edge ``d`` of each leaf's path (``[BLOCK, NP]``), ``paths`` each column's trial's (``[BLOCK]`` pointers);
+        the constant edge past the last leaf."""
+        return tl.load(paths[:, None] + leaf[None, :] * DEPTH + d, mask=inside[:, None] & (leaf < N)[None, :],
+                       other=2 * (N - 1))
+
+    @triton.jit
+    def _prefix_cuda(t_ptr, paths, row, c, leaf, inside, half, cubed, linear, K, upto, N: tl.constexpr,
                      DEPTH: tl.constexpr, BFLOAT16: tl.constexpr):
         """The product of each leaf's first ``upto + 1`` edges (at least one), left to right: ``[BLOCK, NP]``."""
-        out = _edge_cuda(t_ptr, row, c, tl.load(paths_ptr + leaf * DEPTH, mask=leaf < N, other=2 * (N - 1)), inside,
-                         half, cubed, linear, K, N, BFLOAT16)
+        out = _edge_cuda(t_ptr, row, c, _path_cuda(paths, leaf, 0, inside, N, DEPTH), inside, half, cubed, linear, K,
+                         N, BFLOAT16)
         for d in range(1, DEPTH):
-            e = tl.load(paths_ptr + leaf * DEPTH + d, mask=leaf < N, other=2 * (N - 1))
+            e = _path_cuda(paths, leaf, d, inside, N, DEPTH)
             product = _r(out * _edge_cuda(t_ptr, row, c, e, inside, half, cubed, linear, K, N, BFLOAT16), BFLOAT16)
             out = tl.where(d <= upto, product, out)
         return out
 
     @triton.jit
-    def _columns(coefficients_ptr, columns, per_trial, K, BLOCK: tl.constexpr):
-        """This program's columns (row, tree): rows, trees, which are inside, and their trials' coefficients."""
+    def _columns(coefficients_ptr, paths_ptr, paths_stride, columns, per_trial, K, BLOCK: tl.constexpr):
+        """This program's columns (row, tree): rows, trees, which are inside, their trials' coefficients and
+        their trials' paths (pointers)."""
         column = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         inside = column < columns
         trial = column // per_trial
         half = tl.load(coefficients_ptr + trial * 3, mask=inside, other=1.0)
         cubed = tl.load(coefficients_ptr + trial * 3 + 1, mask=inside, other=0.0)
         linear = tl.load(coefficients_ptr + trial * 3 + 2, mask=inside, other=0.0)
-        return column // K, column % K, inside, half, cubed, linear
+        return column // K, column % K, inside, half, cubed, linear, paths_ptr + trial * paths_stride
 
-    @triton.jit(do_not_specialize=["columns", "per_trial", "K"])
-    def _reach_cuda(t_ptr, coefficients_ptr, paths_ptr, v_ptr, columns, per_trial, K, N: tl.constexpr,
+    @triton.jit(do_not_specialize=["paths_stride", "columns", "per_trial", "K"])
+    def _reach_cuda(t_ptr, coefficients_ptr, paths_ptr, v_ptr, paths_stride, columns, per_trial, K, N: tl.constexpr,
                     DEPTH: tl.constexpr, NP: tl.constexpr, BLOCK: tl.constexpr, BFLOAT16: tl.constexpr):
         """Program ``block``: :func:`_reach_cpu` on ``BLOCK`` columns (row, tree), the leaves along a second axis."""
-        row, c, inside, half, cubed, linear = _columns(coefficients_ptr, columns, per_trial, K, BLOCK)
+        row, c, inside, half, cubed, linear, paths = _columns(coefficients_ptr, paths_ptr, paths_stride, columns,
+                                                              per_trial, K, BLOCK)
         leaf = tl.arange(0, NP)
-        v = _prefix_cuda(t_ptr, paths_ptr, row, c, leaf, inside, half, cubed, linear, K, DEPTH - 1, N, DEPTH,
+        v = _prefix_cuda(t_ptr, paths, row, c, leaf, inside, half, cubed, linear, K, DEPTH - 1, N, DEPTH,
                          BFLOAT16)
         tl.store(v_ptr + row[:, None] * (N * K) + leaf[None, :] * K + c[:, None],
                  _rounded(v, BFLOAT16).to(v_ptr.dtype.element_ty), mask=inside[:, None] & (leaf < N)[None, :])
 
-    @triton.jit(do_not_specialize=["columns", "per_trial", "stride_row", "stride_leaf", "stride_tree", "K"])
-    def _reach_backward_cuda(t_ptr, coefficients_ptr, paths_ptr, grad_ptr, out_ptr, columns, per_trial, stride_row,
-                             stride_leaf, stride_tree, K, N: tl.constexpr, DEPTH: tl.constexpr, NP: tl.constexpr,
-                             QP: tl.constexpr, BLOCK: tl.constexpr, BFLOAT16: tl.constexpr):
+    @triton.jit(do_not_specialize=["paths_stride", "columns", "per_trial", "stride_row", "stride_leaf",
+                                   "stride_tree", "K"])
+    def _reach_backward_cuda(t_ptr, coefficients_ptr, paths_ptr, grad_ptr, out_ptr, paths_stride, columns, per_trial,
+                             stride_row, stride_leaf, stride_tree, K, N: tl.constexpr, DEPTH: tl.constexpr,
+                             NP: tl.constexpr, QP: tl.constexpr, BLOCK: tl.constexpr, BFLOAT16: tl.constexpr):
         """Program ``block``: :func:`_reach_backward_cpu` on ``BLOCK`` columns. Each edge is used at one depth
         only, so its sum runs over the leaves in order whatever the order of the depths."""
-        row, c, inside, half, cubed, linear = _columns(coefficients_ptr, columns, per_trial, K, BLOCK)
+        row, c, inside, half, cubed, linear, paths = _columns(coefficients_ptr, paths_ptr, paths_stride, columns,
+                                                              per_trial, K, BLOCK)
         leaf = tl.arange(0, NP)
         node = tl.arange(0, QP)
         g = _widened(tl.load(grad_ptr + row[:, None] * stride_row + leaf[None, :] * stride_leaf
@@ -267,17 +280,17 @@ if triton is not None:
         right = tl.zeros((BLOCK, QP), tl.float32)
         for back in range(DEPTH):
             d = DEPTH - 1 - back  # out_d = out_{d-1} * f_d: f_d's gradient g * out_{d-1}, out_{d-1}'s g * f_d
-            e = tl.load(paths_ptr + leaf * DEPTH + d, mask=leaf < N, other=2 * (N - 1))
-            prefix = _prefix_cuda(t_ptr, paths_ptr, row, c, leaf, inside, half, cubed, linear, K, d - 1, N, DEPTH,
+            e = _path_cuda(paths, leaf, d, inside, N, DEPTH)
+            prefix = _prefix_cuda(t_ptr, paths, row, c, leaf, inside, half, cubed, linear, K, d - 1, N, DEPTH,
                                   BFLOAT16)
             edge_grad = tl.where(d > 0, _r(g * prefix, BFLOAT16), g)
             g = tl.where(d > 0, _r(g * _edge_cuda(t_ptr, row, c, e, inside, half, cubed, linear, K, N, BFLOAT16),
                                    BFLOAT16), g)
             for j in range(N):
                 column = tl.sum(tl.where((leaf == j)[None, :], edge_grad, 0.0), axis=1)[:, None]  # exact
-                ej = tl.load(paths_ptr + j * DEPTH + d)
-                left = tl.where((node == ej)[None, :], _r(left + column, BFLOAT16), left)
-                right = tl.where((node + (N - 1) == ej)[None, :], _r(right + column, BFLOAT16), right)
+                ej = tl.load(paths + j * DEPTH + d, mask=inside, other=2 * (N - 1))[:, None]
+                left = tl.where(node[None, :] == ej, _r(left + column, BFLOAT16), left)
+                right = tl.where(node[None, :] + (N - 1) == ej, _r(right + column, BFLOAT16), right)
         nodes = inside[:, None] & (node < N - 1)[None, :]
         offsets = row[:, None] * ((N - 1) * K) + node[None, :] * K + c[:, None]
         t = _widened(tl.load(t_ptr + offsets, mask=nodes, other=0.0), False, BFLOAT16)
@@ -297,6 +310,13 @@ if triton is not None:
 _BLOCK = 64  # columns (row, tree) per Triton program
 
 
+def _trial_paths(paths: Tensor, coefficients: Tensor) -> Tensor:
+    """``paths`` as ``[T, n, depth]``, one per trial of the coefficients ``[*trials, 3]``: a pack's stacked buffer
+    (each trial's own, as ``index_select`` under vmap reads them), or one ``[n, depth]`` for all (stride 0)."""
+    trials = coefficients.numel() // 3
+    return paths.expand(trials, *paths.shape) if paths.dim() == 2 else paths.reshape(trials, *paths.shape[-2:])
+
+
 def _arrays(t: Tensor, coefficients: Tensor, n: int) -> tuple[np.ndarray, np.ndarray, bool]:
     """``t`` as ``[R, n-1, k]`` numpy (bfloat16 as uint16 bits) and the coefficients as float32 ``[T, 3]``."""
     bfloat16 = t.dtype == torch.bfloat16
@@ -307,48 +327,49 @@ def _arrays(t: Tensor, coefficients: Tensor, n: int) -> tuple[np.ndarray, np.nda
 
 def _reach_kernel(t: Tensor, coefficients: Tensor, paths: Tensor) -> Tensor:
     """The reach ``[*rows, n, k]`` of ``t`` ``[*trials, *rows', (n-1) k]`` (contiguous), each trial with its
-    ``coefficients`` (``[*trials, 3]``, ``t``'s dtype)."""
-    n, depth = paths.shape
+    ``coefficients`` (``[*trials, 3]``, ``t``'s dtype) and ``paths`` (:func:`_trial_paths`)."""
+    n, depth = paths.shape[-2:]
     k = t.shape[-1] // (n - 1)
     v = torch.empty(*t.shape[:-1], n, k, dtype=t.dtype, device=t.device)
     read = t.nbytes + coefficients.nbytes + paths.nbytes
     if use_triton(t.device):
         fused_kernel("comet reach (triton)", read, v.nbytes)
-        columns = t.numel() // (n - 1)
+        columns, paths = t.numel() // (n - 1), _trial_paths(paths, coefficients)
         _reach_cuda[(triton.cdiv(columns, _BLOCK),)](
-            t, coefficients.float(), paths, v, columns, columns // coefficients[..., 0].numel(), k, N=n, DEPTH=depth,
-            NP=triton.next_power_of_2(n), BLOCK=_BLOCK, BFLOAT16=t.dtype == torch.bfloat16,
+            t, coefficients.float(), paths, v, paths.stride(0), columns, columns // coefficients[..., 0].numel(), k,
+            N=n, DEPTH=depth, NP=triton.next_power_of_2(n), BLOCK=_BLOCK, BFLOAT16=t.dtype == torch.bfloat16,
             enable_fp_fusion=False)
         return v
     fused_kernel("comet reach (numba)", read, v.nbytes)
     rows, coefficient_array, bfloat16 = _arrays(t, coefficients, n)
     out = v.view(-1, n, k)
-    run_split(_reach_cpu, rows.shape[0], rows, coefficient_array, paths.numpy(),
+    run_split(_reach_cpu, rows.shape[0], rows, coefficient_array, _trial_paths(paths, coefficients).numpy(),
               (out.view(torch.uint16) if bfloat16 else out).numpy(), bfloat16, min_part=64)
     return v
 
 
 def _reach_backward(t: Tensor, coefficients: Tensor, paths: Tensor, grad: Tensor) -> Tensor:
     """The gradient of ``t`` from that of the reach ``grad`` (``[*rows, n, k]``, any strides)."""
-    n, depth = paths.shape
+    n, depth = paths.shape[-2:]
     k = t.shape[-1] // (n - 1)
     grad = grad.reshape(-1, n, k)  # a view where the rows' dimensions allow (a transposed gradient's do)
     out = torch.empty_like(t)
     read = t.nbytes + coefficients.nbytes + paths.nbytes + grad.nbytes
     if use_triton(t.device):
         fused_kernel("comet reach backward (triton)", read, out.nbytes)
-        columns = t.numel() // (n - 1)
+        columns, paths = t.numel() // (n - 1), _trial_paths(paths, coefficients)
         _reach_backward_cuda[(triton.cdiv(columns, _BLOCK),)](
-            t, coefficients.float(), paths, grad, out, columns, columns // coefficients[..., 0].numel(),
-            *grad.stride(), k, N=n, DEPTH=depth, NP=triton.next_power_of_2(n),
-            QP=triton.next_power_of_2(n - 1), BLOCK=_BLOCK, BFLOAT16=t.dtype == torch.bfloat16,
+            t, coefficients.float(), paths, grad, out, paths.stride(0), columns,
+            columns // coefficients[..., 0].numel(), *grad.stride(), k, N=n, DEPTH=depth,
+            NP=triton.next_power_of_2(n), QP=triton.next_power_of_2(n - 1), BLOCK=_BLOCK,
+            BFLOAT16=t.dtype == torch.bfloat16,
             enable_fp_fusion=False)
         return out
     fused_kernel("comet reach backward (numba)", read, out.nbytes)
     rows, coefficient_array, bfloat16 = _arrays(t, coefficients, n)
     result = out.view(-1, n - 1, k)
-    run_split(_reach_backward_cpu, rows.shape[0], rows, coefficient_array, paths.numpy(),
-              (grad.view(torch.uint16) if bfloat16 else grad).numpy(),
+    run_split(_reach_backward_cpu, rows.shape[0], rows, coefficient_array,
+              _trial_paths(paths, coefficients).numpy(), (grad.view(torch.uint16) if bfloat16 else grad).numpy(),
               (result.view(torch.uint16) if bfloat16 else result).numpy(), bfloat16, min_part=64)
     return out
 
@@ -376,8 +397,8 @@ class _Reach(torch.autograd.Function):
     @staticmethod
     def vmap(info, in_dims, t: Tensor, coefficients: Tensor, paths: Tensor) -> tuple[Tensor, int]:
         t_dim, c_dim, paths_dim = in_dims
-        if paths_dim is not None:  # a pack's stacked buffers: the same paths for every trial (one n per pack)
-            paths = paths.select(paths_dim, 0)
+        if paths_dim is not None:  # a pack's stacked buffers: each trial's own (an empty slot's may be zeros)
+            paths = paths.movedim(paths_dim, 0).contiguous()
         t = t.expand(info.batch_size, *t.shape) if t_dim is None else t.movedim(t_dim, 0)
         coefficients = (coefficients.expand(info.batch_size, *coefficients.shape) if c_dim is None
                         else coefficients.movedim(c_dim, 0))
