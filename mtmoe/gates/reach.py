@@ -267,8 +267,9 @@ if triton is not None:
     def _reach_backward_cuda(t_ptr, coefficients_ptr, paths_ptr, grad_ptr, out_ptr, paths_stride, columns, per_trial,
                              stride_row, stride_leaf, stride_tree, K, N: tl.constexpr, DEPTH: tl.constexpr,
                              NP: tl.constexpr, QP: tl.constexpr, BLOCK: tl.constexpr, BFLOAT16: tl.constexpr):
-        """Program ``block``: :func:`_reach_backward_cpu` on ``BLOCK`` columns. Each edge is used at one depth
-        only, so its sum runs over the leaves in order whatever the order of the depths."""
+        """Program ``block``: :func:`_reach_backward_cpu` on ``BLOCK`` columns, the depths last to first. In a
+        tree each edge lies at one depth, so its sum runs over the leaves in order as ``index_add``'s; a table
+        that is no tree's (an empty slot's zeros) gets its sums in another order."""
         row, c, inside, half, cubed, linear, paths = _columns(coefficients_ptr, paths_ptr, paths_stride, columns,
                                                               per_trial, K, BLOCK)
         leaf = tl.arange(0, NP)
