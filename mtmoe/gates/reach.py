@@ -121,6 +121,21 @@ def _edges(t: np.ndarray, r: int, c: int, half: np.float32, cubed: np.float32, l
 
 
 @numba.njit(cache=True, nogil=True)
+def _trial(coefficients: np.ndarray, trial_paths: np.ndarray, trial: int):
+    """A trial's smooth-step coefficients ``half, cubed, linear`` and its leaves' paths ``[n, depth]``."""
+    return coefficients[trial, 0], coefficients[trial, 1], coefficients[trial, 2], trial_paths[trial]
+
+
+@numba.njit(cache=True, nogil=True)
+def _prefix(edges: np.ndarray, paths: np.ndarray, leaf: int, prefix: np.ndarray, bfloat16: bool) -> None:
+    """``prefix[d]``: the product of the leaf's first ``d + 1`` edges, rounded after each factor as
+    :func:`mtmoe.gates.base.product` multiplies them; ``prefix[depth - 1]`` is the leaf's reach."""
+    prefix[0] = edges[paths[leaf, 0]]
+    for d in range(1, paths.shape[1]):
+        prefix[d] = _round(prefix[d - 1] * edges[paths[leaf, d]], bfloat16)
+
+
+@numba.njit(cache=True, nogil=True)
 def _reach_cpu(t: np.ndarray, coefficients: np.ndarray, trial_paths: np.ndarray, v: np.ndarray, bfloat16: bool,
                lo: int, hi: int) -> None:
     """``v[r]`` ``[n, k]`` of rows ``[lo, hi)`` of ``t`` ``[R, n-1, k]``; trial ``r // (R / T)`` has the smooth
@@ -129,17 +144,14 @@ def _reach_cpu(t: np.ndarray, coefficients: np.ndarray, trial_paths: np.ndarray,
     _, n, depth = trial_paths.shape
     per_trial = rows // coefficients.shape[0]
     edges = np.empty(2 * m + 1, np.float32)
+    prefix = np.empty(depth, np.float32)
     for r in range(lo, hi):
-        trial = r // per_trial
-        half, cubed, linear = coefficients[trial, 0], coefficients[trial, 1], coefficients[trial, 2]
-        paths = trial_paths[trial]
+        half, cubed, linear, paths = _trial(coefficients, trial_paths, r // per_trial)
         for c in range(k):
             _edges(t, r, c, half, cubed, linear, edges, bfloat16)
             for leaf in range(n):
-                out = edges[paths[leaf, 0]]
-                for d in range(1, depth):
-                    out = _round(out * edges[paths[leaf, d]], bfloat16)
-                _store(v, r, leaf, c, out, bfloat16)
+                _prefix(edges, paths, leaf, prefix, bfloat16)
+                _store(v, r, leaf, c, prefix[depth - 1], bfloat16)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -155,15 +167,11 @@ def _reach_backward_cpu(t: np.ndarray, coefficients: np.ndarray, trial_paths: np
     edge_grads = np.empty((n, depth), np.float32)
     sums = np.empty(2 * m + 1, np.float32)
     for r in range(lo, hi):
-        trial = r // per_trial
-        half, cubed, linear = coefficients[trial, 0], coefficients[trial, 1], coefficients[trial, 2]
-        paths = trial_paths[trial]
+        half, cubed, linear, paths = _trial(coefficients, trial_paths, r // per_trial)
         for c in range(k):
             _edges(t, r, c, half, cubed, linear, edges, bfloat16)
             for leaf in range(n):  # product(): out_d = out_{d-1} * f_d; backward mul by mul from the last factor
-                prefix[0] = edges[paths[leaf, 0]]
-                for d in range(1, depth):
-                    prefix[d] = _round(prefix[d - 1] * edges[paths[leaf, d]], bfloat16)
+                _prefix(edges, paths, leaf, prefix, bfloat16)
                 g = _load(grad, r, leaf, c, bfloat16)
                 for d in range(depth - 1, 0, -1):
                     edge_grads[leaf, d] = _round(g * prefix[d - 1], bfloat16)
