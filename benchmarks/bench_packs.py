@@ -27,9 +27,12 @@ one trial, operation counts, per-trial set-up, a whole study.
    fresh journal storage: wall time, and the objectives configuration by configuration (equal to float32 rounding:
    each trial draws from its own random stream whatever its pack).
 5. **The matmul floor** (``--floor``): the expert layer's three matmuls of one step alone, per trial-epoch.
-6. **Where a step's time goes** (``--profile P``, CPU): a pack of P's training step on 512-row batches under
-   ``torch.profiler``: milliseconds per step and per trial-step, the operations with the most self time, and the
-   pack's Adam update alone by each of its kernels (``fused``: the numba kernel; ``elementwise``: torch operations).
+6. **Where a step's time goes** (``--profile P``, with ``--device``, ``--precision``, ``--matmul-precision`` and
+   ``--trial-args``): a pack of P's eager training step on 512-row batches, one line ``profile gate=G P=P
+   device=D precision=Y step_ms=... profiled_step_ms=... [kernel_ms=... kernels=...] adam_fused_ms=...
+   adam_elementwise_ms=...`` (on a GPU, ``kernel_ms`` and ``kernels``: the device time of the step's kernels and
+   their number, what a CUDA graph of the step replays, to set beside ``--roofline``'s projection), then
+   ``torch.profiler``'s table of the operations (CPU) or kernels (GPU) with the most self time.
 7. **Device cost without the device** (``--roofline``): for each gate and P, per phase (``train``: a training step on
    512-row batches, inside the permutation window for "+"; ``eval``: an evaluation batch) and precision (``fp32``,
    ``tf32``: the same operations, another matrix rate; ``bf16``: under bf16 autocast), one line ``roofline gate=G
@@ -123,17 +126,18 @@ def pack_epoch_seconds(gate: str, pack: int, device: str, precision: str, graphs
     return stamps[2] - stamps[1]
 
 
-def loaded_engine(gate: str, pack: int, steps_per_epoch: int):
-    """A CPU engine with P planned configurations loaded, and the dataset's DataModule (set up)."""
+def loaded_engine(gate: str, pack: int, steps_per_epoch: int, device: str = "cpu", trial_args: tuple[str, ...] = ()):
+    """An eager engine with P planned configurations loaded (``trial_args``: ``fit`` options of every trial), and
+    the dataset's DataModule (set up)."""
     from mtmoe.pack.engine import PackEngine
 
     configurations = plan(gate, pack, 1)
-    trials = factory(gate, configurations[0], "cpu", "32")
+    trials = factory(gate, configurations[0], device, "32", trial_args)
     pack_trials = [trials.build(i, params, i) for i, params in enumerate(configurations)]
     data = trials.run.datamodule
     data.prepare_data()
     data.setup("fit")
-    engine = PackEngine(pack_trials[0].net, data.info.tasks, pack, "cpu", cuda_graphs=False)
+    engine = PackEngine(pack_trials[0].net, data.info.tasks, pack, device, cuda_graphs=False)
     engine.set_steps_per_epoch(steps_per_epoch)
     for slot, trial in enumerate(pack_trials):
         engine.load(slot, trial)
@@ -151,34 +155,54 @@ def operations(gate: str, pack: int) -> dict:
     return phases(engine, batch, eval_batch)
 
 
-def profile_step(gate: str, pack: int, batch_size: int = 512, steps: int = 3) -> tuple[float, str, dict[str, float]]:
-    """Milliseconds per training step of a CPU pack (mean of ``steps`` after 3 warm-up steps, under
-    ``torch.profiler``), the profiler's table of the operations with the most self time, and the milliseconds of
-    the pack's Adam update alone by each of its kernels (median of 20, after the steps)."""
+def profile_step(gate: str, pack: int, device: str = "cpu", bf16: bool = False, trial_args: tuple[str, ...] = (),
+                 steps: int = 3) -> tuple[dict, str]:
+    """Where a pack of P's eager training step (512-row batches, or ``trial_args``' batch size) spends its time,
+    after 3 warm-up steps, under bf16 autocast or none: milliseconds per step without and with ``torch.profiler``
+    (mean of ``steps``), on a GPU the kernels' summed time and their number per step (what a CUDA graph of the step
+    replays), the pack's Adam update alone by each of its kernels (median of 20), and the profiler's table of the
+    operations (CPU) or kernels (GPU) with the most self time."""
     from torch.profiler import ProfilerActivity, profile
 
-    engine, data = loaded_engine(gate, pack, 10**6)
+    cuda = device == "cuda"
+
+    def now() -> float:
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    engine, data = loaded_engine(gate, pack, 10**6, device, trial_args)
     splits = data.splits
     rows = len(next(iter(splits["train"].values())))
-    index = torch.randint(rows, (pack, batch_size), generator=torch.Generator().manual_seed(0))
-    batch = {key: tensor[index] for key, tensor in splits["train"].items()}
-    for _ in range(3):
-        engine.train_step(batch)
-    with profile(activities=[ProfilerActivity.CPU]) as profiler:
-        start = time.perf_counter()
+    index = torch.randint(rows, (pack, data.batch_size), generator=torch.Generator().manual_seed(0))
+    batch = {key: tensor[index].to(device) for key, tensor in splits["train"].items()}
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=bf16):
+        for _ in range(3):
+            engine.train_step(batch)
+        start = now()
         for _ in range(steps):
             engine.train_step(batch)
-        milliseconds = (time.perf_counter() - start) / steps * 1000
-    adam = {}
+        result = {"step_ms": (now() - start) / steps * 1000}
+        with profile(activities=activities) as profiler:
+            start = now()
+            for _ in range(steps):
+                engine.train_step(batch)
+            result["profiled_step_ms"] = (now() - start) / steps * 1000
+    if cuda:
+        kernels = [event for event in profiler.events() if event.device_type == torch.autograd.DeviceType.CUDA]
+        result["kernel_ms"] = sum(event.device_time_total for event in kernels) / 1000 / steps
+        result["kernels"] = len(kernels) // steps
     for kernel in ("fused", "elementwise"):
         engine.adam.fused = kernel == "fused"
         times = []
         for _ in range(20):
-            start = time.perf_counter()
+            start = now()
             engine.adam.step()
-            times.append((time.perf_counter() - start) * 1000)
-        adam[kernel] = sorted(times)[len(times) // 2]
-    return milliseconds, profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=15), adam
+            times.append((now() - start) * 1000)
+        result[f"adam_{kernel}_ms"] = sorted(times)[len(times) // 2]
+    order = "self_device_time_total" if cuda else "self_cpu_time_total"
+    return result, profiler.key_averages().table(sort_by=order, row_limit=20)
 
 
 def roofline(gate: str, pack: int, bf16: bool) -> dict[str, tuple]:
@@ -305,7 +329,7 @@ def main() -> None:
     parser.add_argument("--floor", action="store_true", help="the expert matmuls' time per trial-epoch")
     parser.add_argument("--roofline", action="store_true",
                         help="per phase and precision: FLOPs, bytes, launches and the H100 time they project")
-    parser.add_argument("--profile", type=int, default=0, help="P: where a CPU pack's training step spends its time")
+    parser.add_argument("--profile", type=int, default=0, help="P: where a pack's training step spends its time (the kernels on a GPU)")
     parser.add_argument("--matmul-precision", default="highest", choices=["highest", "high"],
                         help="--packs: float32 matmuls in float32 or TF32 (--model.matmul_precision)")
     parser.add_argument("--limit-batches", type=int, default=None, help="--packs: batches per epoch (default all)")
@@ -408,11 +432,15 @@ def main() -> None:
                    f"{len(ids)} configurations: largest relative difference {worst:.1e}"]
         print(tables[-1], flush=True)
     if args.profile:
-        milliseconds, table, adam = profile_step(gates[0], args.profile)
-        rows.append({"profile_P": args.profile, "step_ms": milliseconds, "adam_ms": adam})
-        tables += ["", f"{gates[0]}, P = {args.profile}, CPU: {milliseconds:.1f} ms per training step, "
-                   f"{milliseconds / args.profile:.1f} ms per trial-step (torch.profiler, 3 steps); the Adam update "
-                   f"alone: {adam['fused']:.2f} ms fused, {adam['elementwise']:.2f} ms element-wise", "", table]
+        bf16 = args.precision == "bf16-mixed"
+        with matmul_precision(args.matmul_precision):
+            result, table = profile_step(gates[0], args.profile, args.device, bf16, tuple(args.trial_args.split()))
+        precision = "bf16" if bf16 else {"highest": "fp32", "high": "tf32"}[args.matmul_precision]
+        line = (f"profile gate={gates[0]} P={args.profile} device={args.device} precision={precision} "
+                + " ".join(f"{key}={value:.3f}" if isinstance(value, float) else f"{key}={value}"
+                           for key, value in result.items()))
+        rows.append({"profile_P": args.profile, "device": args.device, "precision": precision, **result})
+        tables += ["", line, "", table]
         print(*tables[-3:], sep="\n", flush=True)
     if args.floor:
         floors = {precision: expert_matmul_floor(precision, 308, args.device) for precision in ("32", "bf16-mixed")}

@@ -1,5 +1,5 @@
-"""One prepared command for a lent GPU (issue 31): the CUDA tests, the pack throughput in each precision, the
-500-trial MovieLens-100K comet study at the paper's budget (resumable across leases), then ``report`` and
+"""One prepared command for a lent GPU (issue 31): the CUDA tests, the pack throughput in each precision and where
+a pack's training step spends its time (its kernels, ``bench_packs.py --profile``), the 500-trial MovieLens-100K comet study at the paper's budget (resumable across leases), then ``report`` and
 ``bootstrap``, each step in its own time budget, within 9 minutes.
 
     python benchmarks/gpu_check.py gather             # here: wheels and data into .gpu/ (git-ignored, carried)
@@ -95,7 +95,7 @@ class Sizes:
 # pack ``--pack auto`` finds fastest (all 500 at once, measured on an H200: none finished in a lease).
 GPU = Sizes("256", 500, ["--device", "cuda"], ["--trainer.accelerator=gpu", "--model.matmul_precision=high",
                                                "--pack=128", "--no-checkpoints"], ["--device", "cuda"],
-            {"install": 40, "tests": 100, "bench": 60, "report": 30, "bootstrap": 30})
+            {"install": 40, "tests": 100, "bench": 80, "report": 30, "bootstrap": 30})
 # the interpreter's pace: each program of a kernel costs milliseconds, each 1,024 parameters one Adam program
 TINY = "--data.batch_size=8 --model.n_experts=4 --model.embedding_dim=4 --model.expert_units=8 --model.tower_units=8"
 DRY = Sizes("2", 2, ["--limit-batches", "2", f"--trial-args={TINY}"],
@@ -242,6 +242,17 @@ def throughput(output: str, precision: str) -> list[dict]:
     return rows
 
 
+def profile_lines(output: str) -> list[dict]:
+    """bench_packs.py's ``profile key=value ...`` lines (``--profile``), numbers as numbers."""
+    found = []
+    for line in output.splitlines():
+        if line.startswith("profile "):
+            pairs = dict(field.split("=", 1) for field in line.split()[1:])
+            found.append({key: float(value) if re.fullmatch(r"[\d.]+", value) else value
+                          for key, value in pairs.items()})
+    return found
+
+
 STUDY_STATE = """
 import json, sys, optuna
 storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(sys.argv[1]))
@@ -309,13 +320,15 @@ def run(out: Path, sizes: Sizes, study_dir: Path, dry_run: bool = False, chosen:
                            *CUDA_TESTS],
                  budgets["tests"])
     summary["tests"] = tests_summary(tests.output)
-    rows = []
+    rows, profiles = [], []
     for precision in precisions:
         bench = step(f"bench-{precision}", [python, "benchmarks/bench_packs.py", "--gates", GATE, "--packs",
-                                            sizes.packs, "--graphs", "on", "--out", str(scratch / f"bench-{precision}"),
+                                            sizes.packs, "--graphs", "on", "--profile", sizes.packs.split(",")[-1],
+                                            "--out", str(scratch / f"bench-{precision}"),
                                             *PRECISIONS[precision], *sizes.bench_args], budgets["bench"])
         rows += throughput(bench.output, precision)
-    summary["throughput"] = rows
+        profiles += profile_lines(bench.output)
+    summary["throughput"], summary["profile"] = rows, profiles
     study_dir.mkdir(parents=True, exist_ok=True)
     journal = study_dir / f"{DATASET}-{GATE}.journal"
     storage = f"journal:{journal}"
@@ -382,6 +395,9 @@ def short_table(summary: dict) -> str:
               "| precision | gate | P | epoch (s) | trial-epochs / hour |", "|---|---|---|---|---|"]
     lines += [f"| {r['precision']} | {r['gate']} | {r['P']} | {r['epoch_s']:.2f} | {r['trial_epochs_per_hour']:,} |"
               for r in summary["throughput"]]
+    lines += ["", "| precision | P | eager step (ms) | kernels' time (ms) | kernels |", "|---|---|---|---|---|"]
+    lines += [f"| {r['precision']} | {r['P']:.0f} | {r['step_ms']:.2f} | {r.get('kernel_ms', 'n/a')} | "
+              f"{r.get('kernels', 'n/a')} |" for r in summary["profile"]]
     lines += ["", f"study: {study.get('trials_complete')} of {study.get('trials')} trials complete "
                   f"({study['before'].get('trials_complete')} before this run), mean epochs "
                   f"{study.get('mean_epochs')}, {study['wall_s']:.0f} s this run ({study['status']}), "

@@ -55,11 +55,24 @@ def test_the_dry_run_runs_every_step_and_writes_the_summary(tmp_path: Path) -> N
     assert summary["study"]["trial_epochs_per_hour"] > 0  # from the trial-epochs the journal gained
     assert summary["device"] and summary["commit"] and summary["tests"]["line"]
     assert {row["precision"] for row in summary["throughput"]} == set(gpu_check.GPU_PRECISIONS)
+    assert {row["precision"] for row in summary["profile"]} == set(gpu_check.GPU_PRECISIONS)
+    assert all(row["step_ms"] > 0 and row["P"] == int(gpu_check.DRY.packs) for row in summary["profile"])
     assert all(s["status"] == "ok" or s["status"].startswith("skipped") for s in summary["steps"].values())
     returned = sorted(p.name for p in tmp_path.iterdir())
     expected = {"summary.json", "summary.md", "logs.tar.gz", "study.journal", "report.md", "results.tar.gz"}
     assert expected <= set(returned)
     assert len(returned) <= 8 and all(p.is_file() for p in tmp_path.iterdir())  # the device tool returns 8 files
+
+
+def test_profile_lines_are_read_with_their_numbers() -> None:
+    output = ("| comet | 256 | on | fused | 9.27 | 99,455 |  | 34 |\n"
+              "profile gate=comet P=256 device=cuda precision=bf16 step_ms=31.250 profiled_step_ms=40.100 "
+              "kernel_ms=12.500 kernels=1184 adam_fused_ms=0.800 adam_elementwise_ms=3.100\n")
+    assert gpu_check.profile_lines(output) == [
+        {"gate": "comet", "P": 256.0, "device": "cuda", "precision": "bf16", "step_ms": 31.25,
+         "profiled_step_ms": 40.1, "kernel_ms": 12.5, "kernels": 1184.0, "adam_fused_ms": 0.8,
+         "adam_elementwise_ms": 3.1}]
+    assert gpu_check.profile_lines("no profile here\n") == []
 
 
 def test_the_studys_checkpoints_come_back_only_within_the_returned_file_limit(tmp_path: Path,
