@@ -527,8 +527,8 @@ class AccumulatingEngine(PackEngine):
 def test_gradients_written_in_place_equal_zeroed_and_accumulated_ones(name: str, autocast: bool) -> None:
     """Every gate and "+" variant, each gate in float32 and in bf16 autocast (a gate in one, its "+" in the other:
     ``tests/covering.py``), over steps inside and after local search's window: the gradients copied into the flat
-    gradient (:meth:`TrialStack.tracked`, blocks no gradient reached zeroed) and the weights Adam makes of them
-    are bitwise those of zeroing and accumulating; under autocast the expert layer reads the bfloat16 copies Adam
+    gradient or left where autograd computed them (:meth:`TrialStack.tracked`, blocks no gradient reached zeroed)
+    and the weights Adam makes of them are bitwise those of zeroing and accumulating; under autocast the expert layer reads the bfloat16 copies Adam
     writes (:meth:`PackedAdam.bfloat16_copies`) instead of autocast's casts, the same values, and the copies'
     gradients go to the bfloat16 blocks Adam reads (:meth:`PackedAdam.bfloat16_gradients`), the accumulated
     float32 gradients exactly."""
@@ -550,9 +550,11 @@ def test_gradients_written_in_place_equal_zeroed_and_accumulated_ones(name: str,
                 step(engine, data, i)
         written, accumulated = engines
         in_bfloat16 = written.adam.bfloat16_gradients() if autocast else {}
+        assert written.stack.kept  # the gradients Adam read where autograd left them (their blocks unwritten)
         for name, leaf in written.stack.params.items():
             expected = accumulated.stack.params[name].grad
-            assert torch.equal(in_bfloat16[name].float() if name in in_bfloat16 else leaf.grad, expected), (i, name)
+            gradient = written.stack.kept.get(name, in_bfloat16.get(name, leaf.grad))
+            assert torch.equal(gradient.float(), expected), (i, name)
         assert torch.equal(written.stack.flat, accumulated.stack.flat), i
         if autocast:  # the expert layer read Adam's bfloat16 copies, and the step wrote the next ones
             assert written.adam.half_names == {"experts.linear.weight", "experts.linear.bias", "towers.0.0.weight",

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from mtmoe.host_threads import run_split
+from mtmoe.host_threads import MIN_PART, run_split
 from mtmoe.kernel_traffic import fused_kernel
 from mtmoe.pack.stack import TrialStack
 from mtmoe.random import _bfloat16_bits, _fma, _widen
@@ -99,22 +99,59 @@ def _adam_cpu(param: np.ndarray, grad: np.ndarray, exp_avg: np.ndarray, exp_avg_
         i = end
 
 
+@numba.njit(cache=True, nogil=True, error_model="numpy")
+def _adam_kept_cpu(param: np.ndarray, grad: np.ndarray, grad_bits: np.ndarray, exp_avg: np.ndarray,
+                   exp_avg_sq: np.ndarray, half: np.ndarray, skip: np.ndarray, step_size: np.ndarray,
+                   bias_correction2_sqrt: np.ndarray, eps: np.ndarray, lo: int, hi: int) -> None:
+    """:func:`_adam_run` on rows ``[lo, hi)`` of one block of P x R rows of C elements (``param``, the moments and
+    ``half``, its bfloat16 copy's bits or empty: the block's flat elements), its gradient read where autograd left
+    it: ``grad`` ``[P, R, C]`` float32 of any strides, or the bits ``grad_bits`` of a bfloat16 one (widened
+    exactly), the other empty; trial ``t`` left alone where ``skip[t]``. Each row is gathered into a contiguous
+    run first, so each element's arithmetic is :func:`_adam_cpu`'s."""
+    bits = grad_bits.shape[0] != 0
+    rows, cols = (grad_bits.shape[1], grad_bits.shape[2]) if bits else (grad.shape[1], grad.shape[2])
+    gathered = np.empty(cols, np.uint32)
+    values = gathered.view(np.float32)
+    for i in range(lo, hi):
+        trial, row = i // rows, i % rows
+        if skip[trial]:
+            continue
+        if bits:
+            for j in range(cols):
+                gathered[j] = np.uint32(grad_bits[trial, row, j]) << np.uint32(16)
+        else:
+            for j in range(cols):
+                values[j] = grad[trial, row, j]
+        a, b = i * cols, (i + 1) * cols
+        _adam_run(param[a:b], values, exp_avg[a:b], exp_avg_sq[a:b], half[a:b] if half.shape[0] != 0 else half,
+                  step_size[trial], bias_correction2_sqrt[trial], eps[trial])
+
+
 if triton is not None:
     from mtmoe.random import _rounded, _widened
 
     @triton.jit
+    def _adam_update(p, g, m, v, s, c, e, lerp_weight, beta2, one_minus_beta2):
+        """:func:`_adam_run`'s update of loaded values: the new parameters and moments."""
+        m = tl.fma(lerp_weight, g - m, m)
+        v = v * beta2 + g * one_minus_beta2 * g
+        p = p - tl.div_rn(s * m, tl.div_rn(tl.sqrt_rn(v), c) + e)
+        return p, m, v
+
+    @triton.jit
     def _adam_cuda(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, half_ptr, half_grad_ptr, halves_ptr,
-                   unit_start_ptr, unit_length_ptr, unit_trial_ptr, unit_skip_row_ptr, skip_ptr, step_size_ptr,
-                   bias_correction2_sqrt_ptr, eps_ptr, capacity, lerp_weight, beta2, one_minus_beta2,
+                   unit_start_ptr, unit_length_ptr, unit_trial_ptr, unit_skip_row_ptr, skip_ptr, kept_ptr,
+                   step_size_ptr, bias_correction2_sqrt_ptr, eps_ptr, capacity, lerp_weight, beta2, one_minus_beta2,
                    UNIT: tl.constexpr, HALF: tl.constexpr, HALF_GRAD: tl.constexpr):
         """Program ``u``: :func:`_adam_run` on work unit ``u``, the ``unit_length[u]`` elements from
-        ``unit_start[u]`` of trial ``unit_trial[u]``, unless ``skip[unit_skip_row[u], trial]``; with ``HALF``, the
-        new values also written to ``half`` (bfloat16) where ``halves[unit_skip_row[u]]``, and with ``HALF_GRAD``
-        the gradient there read from ``half_grad`` (bfloat16, widened exactly)."""
+        ``unit_start[u]`` of trial ``unit_trial[u]``, unless ``skip[unit_skip_row[u], trial]`` or
+        ``kept[unit_skip_row[u]]`` (a block :func:`_adam_kept_cuda` updates); with ``HALF``, the new values also
+        written to ``half`` (bfloat16) where ``halves[unit_skip_row[u]]``, and with ``HALF_GRAD`` the gradient
+        there read from ``half_grad`` (bfloat16, widened exactly)."""
         unit = tl.program_id(0)
         trial = tl.load(unit_trial_ptr + unit)
         row = tl.load(unit_skip_row_ptr + unit)
-        if tl.load(skip_ptr + row * capacity + trial) == 0:
+        if (tl.load(skip_ptr + row * capacity + trial) == 0) & (tl.load(kept_ptr + row) == 0):
             s = tl.load(step_size_ptr + trial)
             c = tl.load(bias_correction2_sqrt_ptr + trial)
             e = tl.load(eps_ptr + trial)
@@ -128,11 +165,10 @@ if triton is not None:
                     g = tl.load(grad_ptr + offsets, mask=inside)
             else:
                 g = tl.load(grad_ptr + offsets, mask=inside)
-            m = tl.load(exp_avg_ptr + offsets, mask=inside)
-            m = tl.fma(lerp_weight, g - m, m)
-            v = tl.load(exp_avg_sq_ptr + offsets, mask=inside) * beta2 + g * one_minus_beta2 * g
-            p = tl.load(param_ptr + offsets, mask=inside)
-            p = p - tl.div_rn(s * m, tl.div_rn(tl.sqrt_rn(v), c) + e)
+            p, m, v = _adam_update(tl.load(param_ptr + offsets, mask=inside), g,
+                                   tl.load(exp_avg_ptr + offsets, mask=inside),
+                                   tl.load(exp_avg_sq_ptr + offsets, mask=inside), s, c, e, lerp_weight, beta2,
+                                   one_minus_beta2)
             tl.store(exp_avg_ptr + offsets, m, mask=inside)
             tl.store(exp_avg_sq_ptr + offsets, v, mask=inside)
             tl.store(param_ptr + offsets, p, mask=inside)
@@ -140,8 +176,40 @@ if triton is not None:
                 if tl.load(halves_ptr + row) != 0:
                     tl.store(half_ptr + offsets, _rounded(p, True), mask=inside)
 
+    @triton.jit
+    def _adam_kept_cuda(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, half_ptr, skip_ptr, step_size_ptr,
+                        bias_correction2_sqrt_ptr, eps_ptr, rows, cols, trial_stride, row_stride, col_stride,
+                        lerp_weight, beta2, one_minus_beta2, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                        HALF: tl.constexpr, HALF_GRAD: tl.constexpr):
+        """Program ``(trial, i, j)``: :func:`_adam_kept_cpu` on tile ``(i, j)`` of ``BLOCK_R x BLOCK_C`` elements
+        of trial ``trial``'s ``rows x cols`` block (``param``, the moments and with ``HALF`` its bfloat16 copy,
+        laid out as the block), its gradient read with its own strides (bfloat16 with ``HALF_GRAD``, widened
+        exactly): a transposed gradient is read along its contiguous axis, the tile turned in the kernel."""
+        trial = tl.program_id(0)
+        if tl.load(skip_ptr + trial) == 0:
+            s = tl.load(step_size_ptr + trial)
+            c = tl.load(bias_correction2_sqrt_ptr + trial)
+            e = tl.load(eps_ptr + trial)
+            r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
+            k = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
+            inside = (r < rows) & (k < cols)
+            wide = trial.to(tl.int64)
+            offsets = wide * rows * cols + r * cols + k
+            g = _widened(tl.load(grad_ptr + wide * trial_stride + r * row_stride + k * col_stride, mask=inside),
+                         False, HALF_GRAD)
+            p, m, v = _adam_update(tl.load(param_ptr + offsets, mask=inside), g,
+                                   tl.load(exp_avg_ptr + offsets, mask=inside),
+                                   tl.load(exp_avg_sq_ptr + offsets, mask=inside), s, c, e, lerp_weight, beta2,
+                                   one_minus_beta2)
+            tl.store(exp_avg_ptr + offsets, m, mask=inside)
+            tl.store(exp_avg_sq_ptr + offsets, v, mask=inside)
+            tl.store(param_ptr + offsets, p, mask=inside)
+            if HALF:
+                tl.store(half_ptr + offsets, _rounded(p, True), mask=inside)
 
-_UNIT = 1024  # elements per program of the Triton kernel
+
+_UNIT = 1024  # elements per program of the Triton kernels
+_TILE_ROWS = 32  # rows of _adam_kept_cuda's tile of a block with more than one row
 
 
 class PackedAdam:
@@ -173,7 +241,7 @@ class PackedAdam:
         self.half_names: frozenset[str] | None = None
         self.half_grad: Tensor | None = None  # the copies' gradients in bfloat16 (bfloat16_gradients)
         self._half_version: int | None = None  # stack.flat's version counter when the copies were last written
-        self._halves_on_device: tuple[np.ndarray, Tensor] | None = None  # the Triton kernel's block flags
+        self._device_flags: dict[str, tuple[np.ndarray, Tensor]] = {}  # the Triton kernel's block flags, by kind
 
     def _blocks(self, name: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Parameter ``name``'s values, gradients and moments as ``[P, size]``."""
@@ -239,11 +307,15 @@ class PackedAdam:
             self.half_names, self._half_version = names, flat._version
         return {name: self.stack.block(self.half, name) for name in names}
 
+    def reads_kept(self) -> bool:
+        """Whether :meth:`step` runs the fused kernels, which read gradients where autograd left them (``kept``)."""
+        return self.fused and self.stack.flat.dtype == torch.float32 \
+            and (use_triton(self.stack.device) or self.stack.device.type == "cpu")
+
     def _kernel_copies(self) -> bool:
         """Whether a step with ``copies`` runs a fused kernel that writes the copies (and may read their
         gradients in bfloat16)."""
-        return self.half_names is not None and self.fused and self.stack.flat.dtype == torch.float32 \
-            and (use_triton(self.stack.device) or self.stack.device.type == "cpu")
+        return self.half_names is not None and self.reads_kept()
 
     def bfloat16_gradients(self) -> dict[str, Tensor]:
         """Where a step with ``copies=True, gradients=True`` reads the gradients of :meth:`bfloat16_copies`'
@@ -259,19 +331,24 @@ class PackedAdam:
 
     @torch.no_grad()
     def step(self, skip: dict[str, Tensor] | None = None, lr_scale: Tensor | None = None,
-             copies: bool = False, gradients: bool = False) -> None:
+             copies: bool = False, gradients: bool = False, kept: dict[str, Tensor] | None = None) -> None:
         """One Adam step of every trial from the gradients in ``stack.flat_grad``; ``skip[name]`` (``[P]`` bool)
         names the trials that leave parameter ``name`` and its moments as they are; ``lr_scale`` (``[P]``) scales
         each trial's learning rate for this step (a schedule's). With ``copies``, the fused kernels also write the
         bfloat16 copies of :meth:`bfloat16_copies`' latest parameters, and with ``gradients`` too read those
         parameters' gradients from :meth:`bfloat16_gradients`' blocks (the same values as their float32 widening in
-        ``flat_grad``)."""
+        ``flat_grad``). ``kept[name]`` (``[P, *shape]``, any strides, the dtype of the block it stands for: see
+        :meth:`TrialStack.tracked <mtmoe.pack.stack.TrialStack.tracked>`) is parameter ``name``'s gradient read
+        where it lies instead of from its block, by a kernel of its own (fused kernels only: :meth:`reads_kept`)."""
+        kept = kept or {}
+        if kept and not self.reads_kept():
+            raise ValueError("gradients read where they lie need the fused kernels (fused=True, float32 parameters)")
         copies = copies and self._kernel_copies()
-        self._step(skip, lr_scale, copies, copies and gradients)
+        self._step(skip, lr_scale, copies, copies and gradients, kept)
         self._half_version = self.stack.flat._version if copies else None
 
     def _step(self, skip: dict[str, Tensor] | None, lr_scale: Tensor | None, copies: bool,
-              gradients: bool) -> None:
+              gradients: bool, kept: dict[str, Tensor]) -> None:
         self.steps.add_(1.0)
         beta1, beta2 = BETAS
         dtype = self.stack.flat.dtype
@@ -283,9 +360,9 @@ class PackedAdam:
         if not self.fused or dtype != torch.float32:
             self._step_elementwise(skip, step_size, bias_correction2_sqrt, eps)
         elif use_triton(self.stack.device):
-            self._step_triton(skip, step_size, bias_correction2_sqrt, eps, copies, gradients)
+            self._step_triton(skip, step_size, bias_correction2_sqrt, eps, copies, gradients, kept)
         elif self.stack.device.type == "cpu":
-            self._step_cpu(skip, step_size, bias_correction2_sqrt, eps, copies, gradients)
+            self._step_cpu(skip, step_size, bias_correction2_sqrt, eps, copies, gradients, kept)
         else:
             self._step_elementwise(skip, step_size, bias_correction2_sqrt, eps)
 
@@ -311,22 +388,35 @@ class PackedAdam:
         stack = self.stack
         return stack.flat.detach(), stack.flat_grad, self.exp_avg, self.exp_avg_sq
 
-    def _report(self, name: str, halves: np.ndarray, gradients: bool) -> None:
-        """The fused update's traffic, to the operation counters (:func:`mtmoe.kernel_traffic.fused_kernel`):
-        parameters, gradients and both moments read, parameters and moments written, and the bfloat16 copies of
-        the blocks flagged in ``halves`` written (with ``gradients``, their gradients read in bfloat16: 2 bytes
-        an element where float32 reads 4)."""
-        size = self.stack.flat.nbytes
-        copied = sum(int(width) * self.stack.capacity for width, half in zip(self.widths, halves) if half)
-        fused_kernel(name, 4 * size - (2 * copied if gradients else 0), 3 * size + 2 * copied)
+    def _report(self, name: str, blocks: np.ndarray, halves: np.ndarray, half_gradients: np.ndarray) -> None:
+        """The fused update's traffic over the blocks flagged in ``blocks``, to the operation counters
+        (:func:`mtmoe.kernel_traffic.fused_kernel`): parameters, gradients and both moments read, parameters and
+        moments written, the bfloat16 copies of the blocks flagged in ``halves`` written, and the gradients of
+        those flagged in ``half_gradients`` read in bfloat16 (2 bytes an element where float32 reads 4)."""
+        elements = self.widths * self.stack.capacity * blocks
+        fused_kernel(name, int((16 * elements - 2 * elements * half_gradients).sum()),
+                     int((12 * elements + 2 * elements * halves).sum()))
 
     def _halves(self, copies: bool) -> np.ndarray:
         """Per block, in the flat order: whether the step writes its bfloat16 copy."""
         return np.array([copies and name in self.half_names for name in self.names], dtype=np.bool_)
 
+    def _kept_blocks(self, kept: dict[str, Tensor]) -> list[tuple[int, str, Tensor, int, int]]:
+        """The blocks whose gradients ``kept`` holds, in the flat order: row, name, the gradient as ``[P, R, C]``
+        (a view), R and C."""
+        out = []
+        for row, name in enumerate(self.names):
+            if name in kept:
+                gradient = kept[name]
+                while gradient.dim() < 3:
+                    gradient = gradient.unsqueeze(1)
+                out.append((row, name, gradient, gradient.shape[1], gradient.shape[2]))
+        return out
+
     def _step_cpu(self, skip: dict[str, Tensor], step_size: Tensor, bias_correction2_sqrt: Tensor, eps: Tensor,
-                  copies: bool, gradients: bool) -> None:
-        """The same update by :func:`_adam_cpu`, over all blocks at once, on torch's threads."""
+                  copies: bool, gradients: bool, kept: dict[str, Tensor]) -> None:
+        """The same update by :func:`_adam_cpu`, over all blocks at once, on torch's threads, but the blocks whose
+        gradients ``kept`` holds, each updated by :func:`_adam_kept_cpu`."""
         skipped = np.zeros((len(self.names), self.stack.capacity), dtype=np.bool_)
         for row, name in enumerate(self.names):
             if name in skip:
@@ -334,14 +424,27 @@ class PackedAdam:
         halves = self._halves(copies)
         half = self.half.view(torch.uint16).numpy() if copies else np.empty(0, np.uint16)
         half_grad = self.half_grad.view(torch.uint16).numpy() if gradients else np.empty(0, np.uint16)
-        self._report("adam (numba)", halves, gradients)
+        coefficients = [t.view(-1).numpy() for t in (step_size, bias_correction2_sqrt, eps)]
+        in_flat = np.array([name not in kept for name in self.names], dtype=np.bool_)
+        self._report("adam (numba)", in_flat, halves, halves & gradients)
+        main_skip = skipped | ~in_flat[:, None]  # the kept blocks are updated below
         run_split(_adam_cpu, self.stack.flat.numel(), *(t.numpy() for t in self._flats()), half, half_grad, halves,
-                  self.ends, self.widths, skipped,
-                  *(t.view(-1).numpy() for t in (step_size, bias_correction2_sqrt, eps)))
+                  self.ends, self.widths, main_skip, *coefficients)
+        for row, name, gradient, rows, cols in self._kept_blocks(kept):
+            bfloat16 = gradient.dtype == torch.bfloat16
+            grad_bits = gradient.view(torch.uint16).numpy() if bfloat16 else np.empty((0, 0, 0), np.uint16)
+            grad = np.empty((0, 0, 0), np.float32) if bfloat16 else gradient.numpy()
+            block = self.stack.blocks[name]
+            param, _, exp_avg, exp_avg_sq = (t[block].numpy() for t in self._flats())
+            self._report("adam (numba)", np.arange(len(self.names)) == row, halves, np.full(len(self.names), bfloat16))
+            run_split(_adam_kept_cpu, self.stack.capacity * rows, param, grad, grad_bits, exp_avg, exp_avg_sq,
+                      half[block] if halves[row] else np.empty(0, np.uint16), skipped[row], *coefficients,
+                      min_part=max(1, MIN_PART // cols))
 
     def _step_triton(self, skip: dict[str, Tensor], step_size: Tensor, bias_correction2_sqrt: Tensor, eps: Tensor,
-                     copies: bool, gradients: bool) -> None:
-        """The same update by :func:`_adam_cuda`, one program per work unit; ``skip`` is read on the device."""
+                     copies: bool, gradients: bool, kept: dict[str, Tensor]) -> None:
+        """The same update by :func:`_adam_cuda`, one program per work unit, but the blocks whose gradients
+        ``kept`` holds, each updated by :func:`_adam_kept_cuda`; ``skip`` is read on the device."""
         capacity, device = self.stack.capacity, self.stack.device
         if self._units is None:
             starts, lengths, trials, rows = [], [], [], []
@@ -363,13 +466,32 @@ class PackedAdam:
             if name in skip:
                 self._skipped[row].copy_(skip[name])
         halves = self._halves(copies)
-        if copies and (self._halves_on_device is None or not np.array_equal(self._halves_on_device[0], halves)):
-            self._halves_on_device = halves, torch.from_numpy(halves.astype(np.uint8)).to(device)
+        in_flat = np.array([name not in kept for name in self.names], dtype=np.bool_)
         lerp_weight, beta2, one_minus_beta2 = (float(x) for x in (_LERP_WEIGHT, _BETA2, _ONE_MINUS_BETA2))
-        self._report("adam (triton)", halves, gradients)
-        half, flags = (self.half, self._halves_on_device[1]) if copies else (self.stack.flat, self._skipped)  # unread
+        self._report("adam (triton)", in_flat, halves, halves & gradients)
+        half, flags = (self.half, self._on_device("halves", halves)) if copies else (self.stack.flat, self._skipped)
         half_grad = self.half_grad if gradients else self.stack.flat  # unread without gradients
         _adam_cuda[(len(self._units[0]),)](*self._flats(), half, half_grad, flags, *self._units, self._skipped,
-                                          step_size, bias_correction2_sqrt, eps, capacity, lerp_weight, beta2,
-                                          one_minus_beta2, UNIT=_UNIT, HALF=copies, HALF_GRAD=gradients,
-                                          enable_fp_fusion=False)
+                                          self._on_device("kept", ~in_flat), step_size, bias_correction2_sqrt, eps,
+                                          capacity, lerp_weight, beta2, one_minus_beta2, UNIT=_UNIT, HALF=copies,
+                                          HALF_GRAD=gradients, enable_fp_fusion=False)
+        for row, name, gradient, rows, cols in self._kept_blocks(kept):
+            block = self.stack.blocks[name]
+            tile_rows = 1 if rows == 1 else _TILE_ROWS
+            tile_cols = _UNIT // tile_rows
+            bfloat16 = gradient.dtype == torch.bfloat16
+            self._report("adam (triton)", np.arange(len(self.names)) == row, halves, np.full(len(self.names), bfloat16))
+            param, _, exp_avg, exp_avg_sq = (t[block] for t in self._flats())
+            _adam_kept_cuda[(capacity, -(-rows // tile_rows), -(-cols // tile_cols))](
+                param, gradient, exp_avg, exp_avg_sq, self.half[block] if halves[row] else param, self._skipped[row],
+                step_size, bias_correction2_sqrt, eps, rows, cols, *gradient.stride(), lerp_weight, beta2,
+                one_minus_beta2, BLOCK_R=tile_rows, BLOCK_C=tile_cols, HALF=bool(halves[row]), HALF_GRAD=bfloat16,
+                enable_fp_fusion=False)
+
+    def _on_device(self, kind: str, flags: np.ndarray) -> Tensor:
+        """Per-block flags as a uint8 tensor on the device, copied there again only when they change (not in a
+        captured step, whose flags are those of its warm-up calls)."""
+        cached = self._device_flags.get(kind)
+        if cached is None or not np.array_equal(cached[0], flags):
+            cached = self._device_flags[kind] = flags, torch.from_numpy(flags.astype(np.uint8)).to(self.stack.device)
+        return cached[1]
