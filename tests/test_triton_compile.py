@@ -3,7 +3,7 @@
 
 The signatures are recorded, not listed by hand: a process with ``TRITON_INTERPRET=1`` runs the code that launches the
 kernels (:func:`record_launches`: dropout in every dtype it takes, the expert layer's epilogue and its mixing in their
-dtypes with and without dropout, the sum of the bottom's readers' gradients (float32 and bfloat16, two to eight
+dtypes with and without dropout (and the mixing's sums), the sum of the bottom's readers' gradients (float32 and bfloat16, two to eight
 of them), the Sinkhorn forward and backward for the search spaces' expert counts and 33, COMET's reach and its
 backward (float32 and bfloat16, those expert counts and 4 and 5, k 1 and 2), the
 packed Adam at pack sizes 1, 3 and 16, with and without bfloat16 copies and gradients, and its per-block kernel
@@ -95,6 +95,9 @@ def record_launches() -> None:
             epilogue.bias_relu_dropout(y, bias, p, torch.tensor([5, 6]), torch.tensor(3), 1).sum().backward()
             weights = torch.rand(2, 3, 2, 4).to(dtype).requires_grad_()  # the experts' mixing, 4 experts, 2 tasks
             mixing.mixed_experts(y, bias, weights, p, torch.tensor([5, 6]), torch.tensor(3), 1).sum().backward()
+            if dtype != torch.float64:  # the mixing's sums too (--model.fused_mixing_sums)
+                mixing.mixed_experts(y, bias, weights, p, torch.tensor([5, 6]), torch.tensor(3), 1,
+                                     sums=True).sum().backward()
     for dtype in (torch.float32, torch.bfloat16):  # the bottom's readers' gradients (autocast: bf16)
         for count in range(2, shared_input.MAX_KERNEL_READERS + 1):
             shared_input.summed([torch.randn(2, 3, 40).to(dtype) for _ in range(count)], torch.float32)

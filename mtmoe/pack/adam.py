@@ -242,6 +242,7 @@ class PackedAdam:
         self.half_grad: Tensor | None = None  # the copies' gradients in bfloat16 (bfloat16_gradients)
         self._half_version: int | None = None  # stack.flat's version counter when the copies were last written
         self._device_flags: dict[str, tuple[np.ndarray, Tensor]] = {}  # the Triton kernel's block flags, by kind
+        self._views: dict[tuple[str, object], tuple] = {}  # _block_views', and the CPU's arrays of them
 
     def _blocks(self, name: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Parameter ``name``'s values, gradients and moments as ``[P, size]``."""
@@ -401,17 +402,30 @@ class PackedAdam:
         """Per block, in the flat order: whether the step writes its bfloat16 copy."""
         return np.array([copies and name in self.half_names for name in self.names], dtype=np.bool_)
 
-    def _kept_blocks(self, kept: dict[str, Tensor]) -> list[tuple[int, str, Tensor, int, int]]:
-        """The blocks whose gradients ``kept`` holds, in the flat order: row, name, the gradient as ``[P, R, C]``
-        (a view), R and C."""
+    def _kept_blocks(self, kept: dict[str, Tensor]) -> list[tuple[int, str, Tensor, int, int, tuple[int, ...]]]:
+        """The blocks whose gradients ``kept`` holds, in the flat order: row, name, the gradient, and as
+        ``[P, R, C]``: R, C and its strides (from its shape and strides alone: nothing dispatched)."""
         out = []
         for row, name in enumerate(self.names):
             if name in kept:
                 gradient = kept[name]
-                while gradient.dim() < 3:
-                    gradient = gradient.unsqueeze(1)
-                out.append((row, name, gradient, gradient.shape[1], gradient.shape[2]))
+                shape, strides = list(gradient.shape), list(gradient.stride())
+                while len(shape) < 3:
+                    shape.insert(1, 1)
+                    strides.insert(1, 0)
+                out.append((row, name, gradient, shape[1], shape[2], tuple(strides)))
         return out
+
+    def _block_views(self, name: str, half: Tensor | None) -> tuple:
+        """Parameter ``name``'s blocks of the parameters, both moments and ``half`` (or the parameters' again), and
+        its row of the Triton kernel's skip flags: views made once (each a dispatched operation)."""
+        key = (name, half is not None)
+        if key not in self._views:
+            block = self.stack.blocks[name]
+            param, _, exp_avg, exp_avg_sq = (t[block] for t in self._flats())
+            self._views[key] = (param, exp_avg, exp_avg_sq, param if half is None else half[block],
+                                self._skipped[self.names.index(name)] if self._skipped is not None else None)
+        return self._views[key]
 
     def _step_cpu(self, skip: dict[str, Tensor], step_size: Tensor, bias_correction2_sqrt: Tensor, eps: Tensor,
                   copies: bool, gradients: bool, kept: dict[str, Tensor]) -> None:
@@ -430,16 +444,18 @@ class PackedAdam:
         main_skip = skipped | ~in_flat[:, None]  # the kept blocks are updated below
         run_split(_adam_cpu, self.stack.flat.numel(), *(t.numpy() for t in self._flats()), half, half_grad, halves,
                   self.ends, self.widths, main_skip, *coefficients)
-        for row, name, gradient, rows, cols in self._kept_blocks(kept):
+        for row, name, gradient, rows, cols, _ in self._kept_blocks(kept):
             bfloat16 = gradient.dtype == torch.bfloat16
-            grad_bits = gradient.view(torch.uint16).numpy() if bfloat16 else np.empty((0, 0, 0), np.uint16)
-            grad = np.empty((0, 0, 0), np.float32) if bfloat16 else gradient.numpy()
-            block = self.stack.blocks[name]
-            param, _, exp_avg, exp_avg_sq = (t[block].numpy() for t in self._flats())
+            values = (gradient.view(torch.uint16) if bfloat16 else gradient).numpy().reshape(-1, rows, cols)
+            empty = np.empty((0, 0, 0), values.dtype)
+            if (name, "numpy") not in self._views:  # .numpy() dispatches a detach: made once too
+                self._views[name, "numpy"] = tuple(t.numpy() for t in self._block_views(name, None)[:3])
+            param, exp_avg, exp_avg_sq = self._views[name, "numpy"]
             self._report("adam (numba)", np.arange(len(self.names)) == row, halves, np.full(len(self.names), bfloat16))
-            run_split(_adam_kept_cpu, self.stack.capacity * rows, param, grad, grad_bits, exp_avg, exp_avg_sq,
-                      half[block] if halves[row] else np.empty(0, np.uint16), skipped[row], *coefficients,
-                      min_part=max(1, MIN_PART // cols))
+            run_split(_adam_kept_cpu, self.stack.capacity * rows, param, empty if bfloat16 else values,
+                      values if bfloat16 else empty, exp_avg, exp_avg_sq,
+                      half[self.stack.blocks[name]] if halves[row] else np.empty(0, np.uint16), skipped[row],
+                      *coefficients, min_part=max(1, MIN_PART // cols))
 
     def _step_triton(self, skip: dict[str, Tensor], step_size: Tensor, bias_correction2_sqrt: Tensor, eps: Tensor,
                      copies: bool, gradients: bool, kept: dict[str, Tensor]) -> None:
@@ -475,16 +491,15 @@ class PackedAdam:
                                           self._on_device("kept", ~in_flat), step_size, bias_correction2_sqrt, eps,
                                           capacity, lerp_weight, beta2, one_minus_beta2, UNIT=_UNIT, HALF=copies,
                                           HALF_GRAD=gradients, enable_fp_fusion=False)
-        for row, name, gradient, rows, cols in self._kept_blocks(kept):
-            block = self.stack.blocks[name]
+        for row, name, gradient, rows, cols, strides in self._kept_blocks(kept):
             tile_rows = 1 if rows == 1 else _TILE_ROWS
             tile_cols = _UNIT // tile_rows
             bfloat16 = gradient.dtype == torch.bfloat16
             self._report("adam (triton)", np.arange(len(self.names)) == row, halves, np.full(len(self.names), bfloat16))
-            param, _, exp_avg, exp_avg_sq = (t[block] for t in self._flats())
+            param, exp_avg, exp_avg_sq, block_half, skipped = self._block_views(name, self.half if halves[row] else None)
             _adam_kept_cuda[(capacity, -(-rows // tile_rows), -(-cols // tile_cols))](
-                param, gradient, exp_avg, exp_avg_sq, self.half[block] if halves[row] else param, self._skipped[row],
-                step_size, bias_correction2_sqrt, eps, rows, cols, *gradient.stride(), lerp_weight, beta2,
+                param, gradient, exp_avg, exp_avg_sq, block_half, skipped,
+                step_size, bias_correction2_sqrt, eps, rows, cols, *strides, lerp_weight, beta2,
                 one_minus_beta2, BLOCK_R=tile_rows, BLOCK_C=tile_cols, HALF=bool(halves[row]), HALF_GRAD=bfloat16,
                 enable_fp_fusion=False)
 
