@@ -18,6 +18,12 @@ The forward is the epilogue's kernel and torch's ``bmm``: bitwise the unfused fo
 read the experts' outputs (``Gate.needs_expert_outputs``) lets :class:`mtmoe.mmoe.MMoE` mix through here: the
 gates then run before the experts' epilogue (after their matmul), and ``h`` has no reader but the mixing.
 
+With ``sums`` (``--model.fused_mixing_sums``, off by default) the same pass also computes the mixing's two other
+gradients: the expert bias's, the gradient of ``y`` summed over a trial's rows (row by row, in the accumulator of
+the dtype), and the gates' weights', ``sum_u grad[t, u] h[i * U + u]``, where torch's ``sum`` and ``bmm`` would read
+the gradient of ``y`` and ``h`` again. Their summation orders are not torch's (which differ between its CPU and GPU
+kernels too), so they equal them to float rounding only; a trial's sums are its own, the same at any pack size.
+
 Three implementations of the backward kernel, as for the epilogue: numba (CPU: float32, float64, bfloat16), Triton
 (CUDA tensors, and CPU tensors under Triton's interpreter), torch operations (other dtypes and devices).
 """

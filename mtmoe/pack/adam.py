@@ -19,6 +19,12 @@ multiply-adds differently, the two agree to float32 rounding (tested). Three imp
   there (the lerp's fused multiply-add as CUDA's ``lerp``, the square root and divisions IEEE, no other contraction:
   ``enable_fp_fusion=False``).
 
+The fused kernels also read a parameter's gradient where autograd left it (``kept``: a linear layer's weight
+gradient, the transpose of its block's layout; an embedding's), instead of from a copy in the flat gradient: one
+more kernel per such block (:func:`_adam_kept_cpu`, which gathers each row before :func:`_adam_run`;
+:func:`_adam_kept_cuda`, which loads a tile through the gradient's own strides), the same arithmetic per element, so
+the same bits.
+
 As ``torch.optim.Adam`` leaves a parameter whose gradient is ``None`` as it is, :meth:`PackedAdam.step` leaves the
 parameters a trial did not use in the step (``skip``: local search's matrix once the permutation is frozen) with
 their moments untouched.

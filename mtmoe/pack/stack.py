@@ -2,9 +2,10 @@
 
 Parameters live in one flat float32 tensor (``flat``), their gradients in another (``flat_grad``), parameter by
 parameter: each named parameter is a contiguous leaf tensor ``[P, *shape]`` that aliases its block of ``flat``, with its
-``.grad`` aliasing the same block of ``flat_grad``; a training step writes each gradient there in place
-(:meth:`TrialStack.tracked`) and the optimiser updates all trials with element-wise operations per parameter, each with
-per-trial ``[P, 1]`` coefficients (:class:`mtmoe.pack.adam.PackedAdam`). Contiguous leaves are what ``vmap``'s rules
+``.grad`` aliasing the same block of ``flat_grad``; a training step writes each gradient there in place, or, for an
+optimiser that reads it where autograd computed it, leaves it there (:meth:`TrialStack.tracked`), and the optimiser
+updates all trials with element-wise operations per parameter, each with per-trial ``[P, 1]`` coefficients
+(:class:`mtmoe.pack.adam.PackedAdam`). Contiguous leaves are what ``vmap``'s rules
 expect: an embedding table ``[P, V, D]`` is looked up as ``[P * V, D]`` without a copy. Every buffer (counters, a gate's
 float64 settings, local search's state, ...) is one stacked tensor ``[P, *shape]``. A per-trial operation (a refill, a
 best-weights snapshot) is one indexed copy per tensor.
