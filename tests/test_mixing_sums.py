@@ -25,7 +25,7 @@ from mtmoe.pack.roofline import measure
 
 from test_engine import batches, engine_of, info, step, trials
 from test_epilogue import bits_of
-from test_mixing import Mixture, case, pack_outputs
+from test_mixing import Mixture, case, pack_case, pack_outputs, slot
 from test_random import run_interpreted
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16]
@@ -69,24 +69,16 @@ def test_the_sums_differ_from_torchs_order_in_float32(monkeypatch) -> None:
 def test_a_vmapped_pack_with_fused_sums_mixes_what_the_plain_layer_computes(autocast: bool) -> None:
     """P = 3 trials of 16 experts of 8 units, two tasks, dropout 0.5: the forward bitwise, the gradients to
     rounding (x's bitwise: it comes from the gradient of y); one trial alone (no vmap) bitwise its slot."""
-    generator = torch.Generator().manual_seed(3)
     experts, summing = DenseExperts(24, 8, 16, dropout=0.5), DenseExperts(24, 8, 16, dropout=0.5, fused_sums=True)
-    params = {f"experts.{name}": torch.randn(3, *t.shape, generator=generator) / 4
-              for name, t in experts.named_parameters()}
-    x = torch.randn(3, 40, 24, generator=generator)
-    weights = torch.rand(3, 40, 2, 16, generator=generator)
-    upstream = torch.randn(3, 40, 2, 8, generator=generator)
-    seeds, steps = torch.tensor([1, 2**40, 7]), torch.tensor([0, 5, 2**33])
-    unfused, fused = (pack_outputs(Mixture(e, f), params, x, weights, upstream, seeds, steps, autocast)
-                      for e, f in ((experts, False), (summing, True)))
+    case = pack_case()
+    unfused, fused = (pack_outputs(Mixture(e, f), *case, autocast) for e, f in ((experts, False), (summing, True)))
     assert torch.equal(bits_of(fused[0]), bits_of(unfused[0]))
     tolerance = 2**-7 if autocast else 1e-5
     for a, b in zip(fused[1:], unfused[1:]):
         torch.testing.assert_close(a, b, rtol=tolerance, atol=tolerance * b.abs().max().item())
     if autocast:
         assert torch.equal(fused[1], unfused[1])  # the gradient of x: the gradient of y's matmul, bitwise
-    alone = pack_outputs(Mixture(summing, True), {k: t[1:2] for k, t in params.items()}, x[1:2], weights[1:2],
-                         upstream[1:2], seeds[1:2], steps[1:2], autocast)
+    alone = pack_outputs(Mixture(summing, True), *slot(case, 1), autocast)
     for a, b in zip(alone, fused):
         assert torch.equal(a[0], b[1])
 

@@ -137,12 +137,19 @@ if triton is not None:
     from mtmoe.random import _rounded, _widened
 
     @triton.jit
-    def _adam_update(p, g, m, v, s, c, e, lerp_weight, beta2, one_minus_beta2):
-        """:func:`_adam_run`'s update of loaded values: the new parameters and moments."""
+    def _adam_update(param_ptr, exp_avg_ptr, exp_avg_sq_ptr, offsets, inside, g, s, c, e, lerp_weight, beta2,
+                     one_minus_beta2):
+        """:func:`_adam_run`'s update of the elements at ``offsets`` from their gradient ``g``: the moments and
+        parameters loaded, updated and stored; returns the new parameters."""
+        m = tl.load(exp_avg_ptr + offsets, mask=inside)
         m = tl.fma(lerp_weight, g - m, m)
-        v = v * beta2 + g * one_minus_beta2 * g
+        v = tl.load(exp_avg_sq_ptr + offsets, mask=inside) * beta2 + g * one_minus_beta2 * g
+        p = tl.load(param_ptr + offsets, mask=inside)
         p = p - tl.div_rn(s * m, tl.div_rn(tl.sqrt_rn(v), c) + e)
-        return p, m, v
+        tl.store(exp_avg_ptr + offsets, m, mask=inside)
+        tl.store(exp_avg_sq_ptr + offsets, v, mask=inside)
+        tl.store(param_ptr + offsets, p, mask=inside)
+        return p
 
     @triton.jit
     def _adam_cuda(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, half_ptr, half_grad_ptr, halves_ptr,
@@ -171,13 +178,8 @@ if triton is not None:
                     g = tl.load(grad_ptr + offsets, mask=inside)
             else:
                 g = tl.load(grad_ptr + offsets, mask=inside)
-            p, m, v = _adam_update(tl.load(param_ptr + offsets, mask=inside), g,
-                                   tl.load(exp_avg_ptr + offsets, mask=inside),
-                                   tl.load(exp_avg_sq_ptr + offsets, mask=inside), s, c, e, lerp_weight, beta2,
-                                   one_minus_beta2)
-            tl.store(exp_avg_ptr + offsets, m, mask=inside)
-            tl.store(exp_avg_sq_ptr + offsets, v, mask=inside)
-            tl.store(param_ptr + offsets, p, mask=inside)
+            p = _adam_update(param_ptr, exp_avg_ptr, exp_avg_sq_ptr, offsets, inside, g, s, c, e, lerp_weight,
+                             beta2, one_minus_beta2)
             if HALF:
                 if tl.load(halves_ptr + row) != 0:
                     tl.store(half_ptr + offsets, _rounded(p, True), mask=inside)
@@ -203,13 +205,8 @@ if triton is not None:
             offsets = wide * rows * cols + r * cols + k
             g = _widened(tl.load(grad_ptr + wide * trial_stride + r * row_stride + k * col_stride, mask=inside),
                          False, HALF_GRAD)
-            p, m, v = _adam_update(tl.load(param_ptr + offsets, mask=inside), g,
-                                   tl.load(exp_avg_ptr + offsets, mask=inside),
-                                   tl.load(exp_avg_sq_ptr + offsets, mask=inside), s, c, e, lerp_weight, beta2,
-                                   one_minus_beta2)
-            tl.store(exp_avg_ptr + offsets, m, mask=inside)
-            tl.store(exp_avg_sq_ptr + offsets, v, mask=inside)
-            tl.store(param_ptr + offsets, p, mask=inside)
+            p = _adam_update(param_ptr, exp_avg_ptr, exp_avg_sq_ptr, offsets, inside, g, s, c, e, lerp_weight,
+                             beta2, one_minus_beta2)
             if HALF:
                 tl.store(half_ptr + offsets, _rounded(p, True), mask=inside)
 
