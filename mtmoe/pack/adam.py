@@ -105,6 +105,9 @@ def _adam_cpu(param: np.ndarray, grad: np.ndarray, exp_avg: np.ndarray, exp_avg_
         i = end
 
 
+_GATHERED_ROWS = 16  # rows of a block gathered at a time by _adam_kept_cpu
+
+
 @numba.njit(cache=True, nogil=True, error_model="numpy")
 def _adam_kept_cpu(param: np.ndarray, grad: np.ndarray, grad_bits: np.ndarray, exp_avg: np.ndarray,
                    exp_avg_sq: np.ndarray, half: np.ndarray, skip: np.ndarray, step_size: np.ndarray,
@@ -112,25 +115,40 @@ def _adam_kept_cpu(param: np.ndarray, grad: np.ndarray, grad_bits: np.ndarray, e
     """:func:`_adam_run` on rows ``[lo, hi)`` of one block of P x R rows of C elements (``param``, the moments and
     ``half``, its bfloat16 copy's bits or empty: the block's flat elements), its gradient read where autograd left
     it: ``grad`` ``[P, R, C]`` float32 of any strides, or the bits ``grad_bits`` of a bfloat16 one (widened
-    exactly), the other empty; trial ``t`` left alone where ``skip[t]``. Each row is gathered into a contiguous
-    run first, so each element's arithmetic is :func:`_adam_cpu`'s."""
+    exactly), the other empty; trial ``t`` left alone where ``skip[t]``. Up to :data:`_GATHERED_ROWS` rows of a
+    trial are gathered into a contiguous buffer first (along the gradient's contiguous axis, so that a transposed
+    gradient is read in order), so each element's arithmetic is :func:`_adam_cpu`'s."""
     bits = grad_bits.shape[0] != 0
     rows, cols = (grad_bits.shape[1], grad_bits.shape[2]) if bits else (grad.shape[1], grad.shape[2])
-    gathered = np.empty(cols, np.uint32)
+    strides = grad_bits.strides if bits else grad.strides
+    transposed = strides[1] < strides[2]
+    gathered = np.empty((_GATHERED_ROWS, cols), np.uint32)
     values = gathered.view(np.float32)
-    for i in range(lo, hi):
+    i = lo
+    while i < hi:
         trial, row = i // rows, i % rows
-        if skip[trial]:
-            continue
-        if bits:
-            for j in range(cols):
-                gathered[j] = np.uint32(grad_bits[trial, row, j]) << np.uint32(16)
-        else:
-            for j in range(cols):
-                values[j] = grad[trial, row, j]
-        a, b = i * cols, (i + 1) * cols
-        _adam_run(param[a:b], values, exp_avg[a:b], exp_avg_sq[a:b], half[a:b] if half.shape[0] != 0 else half,
-                  step_size[trial], bias_correction2_sqrt[trial], eps[trial])
+        count = min(hi - i, _GATHERED_ROWS, rows - row)
+        if not skip[trial]:
+            if transposed:
+                for j in range(cols):
+                    for k in range(count):
+                        if bits:
+                            gathered[k, j] = np.uint32(grad_bits[trial, row + k, j]) << np.uint32(16)
+                        else:
+                            values[k, j] = grad[trial, row + k, j]
+            else:
+                for k in range(count):
+                    for j in range(cols):
+                        if bits:
+                            gathered[k, j] = np.uint32(grad_bits[trial, row + k, j]) << np.uint32(16)
+                        else:
+                            values[k, j] = grad[trial, row + k, j]
+            for k in range(count):
+                a, b = (i + k) * cols, (i + k + 1) * cols
+                _adam_run(param[a:b], values[k], exp_avg[a:b], exp_avg_sq[a:b],
+                          half[a:b] if half.shape[0] != 0 else half, step_size[trial], bias_correction2_sqrt[trial],
+                          eps[trial])
+        i += count
 
 
 if triton is not None:
