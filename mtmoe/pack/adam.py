@@ -109,19 +109,19 @@ _GATHERED_ROWS = 16  # rows of a block gathered at a time by _adam_kept_cpu
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
-def _adam_kept_cpu(param: np.ndarray, grad: np.ndarray, grad_bits: np.ndarray, exp_avg: np.ndarray,
-                   exp_avg_sq: np.ndarray, half: np.ndarray, skip: np.ndarray, step_size: np.ndarray,
-                   bias_correction2_sqrt: np.ndarray, eps: np.ndarray, lo: int, hi: int) -> None:
+def _adam_kept_cpu(param: np.ndarray, grad: np.ndarray, grad_bits: np.ndarray, transposed: bool,
+                   exp_avg: np.ndarray, exp_avg_sq: np.ndarray, half: np.ndarray, skip: np.ndarray,
+                   step_size: np.ndarray, bias_correction2_sqrt: np.ndarray, eps: np.ndarray, lo: int, hi: int) -> None:
     """:func:`_adam_run` on rows ``[lo, hi)`` of one block of P x R rows of C elements (``param``, the moments and
     ``half``, its bfloat16 copy's bits or empty: the block's flat elements), its gradient read where autograd left
-    it: ``grad`` ``[P, R, C]`` float32 of any strides, or the bits ``grad_bits`` of a bfloat16 one (widened
-    exactly), the other empty; trial ``t`` left alone where ``skip[t]``. Up to :data:`_GATHERED_ROWS` rows of a
-    trial are gathered into a contiguous buffer first (along the gradient's contiguous axis, so that a transposed
-    gradient is read in order), so each element's arithmetic is :func:`_adam_cpu`'s."""
+    it: ``grad`` ``[P, R, C]`` float32 (``[P, C, R]`` if ``transposed``: a linear layer's weight gradient as it
+    lies), or the bits ``grad_bits`` of a bfloat16 one (widened exactly), the other empty; trial ``t`` left alone
+    where ``skip[t]``. Up to :data:`_GATHERED_ROWS` rows of a trial are gathered into a contiguous buffer first
+    (along the gradient's contiguous axis), so each element's arithmetic is :func:`_adam_cpu`'s."""
     bits = grad_bits.shape[0] != 0
     rows, cols = (grad_bits.shape[1], grad_bits.shape[2]) if bits else (grad.shape[1], grad.shape[2])
-    strides = grad_bits.strides if bits else grad.strides
-    transposed = strides[1] < strides[2]
+    if transposed:
+        rows, cols = cols, rows
     gathered = np.empty((_GATHERED_ROWS, cols), np.uint32)
     values = gathered.view(np.float32)
     i = lo
@@ -133,9 +133,9 @@ def _adam_kept_cpu(param: np.ndarray, grad: np.ndarray, grad_bits: np.ndarray, e
                 for j in range(cols):
                     for k in range(count):
                         if bits:
-                            gathered[k, j] = np.uint32(grad_bits[trial, row + k, j]) << np.uint32(16)
+                            gathered[k, j] = np.uint32(grad_bits[trial, j, row + k]) << np.uint32(16)
                         else:
-                            values[k, j] = grad[trial, row + k, j]
+                            values[k, j] = grad[trial, j, row + k]
             else:
                 for k in range(count):
                     for j in range(cols):
@@ -468,13 +468,15 @@ class PackedAdam:
         for row, name, gradient, rows, cols, _ in self._kept_blocks(kept):
             bfloat16 = gradient.dtype == torch.bfloat16
             values = (gradient.view(torch.uint16) if bfloat16 else gradient).numpy().reshape(-1, rows, cols)
+            transposed = values.strides[1] < values.strides[2]  # read as it lies: [P, C, R]
+            values = values.transpose(0, 2, 1) if transposed else values
             empty = np.empty((0, 0, 0), values.dtype)
             if (name, "numpy") not in self._views:  # .numpy() dispatches a detach: made once too
                 self._views[name, "numpy"] = tuple(t.numpy() for t in self._block_views(name, None)[:3])
             param, exp_avg, exp_avg_sq = self._views[name, "numpy"]
             self._report("adam (numba)", np.arange(len(self.names)) == row, halves, np.full(len(self.names), bfloat16))
             run_split(_adam_kept_cpu, self.stack.capacity * rows, param, empty if bfloat16 else values,
-                      values if bfloat16 else empty, exp_avg, exp_avg_sq,
+                      values if bfloat16 else empty, transposed, exp_avg, exp_avg_sq,
                       half[self.stack.blocks[name]] if halves[row] else np.empty(0, np.uint16), skipped[row],
                       *coefficients, min_part=max(1, MIN_PART // cols))
 
