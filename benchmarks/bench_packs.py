@@ -147,7 +147,8 @@ def loaded_engine(gate: str, pack: int, steps_per_epoch: int, device: str = "cpu
 def operations(gate: str, pack: int, trial_args: tuple[str, ...] = ()) -> dict:
     from mtmoe.pack.operations import phases
 
-    engine, data = loaded_engine(gate, pack, 4, trial_args=trial_args)  # a window of 4 steps: a step inside it, then after it
+    # a window of 4 steps: a step inside it, then after it
+    engine, data = loaded_engine(gate, pack, 4, trial_args=trial_args)
     splits = data.splits
     index = torch.arange(8).expand(pack, -1)  # the count does not depend on the batch's rows: 8 keep it quick
     batch = {key: tensor[index] for key, tensor in splits["train"].items()}
@@ -333,9 +334,8 @@ def main() -> None:
     parser.add_argument("--matmul-precision", default="highest", choices=["highest", "high"],
                         help="--packs: float32 matmuls in float32 or TF32 (--model.matmul_precision)")
     parser.add_argument("--limit-batches", type=int, default=None, help="--packs: batches per epoch (default all)")
-    parser.add_argument("--trial-args", default="", help="--packs, --ops, --roofline: `fit` options of every trial, "
-                        "space-separated "
-                        "(--trial-args='--data.batch_size=8 --model.n_experts=4')")
+    parser.add_argument("--trial-args", default="", help="--packs, --ops, --roofline, --profile: `fit` options of "
+                        "every trial, space-separated (--trial-args='--data.batch_size=8 --model.n_experts=4')")
     parser.add_argument("--out", type=Path, default=OUT, help="folder of packs.md and packs.json")
     args = parser.parse_args()
     where = (torch.cuda.get_device_name() if args.device == "cuda"

@@ -550,10 +550,10 @@ def test_gradients_written_in_place_equal_zeroed_and_accumulated_ones(name: str,
     """Every gate and "+" variant, each gate in float32 and in bf16 autocast (a gate in one, its "+" in the other:
     ``tests/covering.py``), over steps inside and after local search's window: the gradients copied into the flat
     gradient or left where autograd computed them (:meth:`TrialStack.tracked`, blocks no gradient reached zeroed)
-    and the weights Adam makes of them are bitwise those of zeroing and accumulating; under autocast the expert layer reads the bfloat16 copies Adam
-    writes (:meth:`PackedAdam.bfloat16_copies`) instead of autocast's casts, the same values, and the copies'
-    gradients go to the bfloat16 blocks Adam reads (:meth:`PackedAdam.bfloat16_gradients`), the accumulated
-    float32 gradients exactly."""
+    and the weights Adam makes of them are bitwise those of zeroing and accumulating; under autocast the expert
+    layer reads the bfloat16 copies Adam writes (:meth:`PackedAdam.bfloat16_copies`) instead of autocast's casts,
+    the same values, and the copies' gradients go to the bfloat16 blocks Adam reads
+    (:meth:`PackedAdam.bfloat16_gradients`) or stay where they lie, the accumulated float32 gradients exactly."""
     data = [batches(p, 6) for p in range(2)]
     engines = []
     for kind in (PackEngine, AccumulatingEngine):

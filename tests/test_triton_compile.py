@@ -3,13 +3,13 @@
 
 The signatures are recorded, not listed by hand: a process with ``TRITON_INTERPRET=1`` runs the code that launches the
 kernels (:func:`record_launches`: dropout in every dtype it takes, the expert layer's epilogue and its mixing in their
-dtypes with and without dropout (and the mixing's sums), the sum of the bottom's readers' gradients (float32 and bfloat16, two to eight
-of them), the Sinkhorn forward and backward for the search spaces' expert counts and 33, COMET's reach and its
-backward (float32 and bfloat16, those expert counts and 4 and 5, k 1 and 2), the
-packed Adam at pack sizes 1, 3 and 16, with and without bfloat16 copies and gradients, and its per-block kernel
-reading gradients where they lie, float32 and bfloat16, transposed and contiguous) with each kernel's ``run`` wrapped to note its
-arguments (a tensor's dtype and alignment, a number's value, the constexprs and options). The test replays each through
-Triton's own argument binder for the target, which gives the types, constexprs and specialisations (an int's
+dtypes with and without dropout (and the mixing's sums), the sum of the bottom's readers' gradients (float32 and
+bfloat16, two to eight of them), the Sinkhorn forward and backward for the search spaces' expert counts and 33,
+COMET's reach and its backward (float32 and bfloat16, those expert counts and 4 and 5, k 1 and 2), the packed Adam
+at pack sizes 1, 3 and 16, with and without bfloat16 copies and gradients, and its per-block kernel reading
+gradients where they lie, float32 and bfloat16, transposed and contiguous) with each kernel's ``run`` wrapped to
+note its arguments (a tensor's dtype and alignment, a number's value, the constexprs and options). The test replays each
+through Triton's own argument binder for the target, which gives the types, constexprs and specialisations (an int's
 divisibility by 16 or value 1, a pointer's alignment) a launch on that GPU gets, and compiles them. A kernel launched
 (``name[grid](...)``) from code this recording does not reach fails the test.
 """

@@ -519,7 +519,8 @@ class PackedAdam:
             tile_cols = _UNIT // tile_rows
             bfloat16 = gradient.dtype == torch.bfloat16
             self._report("adam (triton)", np.arange(len(self.names)) == row, halves, np.full(len(self.names), bfloat16))
-            param, exp_avg, exp_avg_sq, block_half, skipped = self._block_views(name, self.half if halves[row] else None)
+            views = self._block_views(name, self.half if halves[row] else None)
+            param, exp_avg, exp_avg_sq, block_half, skipped = views
             _adam_kept_cuda[(capacity, -(-rows // tile_rows), -(-cols // tile_cols))](
                 param, gradient, exp_avg, exp_avg_sq, block_half, skipped,
                 step_size, bias_correction2_sqrt, eps, rows, cols, *strides, lerp_weight, beta2,
