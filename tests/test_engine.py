@@ -432,6 +432,14 @@ def check_interpreted_adam_kernel() -> None:
     assert torch.equal(adam_states("cpu", fused=True, copies=True, gradients=True)[0], triton_rounded)
     assert torch.equal(adam_states("cpu", fused=True, kept=True)[0], triton_state)
     assert torch.equal(adam_states("cpu", fused=True, copies=True, gradients=True, kept=True)[0], triton_rounded)
+
+    def wide(seed: int) -> torch.nn.Module:  # a weight of 70 x 40: tiles over both of its axes
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(torch.nn.Linear(40, 70))
+
+    grads = [{name: torch.randn(3, *p.shape) for name, p in wide(0).named_parameters()} for _ in range(2)]
+    kept, flat = (packed_adam_run(wide, grads, [False] * 3, kept=kept)[1] for kept in (True, False))
+    assert torch.equal(kept, flat)
     skipped = triton_state[3 * 4530 + 90:3 * 4530 + 180]  # trial 1's row of the last weight
     assert torch.equal(skipped, initial.flatten())
     print("ok")

@@ -207,17 +207,18 @@ if triton is not None:
                         bias_correction2_sqrt_ptr, eps_ptr, rows, cols, trial_stride, row_stride, col_stride,
                         lerp_weight, beta2, one_minus_beta2, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
                         HALF: tl.constexpr, HALF_GRAD: tl.constexpr):
-        """Program ``(trial, i, j)``: :func:`_adam_kept_cpu` on tile ``(i, j)`` of ``BLOCK_R x BLOCK_C`` elements
-        of trial ``trial``'s ``rows x cols`` block (``param``, the moments and with ``HALF`` its bfloat16 copy,
+        """Program ``(tile, trial)``: :func:`_adam_kept_cpu` on tile ``tile`` (row-major over the tiles) of
+        ``BLOCK_R x BLOCK_C`` elements of trial ``trial``'s ``rows x cols`` block (``param``, the moments and with ``HALF`` its bfloat16 copy,
         laid out as the block), its gradient read with its own strides (bfloat16 with ``HALF_GRAD``, widened
         exactly): a transposed gradient is read along its contiguous axis, the tile turned in the kernel."""
-        trial = tl.program_id(0)
+        trial = tl.program_id(1)
         if tl.load(skip_ptr + trial) == 0:
             s = tl.load(step_size_ptr + trial)
             c = tl.load(bias_correction2_sqrt_ptr + trial)
             e = tl.load(eps_ptr + trial)
-            r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
-            k = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
+            col_tiles = tl.cdiv(cols, BLOCK_C)
+            r = tl.program_id(0) // col_tiles * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
+            k = tl.program_id(0) % col_tiles * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
             inside = (r < rows) & (k < cols)
             wide = trial.to(tl.int64)
             offsets = wide * rows * cols + r * cols + k
@@ -521,7 +522,7 @@ class PackedAdam:
             self._report("adam (triton)", np.arange(len(self.names)) == row, halves, np.full(len(self.names), bfloat16))
             views = self._block_views(name, self.half if halves[row] else None)
             param, exp_avg, exp_avg_sq, block_half, skipped = views
-            _adam_kept_cuda[(capacity, -(-rows // tile_rows), -(-cols // tile_cols))](
+            _adam_kept_cuda[(-(-rows // tile_rows) * -(-cols // tile_cols), capacity)](
                 param, gradient, exp_avg, exp_avg_sq, block_half, skipped,
                 step_size, bias_correction2_sqrt, eps, rows, cols, *strides, lerp_weight, beta2,
                 one_minus_beta2, BLOCK_R=tile_rows, BLOCK_C=tile_cols, HALF=bool(halves[row]), HALF_GRAD=bfloat16,
