@@ -144,10 +144,11 @@ def loaded_engine(gate: str, pack: int, steps_per_epoch: int, device: str = "cpu
     return engine, data
 
 
-def operations(gate: str, pack: int) -> dict:
+def operations(gate: str, pack: int, trial_args: tuple[str, ...] = ()) -> dict:
     from mtmoe.pack.operations import phases
 
-    engine, data = loaded_engine(gate, pack, 4)  # a window of 4 steps: a step inside it, then after it
+    # a window of 4 steps: a step inside it, then after it
+    engine, data = loaded_engine(gate, pack, 4, trial_args=trial_args)
     splits = data.splits
     index = torch.arange(8).expand(pack, -1)  # the count does not depend on the batch's rows: 8 keep it quick
     batch = {key: tensor[index] for key, tensor in splits["train"].items()}
@@ -205,7 +206,7 @@ def profile_step(gate: str, pack: int, device: str = "cpu", bf16: bool = False, 
     return result, profiler.key_averages().table(sort_by=order, row_limit=20)
 
 
-def roofline(gate: str, pack: int, bf16: bool) -> dict[str, tuple]:
+def roofline(gate: str, pack: int, bf16: bool, trial_args: tuple[str, ...] = ()) -> dict[str, tuple]:
     """Per phase (``train``, ``eval``): the :class:`mtmoe.pack.roofline.Cost` of a pack of P's training step on
     512-row batches (inside the permutation window for "+") or evaluation batch, and its floor's bytes, on this CPU
     under bf16 autocast or none. Every tensor of a step is a trial's own (linear in P) or shared (constant), so the
@@ -216,7 +217,7 @@ def roofline(gate: str, pack: int, bf16: bool) -> dict[str, tuple]:
 
     costs = {}
     for size in (1, 2):
-        engine, data = loaded_engine(gate, size, 10**6)
+        engine, data = loaded_engine(gate, size, 10**6, trial_args=trial_args)
         experts = engine.template.experts
         if not isinstance(experts, DenseExperts):
             sys.exit(f"error: --roofline's floor counts dense experts, {gate} on {DATA} has {type(experts).__name__}")
@@ -333,8 +334,8 @@ def main() -> None:
     parser.add_argument("--matmul-precision", default="highest", choices=["highest", "high"],
                         help="--packs: float32 matmuls in float32 or TF32 (--model.matmul_precision)")
     parser.add_argument("--limit-batches", type=int, default=None, help="--packs: batches per epoch (default all)")
-    parser.add_argument("--trial-args", default="", help="--packs: `fit` options of every trial, space-separated "
-                        "(--trial-args='--data.batch_size=8 --model.n_experts=4')")
+    parser.add_argument("--trial-args", default="", help="--packs, --ops, --roofline, --profile: `fit` options of "
+                        "every trial, space-separated (--trial-args='--data.batch_size=8 --model.n_experts=4')")
     parser.add_argument("--out", type=Path, default=OUT, help="folder of packs.md and packs.json")
     args = parser.parse_args()
     where = (torch.cuda.get_device_name() if args.device == "cuda"
@@ -378,7 +379,7 @@ def main() -> None:
     if args.ops:
         for gate in gates:
             for pack in (int(p) for p in (args.packs or "1,16").split(",")):
-                for phase, counted in operations(gate, pack).items():
+                for phase, counted in operations(gate, pack, tuple(args.trial_args.split())).items():
                     line = f"ops gate={gate} P={pack} phase={phase} ops={counted.ops} host_reads={counted.host_reads}"
                     rows.append({"gate": gate, "P": pack, "phase": phase, "ops": counted.ops,
                                  "host_reads": counted.host_reads})
@@ -391,7 +392,7 @@ def main() -> None:
         for gate in gates:
             for pack in (int(p) for p in (args.packs or "1,256").split(",")):
                 for bf16 in (False, True):
-                    for phase, (cost, floor) in roofline(gate, pack, bf16).items():
+                    for phase, (cost, floor) in roofline(gate, pack, bf16, tuple(args.trial_args.split())).items():
                         for precision in (("bf16",) if bf16 else ("fp32", "tf32")):
                             projected = projected_ms(cost.flops, cost.bytes, precision)
                             bottom = projected_ms(cost.flops, floor, precision)

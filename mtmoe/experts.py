@@ -51,11 +51,13 @@ class DenseExperts(nn.Module):
     #: trial pack hands them in bfloat16 under bf16 autocast, copies its Adam writes (:class:`mtmoe.pack.engine`).
     autocast_parameters = ("linear.weight", "linear.bias")
 
-    def __init__(self, in_features: int, units: int, n_experts: int, dropout: float = 0.5) -> None:
+    def __init__(self, in_features: int, units: int, n_experts: int, dropout: float = 0.5,
+                 fused_sums: bool = False) -> None:
         super().__init__()
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
         self.in_features, self.n_experts, self.units, self.dropout = in_features, n_experts, units, dropout
+        self.fused_sums = fused_sums  # the mixing's backward sums in its kernel (mixed_experts' sums: not bitwise)
         self.out_features = units
         self.linear = nn.Linear(in_features, n_experts * units)
 
@@ -70,8 +72,10 @@ class DenseExperts(nn.Module):
     def mixed(self, y: Tensor, weights: Tensor, stream: Stream | None = None) -> Tensor:
         """The experts' outputs from the matmul's output ``y`` (:meth:`matmul`) weighted by the gates,
         ``bmm(weights, self(x, stream))`` for ``weights`` ``[B, T, n]``: ``[B, T, units]``, the same values, with a
-        backward that writes the gradient of ``y`` in one pass (:func:`mtmoe.mixing.mixed_experts`)."""
-        return mixed_experts(y, autocast_bias(self.linear.bias), weights, *self._dropout(stream))
+        backward that writes the gradient of ``y`` in one pass (:func:`mtmoe.mixing.mixed_experts`), and with
+        ``fused_sums`` the bias's and the weights' gradients in it too (to float rounding)."""
+        return mixed_experts(y, autocast_bias(self.linear.bias), weights, *self._dropout(stream),
+                             sums=self.fused_sums)
 
     def _dropout(self, stream: Stream | None) -> tuple:
         """The epilogue's dropout arguments in this mode: ``p``, and with ``p > 0`` the stream's seed, step and

@@ -144,6 +144,7 @@ def build_mmoe(
     expert_dropout: float | None = None,
     keras_init: bool = True,
     local_search: dict | None = None,
+    fused_mixing_sums: bool = False,
 ) -> MMoE:
     """The paper's architecture for ``info``'s dataset (S1.2); any argument left ``None`` takes the paper's value.
 
@@ -153,18 +154,22 @@ def build_mmoe(
     the official TensorFlow code) re-initialises bottom, experts and towers with Keras' defaults; gates always use
     their own papers' initialisations. ``local_search`` holds the keyword arguments of
     :class:`mtmoe.permutation.LocalSearch` for a "+" model (``None``: the base gate alone).
+    ``fused_mixing_sums``: the dense experts' ``fused_sums`` (:class:`DenseExperts`; recommenders only).
     """
     n_experts = n_experts or info.n_experts
     dropout = info.expert_dropout if expert_dropout is None else expert_dropout
     units = expert_units or info.expert_units
     if info.image_shape is None:
         bottom: nn.Module = EmbeddingBottom(info.n_users, info.n_items, embedding_dim or info.embedding_dim)
-        experts: nn.Module = DenseExperts(bottom.out_features, units, n_experts, dropout)
+        experts: nn.Module = DenseExperts(bottom.out_features, units, n_experts, dropout, fused_mixing_sums)
         routing_features = bottom.out_features
         initialised = [bottom, experts]
     else:
         if embedding_dim is not None:
             raise UsageError(f"embedding_dim applies to the recommenders only; {info.name} has no embeddings")
+        if fused_mixing_sums:
+            raise UsageError(f"fused_mixing_sums applies to the recommenders' dense experts only; {info.name} has "
+                             "convolutional experts: leave it false")
         bottom = ImageBottom(info.overlay_shift)
         experts = ConvExperts(info.image_shape, info.conv_layers, units, info.expert_layers, n_experts, dropout)
         routing_features = math.prod(info.image_shape)
@@ -232,6 +237,12 @@ class NetSettings:
                                          "code shares one).")
     perm_eval_rounded: bool = setting(True, "evaluate with the rounded permutation inside the window (official); "
                                             "False: soft.")
+    fused_mixing_sums: bool = setting(
+        False, "the dense experts' mixing backward also sums the expert bias's gradient over the batch and the "
+        "gates' weights' gradient over the units in its one kernel (numba/Triton), in its own order: the same "
+        "values to float rounding, not bitwise torch's ``sum`` and ``bmm``; fewer bytes moved a step. Off by "
+        "default; recommenders only; part of a study's identity. A gate that reads the experts' outputs "
+        "(CompeteSMoE) does not mix through this kernel.")
 
 
 def build_net(info: DatasetInfo, settings: NetSettings) -> MMoE:
@@ -246,4 +257,5 @@ def build_net(info: DatasetInfo, settings: NetSettings) -> MMoE:
         "epochs": settings.perm_epochs, "zeta": settings.zeta, "per_task": settings.perm_per_task,
         "eval_rounded": settings.perm_eval_rounded}
     return build_mmoe(info, settings.gate, settings.n_experts, settings.embedding_dim, settings.expert_units,
-                      settings.tower_units, settings.expert_dropout, settings.keras_init, local_search)
+                      settings.tower_units, settings.expert_dropout, settings.keras_init, local_search,
+                      settings.fused_mixing_sums)

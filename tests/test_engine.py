@@ -287,7 +287,7 @@ def test_packed_adam_equals_torch_adam_per_trial() -> None:
 def test_packed_adam_cpu_kernel_is_the_same_on_any_number_of_threads() -> None:
     """The CPU update (one numba kernel over the flat tensors, split over torch's threads, parts crossing blocks
     and trials) gives the same bits on 1, 2 or 3 threads, and per trial follows ``torch.optim.Adam(fused=True)``
-    to float32 rounding."""
+    to float32 rounding; reading the gradients where they lie (per block, split by rows) gives the same bits."""
 
     def model(seed: int) -> torch.nn.Module:
         torch.manual_seed(seed)
@@ -313,6 +313,11 @@ def test_packed_adam_cpu_kernel_is_the_same_on_any_number_of_threads() -> None:
             # the copies' gradients read in bfloat16: what their float32 widening gives, bitwise
             assert torch.equal(packed_adam_run(model, grads, [False, False, True], copies=True, gradients=True)[1],
                                packed_adam_run(model, bfloat16_rounded(grads), [False, False, True])[1])
+            # every gradient read where it lies (transposed weights; the copies' in bfloat16): the same bits
+            assert torch.equal(packed_adam_run(model, grads, [False, False, True], kept=True)[1], state)
+            assert torch.equal(packed_adam_run(model, grads, [False, False, True], copies=True, gradients=True,
+                                               kept=True)[1],
+                               packed_adam_run(model, bfloat16_rounded(grads), [False, False, True])[1])
             for p in range(3):
                 for (name, value), expected in zip(nets[p].named_parameters(), reference[p].parameters()):
                     if not (p == 2 and name == "2.weight"):
@@ -334,15 +339,18 @@ def bfloat16_rounded(grads: list[dict[str, torch.Tensor]]) -> list[dict[str, tor
 
 
 def packed_adam_run(model, grads: list[dict[str, torch.Tensor]], skipped: list[bool], device: str = "cpu",
-                    fused: bool = True, copies: bool = False,
-                    gradients: bool = False) -> tuple[list[torch.nn.Module], torch.Tensor]:
+                    fused: bool = True, copies: bool = False, gradients: bool = False,
+                    kept: bool = False) -> tuple[list[torch.nn.Module], torch.Tensor]:
     """Three trials, ``model(0..2)``, stacked with :data:`ADAM_SETTINGS` after one :class:`PackedAdam` step per
     entry of ``grads`` (``[3, ...]`` per parameter), the trials marked in ``skipped`` leaving ``2.weight`` alone: the
     nets (holding views of their slots) and the parameters and both moments as one flat tensor. With ``copies``,
     the steps also write bfloat16 copies of the first layer and the last bias (:data:`COPIED`), which must then be
     the parameters cast (those of the skipped trial included) while the other blocks' are left alone
     (:meth:`PackedAdam.step`); with ``gradients`` too, the steps read those parameters' gradients rounded to
-    bfloat16 from :meth:`PackedAdam.bfloat16_gradients` (their float32 blocks hold NaN, which must go unread)."""
+    bfloat16 from :meth:`PackedAdam.bfloat16_gradients` (their float32 blocks hold NaN, which must go unread). With
+    ``kept``, every gradient is read where it lies (``step``'s ``kept``): the weights' in the transposed layout a
+    linear layer's gradient has, the biases' contiguous, the copies' in bfloat16 with ``gradients``, and every
+    block (float32 and bfloat16) holds NaN."""
     nets = [model(p) for p in range(3)]
     stack = TrialStack(nets[0], 3, device)
     adam = PackedAdam(stack, fused=fused)
@@ -361,7 +369,16 @@ def packed_adam_run(model, grads: list[dict[str, torch.Tensor]], skipped: list[b
             for name, block in blocks.items():
                 block.copy_(step_grads[name])
                 stack.params[name].grad.fill_(float("nan"))
-        adam.step({"2.weight": torch.tensor(skipped, device=device)}, copies=copies, gradients=gradients)
+        where = {}
+        if kept:
+            for name, leaf in stack.params.items():
+                gradient = step_grads[name].to(torch.bfloat16 if gradients and name in names else torch.float32)
+                where[name] = gradient.transpose(-1, -2).contiguous().transpose(-1, -2) if gradient.dim() == 3 \
+                    else gradient.clone()
+                leaf.grad.fill_(float("nan"))
+                if gradients and name in names:
+                    adam.bfloat16_gradients()[name].fill_(float("nan"))
+        adam.step({"2.weight": torch.tensor(skipped, device=device)}, copies=copies, gradients=gradients, kept=where)
     if copies:
         assert adam._half_version == stack.flat._version  # written by the step: no cast needed before the next
         for name in stack.params:
@@ -371,7 +388,7 @@ def packed_adam_run(model, grads: list[dict[str, torch.Tensor]], skipped: list[b
 
 
 def adam_states(device: str, fused: bool, copies: bool = False, gradients: bool = False,
-                rounded: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                rounded: bool = False, kept: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`packed_adam_run` of a 150-30-3 MLP on ``device``, 4 steps, trial 1 leaving its last weight alone: the
     flat state (on the CPU) and that weight's initial values. Blocks of 4,500, 30, 90 and 3 elements per trial: the
     Triton kernel's units end inside and at blocks."""
@@ -384,7 +401,7 @@ def adam_states(device: str, fused: bool, copies: bool = False, gradients: bool 
     grads = [{name: torch.randn(3, *p.shape, generator=generator).to(device) for name, p in model(0).named_parameters()}
              for _ in range(4)]
     grads = bfloat16_rounded(grads) if rounded else grads
-    _, state = packed_adam_run(model, grads, [False, True, False], device, fused, copies, gradients)
+    _, state = packed_adam_run(model, grads, [False, True, False], device, fused, copies, gradients, kept)
     return state.cpu(), model(1)[2].weight.detach().cpu()
 
 
@@ -393,7 +410,8 @@ def check_interpreted_adam_kernel() -> None:
     element-wise path's states to float32 rounding (the interpreter rounds the lerp's product, which the GPU fuses),
     with the skipped weight as it was; either kernel writing bfloat16 copies computes the same states, and copies
     equal to the parameters cast (:func:`packed_adam_run`); either kernel reading the copies' gradients in bfloat16
-    computes the states of their float32 widening."""
+    computes the states of their float32 widening; either kernel reading every gradient where it lies (``kept``:
+    transposed, contiguous, bfloat16) computes the same states bitwise."""
     from mtmoe import triton_support
 
     assert triton_support.INTERPRET
@@ -406,10 +424,22 @@ def check_interpreted_adam_kernel() -> None:
     assert torch.equal(adam_states("cpu", fused=True, copies=True)[0], numba_state)
     numba_rounded = adam_states("cpu", fused=True, rounded=True)[0]
     assert torch.equal(adam_states("cpu", fused=True, copies=True, gradients=True)[0], numba_rounded)
+    assert torch.equal(adam_states("cpu", fused=True, kept=True)[0], numba_state)
+    assert torch.equal(adam_states("cpu", fused=True, copies=True, gradients=True, kept=True)[0], numba_rounded)
     triton_support.INTERPRET = True
     assert torch.equal(adam_states("cpu", fused=True, copies=True)[0], triton_state)
     triton_rounded = adam_states("cpu", fused=True, rounded=True)[0]
     assert torch.equal(adam_states("cpu", fused=True, copies=True, gradients=True)[0], triton_rounded)
+    assert torch.equal(adam_states("cpu", fused=True, kept=True)[0], triton_state)
+    assert torch.equal(adam_states("cpu", fused=True, copies=True, gradients=True, kept=True)[0], triton_rounded)
+
+    def wide(seed: int) -> torch.nn.Module:  # a weight of 70 x 40: tiles over both of its axes
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(torch.nn.Linear(40, 70))
+
+    grads = [{name: torch.randn(3, *p.shape) for name, p in wide(0).named_parameters()} for _ in range(2)]
+    kept, flat = (packed_adam_run(wide, grads, [False] * 3, kept=kept)[1] for kept in (True, False))
+    assert torch.equal(kept, flat)
     skipped = triton_state[3 * 4530 + 90:3 * 4530 + 180]  # trial 1's row of the last weight
     assert torch.equal(skipped, initial.flatten())
     print("ok")
@@ -527,11 +557,11 @@ class AccumulatingEngine(PackEngine):
 def test_gradients_written_in_place_equal_zeroed_and_accumulated_ones(name: str, autocast: bool) -> None:
     """Every gate and "+" variant, each gate in float32 and in bf16 autocast (a gate in one, its "+" in the other:
     ``tests/covering.py``), over steps inside and after local search's window: the gradients copied into the flat
-    gradient (:meth:`TrialStack.tracked`, blocks no gradient reached zeroed) and the weights Adam makes of them
-    are bitwise those of zeroing and accumulating; under autocast the expert layer reads the bfloat16 copies Adam
-    writes (:meth:`PackedAdam.bfloat16_copies`) instead of autocast's casts, the same values, and the copies'
-    gradients go to the bfloat16 blocks Adam reads (:meth:`PackedAdam.bfloat16_gradients`), the accumulated
-    float32 gradients exactly."""
+    gradient or left where autograd computed them (:meth:`TrialStack.tracked`, blocks no gradient reached zeroed)
+    and the weights Adam makes of them are bitwise those of zeroing and accumulating; under autocast the expert
+    layer reads the bfloat16 copies Adam writes (:meth:`PackedAdam.bfloat16_copies`) instead of autocast's casts,
+    the same values, and the copies' gradients go to the bfloat16 blocks Adam reads
+    (:meth:`PackedAdam.bfloat16_gradients`) or stay where they lie, the accumulated float32 gradients exactly."""
     data = [batches(p, 6) for p in range(2)]
     engines = []
     for kind in (PackEngine, AccumulatingEngine):
@@ -550,9 +580,11 @@ def test_gradients_written_in_place_equal_zeroed_and_accumulated_ones(name: str,
                 step(engine, data, i)
         written, accumulated = engines
         in_bfloat16 = written.adam.bfloat16_gradients() if autocast else {}
+        assert written.stack.kept  # the gradients Adam read where autograd left them (their blocks unwritten)
         for name, leaf in written.stack.params.items():
             expected = accumulated.stack.params[name].grad
-            assert torch.equal(in_bfloat16[name].float() if name in in_bfloat16 else leaf.grad, expected), (i, name)
+            gradient = written.stack.kept.get(name, in_bfloat16.get(name, leaf.grad))
+            assert torch.equal(gradient.float(), expected), (i, name)
         assert torch.equal(written.stack.flat, accumulated.stack.flat), i
         if autocast:  # the expert layer read Adam's bfloat16 copies, and the step wrote the next ones
             assert written.adam.half_names == {"experts.linear.weight", "experts.linear.bias", "towers.0.0.weight",

@@ -89,3 +89,13 @@ def test_the_triton_adam_kernel_computes_the_elementwise_update_bit_for_bit() ->
     assert torch.equal(triton_state, elementwise_state), (triton_state - elementwise_state).abs().max()
     assert torch.allclose(triton_state, cpu_state, rtol=0, atol=1e-7)
     assert torch.equal(triton_state[3 * 4530 + 90:3 * 4530 + 180], initial.flatten())
+
+
+def test_the_triton_adam_reads_gradients_where_they_lie_bit_for_bit() -> None:
+    """The per-block kernel reading each gradient with its own strides (a weight's transposed, a bias's
+    contiguous; with copies and bfloat16 gradients too) gives the one-launch kernel's states bitwise."""
+    from test_engine import adam_states
+
+    assert torch.equal(adam_states("cuda", fused=True, kept=True)[0], adam_states("cuda", fused=True)[0])
+    assert torch.equal(adam_states("cuda", fused=True, copies=True, gradients=True, kept=True)[0],
+                       adam_states("cuda", fused=True, rounded=True)[0])

@@ -114,28 +114,37 @@ def pack_outputs(module: Mixture, params: dict, x: torch.Tensor, weights: torch.
             params["experts.linear.bias"].grad]
 
 
+def pack_case() -> tuple:
+    """P = 3 trials of an expert layer of 16 experts of 8 units on 24 inputs, 40 rows, two tasks: the stacked
+    parameters, inputs, weights, the output's upstream gradient, and the trials' stream seeds and steps."""
+    generator = torch.Generator().manual_seed(3)
+    params = {f"experts.{name}": torch.randn(3, *t.shape, generator=generator) / 4
+              for name, t in DenseExperts(24, 8, 16).named_parameters()}
+    x = torch.randn(3, 40, 24, generator=generator)
+    weights = torch.rand(3, 40, 2, 16, generator=generator)
+    upstream = torch.randn(3, 40, 2, 8, generator=generator)
+    return params, x, weights, upstream, torch.tensor([1, 2**40, 7]), torch.tensor([0, 5, 2**33])
+
+
+def slot(case: tuple, p: int) -> tuple:
+    """Trial ``p`` of :func:`pack_case`'s, as a pack of one."""
+    params, *tensors = case
+    return {k: t[p:p + 1] for k, t in params.items()}, *(t[p:p + 1] for t in tensors)
+
+
 @pytest.mark.parametrize("autocast", [False, True])
 def test_a_vmapped_pack_mixes_what_the_unfused_layer_and_bmm_compute(autocast: bool) -> None:
     """P = 3 trials of 16 experts of 8 units, two tasks, dropout 0.5: the forward bitwise; the gradients bitwise under
     bf16 autocast, to float32 rounding in float32; one trial alone (no vmap) bitwise its slot of the pack."""
-    generator = torch.Generator().manual_seed(3)
-    experts = DenseExperts(24, 8, 16, dropout=0.5)
-    params = {f"experts.{name}": torch.randn(3, *t.shape, generator=generator) / 4
-              for name, t in experts.named_parameters()}
-    x = torch.randn(3, 40, 24, generator=generator)
-    weights = torch.rand(3, 40, 2, 16, generator=generator)
-    upstream = torch.randn(3, 40, 2, 8, generator=generator)
-    seeds, steps = torch.tensor([1, 2**40, 7]), torch.tensor([0, 5, 2**33])
-    unfused, fused = (pack_outputs(Mixture(experts, f), params, x, weights, upstream, seeds, steps, autocast)
-                      for f in (False, True))
+    experts, case = DenseExperts(24, 8, 16, dropout=0.5), pack_case()
+    unfused, fused = (pack_outputs(Mixture(experts, f), *case, autocast) for f in (False, True))
     assert torch.equal(bits_of(fused[0]), bits_of(unfused[0]))
     for a, b in zip(fused[1:], unfused[1:]):
         if autocast:
             assert torch.equal(a, b)
         else:
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    alone = pack_outputs(Mixture(experts, True), {k: t[1:2] for k, t in params.items()}, x[1:2], weights[1:2],
-                         upstream[1:2], seeds[1:2], steps[1:2], autocast)
+    alone = pack_outputs(Mixture(experts, True), *slot(case, 1), autocast)
     for a, b in zip(alone, fused):
         assert torch.equal(a[0], b[1])
 

@@ -3,12 +3,13 @@
 
 The signatures are recorded, not listed by hand: a process with ``TRITON_INTERPRET=1`` runs the code that launches the
 kernels (:func:`record_launches`: dropout in every dtype it takes, the expert layer's epilogue and its mixing in their
-dtypes with and without dropout, the sum of the bottom's readers' gradients (float32 and bfloat16, two to eight
-of them), the Sinkhorn forward and backward for the search spaces' expert counts and 33, COMET's reach and its
-backward (float32 and bfloat16, those expert counts and 4 and 5, k 1 and 2), the
-packed Adam at pack sizes 1, 3 and 16, with and without bfloat16 copies and gradients) with each kernel's ``run`` wrapped to note its
-arguments (a tensor's dtype and alignment, a number's value, the constexprs and options). The test replays each through
-Triton's own argument binder for the target, which gives the types, constexprs and specialisations (an int's
+dtypes with and without dropout (and the mixing's sums), the sum of the bottom's readers' gradients (float32 and
+bfloat16, two to eight of them), the Sinkhorn forward and backward for the search spaces' expert counts and 33,
+COMET's reach and its backward (float32 and bfloat16, those expert counts and 4 and 5, k 1 and 2), the packed Adam
+at pack sizes 1, 3 and 16, with and without bfloat16 copies and gradients, and its per-block kernel reading
+gradients where they lie, float32 and bfloat16, transposed and contiguous) with each kernel's ``run`` wrapped to
+note its arguments (a tensor's dtype and alignment, a number's value, the constexprs and options). The test replays each
+through Triton's own argument binder for the target, which gives the types, constexprs and specialisations (an int's
 divisibility by 16 or value 1, a pointer's alignment) a launch on that GPU gets, and compiles them. A kernel launched
 (``name[grid](...)``) from code this recording does not reach fails the test.
 """
@@ -94,6 +95,9 @@ def record_launches() -> None:
             epilogue.bias_relu_dropout(y, bias, p, torch.tensor([5, 6]), torch.tensor(3), 1).sum().backward()
             weights = torch.rand(2, 3, 2, 4).to(dtype).requires_grad_()  # the experts' mixing, 4 experts, 2 tasks
             mixing.mixed_experts(y, bias, weights, p, torch.tensor([5, 6]), torch.tensor(3), 1).sum().backward()
+            if dtype != torch.float64:  # the mixing's sums too (--model.fused_mixing_sums)
+                mixing.mixed_experts(y, bias, weights, p, torch.tensor([5, 6]), torch.tensor(3), 1,
+                                     sums=True).sum().backward()
     for dtype in (torch.float32, torch.bfloat16):  # the bottom's readers' gradients (autocast: bf16)
         for count in range(2, shared_input.MAX_KERNEL_READERS + 1):
             shared_input.summed([torch.randn(2, 3, 40).to(dtype) for _ in range(count)], torch.float32)
@@ -126,6 +130,20 @@ def record_launches() -> None:
         adam.step(copies=True)
         adam.bfloat16_gradients()  # and reads their gradients in bfloat16
         adam.step(copies=True, gradients=True)
+    for net in (torch.nn.Sequential(torch.nn.Linear(30, 20), torch.nn.Linear(20, 3)),  # the gradients read where
+                torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 16))):  # they lie, strides of 16 too
+        stack = TrialStack(net, 3, "cpu")
+        adam = PackedAdam(stack)
+        for slot in range(3):
+            stack.load(slot, net)
+            adam.reset(slot, 1e-3, 1e-8)
+        kept = {name: torch.randn(3, *p.shape[::-1]).transpose(-1, -2) if p.dim() == 2 else torch.randn(3, *p.shape)
+                for name, p in net.named_parameters()}  # the weights' gradients transposed, as a linear layer's
+        adam.step(kept=kept)
+        adam.bfloat16_copies(frozenset({"0.weight", "0.bias"}))
+        adam.bfloat16_gradients()
+        adam.step(copies=True, gradients=True, kept={**kept, "0.weight": kept["0.weight"].to(torch.bfloat16),
+                                                     "0.bias": kept["0.bias"].to(torch.bfloat16)})
     print(json.dumps(launches))
 
 

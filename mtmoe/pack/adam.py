@@ -19,6 +19,12 @@ multiply-adds differently, the two agree to float32 rounding (tested). Three imp
   there (the lerp's fused multiply-add as CUDA's ``lerp``, the square root and divisions IEEE, no other contraction:
   ``enable_fp_fusion=False``).
 
+The fused kernels also read a parameter's gradient where autograd left it (``kept``: a linear layer's weight
+gradient, the transpose of its block's layout; an embedding's), instead of from a copy in the flat gradient: one
+more kernel per such block (:func:`_adam_kept_cpu`, which gathers each row before :func:`_adam_run`;
+:func:`_adam_kept_cuda`, which loads a tile through the gradient's own strides), the same arithmetic per element, so
+the same bits.
+
 As ``torch.optim.Adam`` leaves a parameter whose gradient is ``None`` as it is, :meth:`PackedAdam.step` leaves the
 parameters a trial did not use in the step (``skip``: local search's matrix once the permutation is frozen) with
 their moments untouched.
@@ -30,7 +36,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from mtmoe.host_threads import run_split
+from mtmoe.host_threads import MIN_PART, run_split
 from mtmoe.kernel_traffic import fused_kernel
 from mtmoe.pack.stack import TrialStack
 from mtmoe.random import _bfloat16_bits, _fma, _widen
@@ -99,22 +105,84 @@ def _adam_cpu(param: np.ndarray, grad: np.ndarray, exp_avg: np.ndarray, exp_avg_
         i = end
 
 
+_GATHERED_ROWS = 16  # rows of a block gathered at a time by _adam_kept_cpu
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy")
+def _adam_kept_cpu(param: np.ndarray, grad: np.ndarray, grad_bits: np.ndarray, transposed: bool,
+                   exp_avg: np.ndarray, exp_avg_sq: np.ndarray, half: np.ndarray, skip: np.ndarray,
+                   step_size: np.ndarray, bias_correction2_sqrt: np.ndarray, eps: np.ndarray, lo: int, hi: int) -> None:
+    """:func:`_adam_run` on rows ``[lo, hi)`` of one block of P x R rows of C elements (``param``, the moments and
+    ``half``, its bfloat16 copy's bits or empty: the block's flat elements), its gradient read where autograd left
+    it: ``grad`` ``[P, R, C]`` float32 (``[P, C, R]`` if ``transposed``: a linear layer's weight gradient as it
+    lies), or the bits ``grad_bits`` of a bfloat16 one (widened exactly), the other empty; trial ``t`` left alone
+    where ``skip[t]``. Up to :data:`_GATHERED_ROWS` rows of a trial are gathered into a contiguous buffer first
+    (along the gradient's contiguous axis), so each element's arithmetic is :func:`_adam_cpu`'s."""
+    bits = grad_bits.shape[0] != 0
+    rows, cols = (grad_bits.shape[1], grad_bits.shape[2]) if bits else (grad.shape[1], grad.shape[2])
+    if transposed:
+        rows, cols = cols, rows
+    gathered = np.empty((_GATHERED_ROWS, cols), np.uint32)
+    values = gathered.view(np.float32)
+    i = lo
+    while i < hi:
+        trial, row = i // rows, i % rows
+        count = min(hi - i, _GATHERED_ROWS, rows - row)
+        if not skip[trial]:
+            if transposed:
+                for j in range(cols):
+                    for k in range(count):
+                        if bits:
+                            gathered[k, j] = np.uint32(grad_bits[trial, j, row + k]) << np.uint32(16)
+                        else:
+                            values[k, j] = grad[trial, j, row + k]
+            else:
+                for k in range(count):
+                    for j in range(cols):
+                        if bits:
+                            gathered[k, j] = np.uint32(grad_bits[trial, row + k, j]) << np.uint32(16)
+                        else:
+                            values[k, j] = grad[trial, row + k, j]
+            for k in range(count):
+                a, b = (i + k) * cols, (i + k + 1) * cols
+                _adam_run(param[a:b], values[k], exp_avg[a:b], exp_avg_sq[a:b],
+                          half[a:b] if half.shape[0] != 0 else half, step_size[trial], bias_correction2_sqrt[trial],
+                          eps[trial])
+        i += count
+
+
 if triton is not None:
     from mtmoe.random import _rounded, _widened
 
     @triton.jit
+    def _adam_update(param_ptr, exp_avg_ptr, exp_avg_sq_ptr, offsets, inside, g, s, c, e, lerp_weight, beta2,
+                     one_minus_beta2):
+        """:func:`_adam_run`'s update of the elements at ``offsets`` from their gradient ``g``: the moments and
+        parameters loaded, updated and stored; returns the new parameters."""
+        m = tl.load(exp_avg_ptr + offsets, mask=inside)
+        m = tl.fma(lerp_weight, g - m, m)
+        v = tl.load(exp_avg_sq_ptr + offsets, mask=inside) * beta2 + g * one_minus_beta2 * g
+        p = tl.load(param_ptr + offsets, mask=inside)
+        p = p - tl.div_rn(s * m, tl.div_rn(tl.sqrt_rn(v), c) + e)
+        tl.store(exp_avg_ptr + offsets, m, mask=inside)
+        tl.store(exp_avg_sq_ptr + offsets, v, mask=inside)
+        tl.store(param_ptr + offsets, p, mask=inside)
+        return p
+
+    @triton.jit
     def _adam_cuda(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, half_ptr, half_grad_ptr, halves_ptr,
-                   unit_start_ptr, unit_length_ptr, unit_trial_ptr, unit_skip_row_ptr, skip_ptr, step_size_ptr,
-                   bias_correction2_sqrt_ptr, eps_ptr, capacity, lerp_weight, beta2, one_minus_beta2,
+                   unit_start_ptr, unit_length_ptr, unit_trial_ptr, unit_skip_row_ptr, skip_ptr, kept_ptr,
+                   step_size_ptr, bias_correction2_sqrt_ptr, eps_ptr, capacity, lerp_weight, beta2, one_minus_beta2,
                    UNIT: tl.constexpr, HALF: tl.constexpr, HALF_GRAD: tl.constexpr):
         """Program ``u``: :func:`_adam_run` on work unit ``u``, the ``unit_length[u]`` elements from
-        ``unit_start[u]`` of trial ``unit_trial[u]``, unless ``skip[unit_skip_row[u], trial]``; with ``HALF``, the
-        new values also written to ``half`` (bfloat16) where ``halves[unit_skip_row[u]]``, and with ``HALF_GRAD``
-        the gradient there read from ``half_grad`` (bfloat16, widened exactly)."""
+        ``unit_start[u]`` of trial ``unit_trial[u]``, unless ``skip[unit_skip_row[u], trial]`` or
+        ``kept[unit_skip_row[u]]`` (a block :func:`_adam_kept_cuda` updates); with ``HALF``, the new values also
+        written to ``half`` (bfloat16) where ``halves[unit_skip_row[u]]``, and with ``HALF_GRAD`` the gradient
+        there read from ``half_grad`` (bfloat16, widened exactly)."""
         unit = tl.program_id(0)
         trial = tl.load(unit_trial_ptr + unit)
         row = tl.load(unit_skip_row_ptr + unit)
-        if tl.load(skip_ptr + row * capacity + trial) == 0:
+        if (tl.load(skip_ptr + row * capacity + trial) == 0) & (tl.load(kept_ptr + row) == 0):
             s = tl.load(step_size_ptr + trial)
             c = tl.load(bias_correction2_sqrt_ptr + trial)
             e = tl.load(eps_ptr + trial)
@@ -128,20 +196,42 @@ if triton is not None:
                     g = tl.load(grad_ptr + offsets, mask=inside)
             else:
                 g = tl.load(grad_ptr + offsets, mask=inside)
-            m = tl.load(exp_avg_ptr + offsets, mask=inside)
-            m = tl.fma(lerp_weight, g - m, m)
-            v = tl.load(exp_avg_sq_ptr + offsets, mask=inside) * beta2 + g * one_minus_beta2 * g
-            p = tl.load(param_ptr + offsets, mask=inside)
-            p = p - tl.div_rn(s * m, tl.div_rn(tl.sqrt_rn(v), c) + e)
-            tl.store(exp_avg_ptr + offsets, m, mask=inside)
-            tl.store(exp_avg_sq_ptr + offsets, v, mask=inside)
-            tl.store(param_ptr + offsets, p, mask=inside)
+            p = _adam_update(param_ptr, exp_avg_ptr, exp_avg_sq_ptr, offsets, inside, g, s, c, e, lerp_weight,
+                             beta2, one_minus_beta2)
             if HALF:
                 if tl.load(halves_ptr + row) != 0:
                     tl.store(half_ptr + offsets, _rounded(p, True), mask=inside)
 
+    @triton.jit
+    def _adam_kept_cuda(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, half_ptr, skip_ptr, step_size_ptr,
+                        bias_correction2_sqrt_ptr, eps_ptr, rows, cols, trial_stride, row_stride, col_stride,
+                        lerp_weight, beta2, one_minus_beta2, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                        HALF: tl.constexpr, HALF_GRAD: tl.constexpr):
+        """Program ``(tile, trial)``: :func:`_adam_kept_cpu` on tile ``tile`` (row-major over the tiles) of
+        ``BLOCK_R x BLOCK_C`` elements of trial ``trial``'s ``rows x cols`` block (``param``, the moments and with ``HALF`` its bfloat16 copy,
+        laid out as the block), its gradient read with its own strides (bfloat16 with ``HALF_GRAD``, widened
+        exactly): a transposed gradient is read along its contiguous axis, the tile turned in the kernel."""
+        trial = tl.program_id(1)
+        if tl.load(skip_ptr + trial) == 0:
+            s = tl.load(step_size_ptr + trial)
+            c = tl.load(bias_correction2_sqrt_ptr + trial)
+            e = tl.load(eps_ptr + trial)
+            col_tiles = tl.cdiv(cols, BLOCK_C)
+            r = tl.program_id(0) // col_tiles * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
+            k = tl.program_id(0) % col_tiles * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
+            inside = (r < rows) & (k < cols)
+            wide = trial.to(tl.int64)
+            offsets = wide * rows * cols + r * cols + k
+            g = _widened(tl.load(grad_ptr + wide * trial_stride + r * row_stride + k * col_stride, mask=inside),
+                         False, HALF_GRAD)
+            p = _adam_update(param_ptr, exp_avg_ptr, exp_avg_sq_ptr, offsets, inside, g, s, c, e, lerp_weight,
+                             beta2, one_minus_beta2)
+            if HALF:
+                tl.store(half_ptr + offsets, _rounded(p, True), mask=inside)
 
-_UNIT = 1024  # elements per program of the Triton kernel
+
+_UNIT = 1024  # elements per program of the Triton kernels
+_TILE_ROWS = 32  # rows of _adam_kept_cuda's tile of a block with more than one row
 
 
 class PackedAdam:
@@ -173,7 +263,8 @@ class PackedAdam:
         self.half_names: frozenset[str] | None = None
         self.half_grad: Tensor | None = None  # the copies' gradients in bfloat16 (bfloat16_gradients)
         self._half_version: int | None = None  # stack.flat's version counter when the copies were last written
-        self._halves_on_device: tuple[np.ndarray, Tensor] | None = None  # the Triton kernel's block flags
+        self._device_flags: dict[str, tuple[np.ndarray, Tensor]] = {}  # the Triton kernel's block flags, by kind
+        self._views: dict[tuple[str, object], tuple] = {}  # _block_views', and the CPU's arrays of them
 
     def _blocks(self, name: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Parameter ``name``'s values, gradients and moments as ``[P, size]``."""
@@ -239,11 +330,15 @@ class PackedAdam:
             self.half_names, self._half_version = names, flat._version
         return {name: self.stack.block(self.half, name) for name in names}
 
+    def reads_kept(self) -> bool:
+        """Whether :meth:`step` runs the fused kernels, which read gradients where autograd left them (``kept``)."""
+        return self.fused and self.stack.flat.dtype == torch.float32 \
+            and (use_triton(self.stack.device) or self.stack.device.type == "cpu")
+
     def _kernel_copies(self) -> bool:
         """Whether a step with ``copies`` runs a fused kernel that writes the copies (and may read their
         gradients in bfloat16)."""
-        return self.half_names is not None and self.fused and self.stack.flat.dtype == torch.float32 \
-            and (use_triton(self.stack.device) or self.stack.device.type == "cpu")
+        return self.half_names is not None and self.reads_kept()
 
     def bfloat16_gradients(self) -> dict[str, Tensor]:
         """Where a step with ``copies=True, gradients=True`` reads the gradients of :meth:`bfloat16_copies`'
@@ -259,19 +354,24 @@ class PackedAdam:
 
     @torch.no_grad()
     def step(self, skip: dict[str, Tensor] | None = None, lr_scale: Tensor | None = None,
-             copies: bool = False, gradients: bool = False) -> None:
+             copies: bool = False, gradients: bool = False, kept: dict[str, Tensor] | None = None) -> None:
         """One Adam step of every trial from the gradients in ``stack.flat_grad``; ``skip[name]`` (``[P]`` bool)
         names the trials that leave parameter ``name`` and its moments as they are; ``lr_scale`` (``[P]``) scales
         each trial's learning rate for this step (a schedule's). With ``copies``, the fused kernels also write the
         bfloat16 copies of :meth:`bfloat16_copies`' latest parameters, and with ``gradients`` too read those
         parameters' gradients from :meth:`bfloat16_gradients`' blocks (the same values as their float32 widening in
-        ``flat_grad``)."""
+        ``flat_grad``). ``kept[name]`` (``[P, *shape]``, any strides, the dtype of the block it stands for: see
+        :meth:`TrialStack.tracked <mtmoe.pack.stack.TrialStack.tracked>`) is parameter ``name``'s gradient read
+        where it lies instead of from its block, by a kernel of its own (fused kernels only: :meth:`reads_kept`)."""
+        kept = kept or {}
+        if kept and not self.reads_kept():
+            raise ValueError("gradients read where they lie need the fused kernels (fused=True, float32 parameters)")
         copies = copies and self._kernel_copies()
-        self._step(skip, lr_scale, copies, copies and gradients)
+        self._step(skip, lr_scale, copies, copies and gradients, kept)
         self._half_version = self.stack.flat._version if copies else None
 
     def _step(self, skip: dict[str, Tensor] | None, lr_scale: Tensor | None, copies: bool,
-              gradients: bool) -> None:
+              gradients: bool, kept: dict[str, Tensor]) -> None:
         self.steps.add_(1.0)
         beta1, beta2 = BETAS
         dtype = self.stack.flat.dtype
@@ -283,9 +383,9 @@ class PackedAdam:
         if not self.fused or dtype != torch.float32:
             self._step_elementwise(skip, step_size, bias_correction2_sqrt, eps)
         elif use_triton(self.stack.device):
-            self._step_triton(skip, step_size, bias_correction2_sqrt, eps, copies, gradients)
+            self._step_triton(skip, step_size, bias_correction2_sqrt, eps, copies, gradients, kept)
         elif self.stack.device.type == "cpu":
-            self._step_cpu(skip, step_size, bias_correction2_sqrt, eps, copies, gradients)
+            self._step_cpu(skip, step_size, bias_correction2_sqrt, eps, copies, gradients, kept)
         else:
             self._step_elementwise(skip, step_size, bias_correction2_sqrt, eps)
 
@@ -311,22 +411,48 @@ class PackedAdam:
         stack = self.stack
         return stack.flat.detach(), stack.flat_grad, self.exp_avg, self.exp_avg_sq
 
-    def _report(self, name: str, halves: np.ndarray, gradients: bool) -> None:
-        """The fused update's traffic, to the operation counters (:func:`mtmoe.kernel_traffic.fused_kernel`):
-        parameters, gradients and both moments read, parameters and moments written, and the bfloat16 copies of
-        the blocks flagged in ``halves`` written (with ``gradients``, their gradients read in bfloat16: 2 bytes
-        an element where float32 reads 4)."""
-        size = self.stack.flat.nbytes
-        copied = sum(int(width) * self.stack.capacity for width, half in zip(self.widths, halves) if half)
-        fused_kernel(name, 4 * size - (2 * copied if gradients else 0), 3 * size + 2 * copied)
+    def _report(self, name: str, blocks: np.ndarray, halves: np.ndarray, half_gradients: np.ndarray) -> None:
+        """The fused update's traffic over the blocks flagged in ``blocks``, to the operation counters
+        (:func:`mtmoe.kernel_traffic.fused_kernel`): parameters, gradients and both moments read, parameters and
+        moments written, the bfloat16 copies of the blocks flagged in ``halves`` written, and the gradients of
+        those flagged in ``half_gradients`` read in bfloat16 (2 bytes an element where float32 reads 4)."""
+        elements = self.widths * self.stack.capacity * blocks
+        fused_kernel(name, int((16 * elements - 2 * elements * half_gradients).sum()),
+                     int((12 * elements + 2 * elements * halves).sum()))
 
     def _halves(self, copies: bool) -> np.ndarray:
         """Per block, in the flat order: whether the step writes its bfloat16 copy."""
         return np.array([copies and name in self.half_names for name in self.names], dtype=np.bool_)
 
+    def _kept_blocks(self, kept: dict[str, Tensor]) -> list[tuple[int, str, Tensor, int, int, tuple[int, ...]]]:
+        """The blocks whose gradients ``kept`` holds, in the flat order: row, name, the gradient, and as
+        ``[P, R, C]``: R, C and its strides (from its shape and strides alone: nothing dispatched)."""
+        out = []
+        for row, name in enumerate(self.names):
+            if name in kept:
+                gradient = kept[name]
+                shape, strides = list(gradient.shape), list(gradient.stride())
+                while len(shape) < 3:
+                    shape.insert(1, 1)
+                    strides.insert(1, 0)
+                out.append((row, name, gradient, shape[1], shape[2], tuple(strides)))
+        return out
+
+    def _block_views(self, name: str, half: Tensor | None) -> tuple:
+        """Parameter ``name``'s blocks of the parameters, both moments and ``half`` (or the parameters' again), and
+        its row of the Triton kernel's skip flags: views made once (each a dispatched operation)."""
+        key = (name, half is not None)
+        if key not in self._views:
+            block = self.stack.blocks[name]
+            param, _, exp_avg, exp_avg_sq = (t[block] for t in self._flats())
+            self._views[key] = (param, exp_avg, exp_avg_sq, param if half is None else half[block],
+                                self._skipped[self.names.index(name)] if self._skipped is not None else None)
+        return self._views[key]
+
     def _step_cpu(self, skip: dict[str, Tensor], step_size: Tensor, bias_correction2_sqrt: Tensor, eps: Tensor,
-                  copies: bool, gradients: bool) -> None:
-        """The same update by :func:`_adam_cpu`, over all blocks at once, on torch's threads."""
+                  copies: bool, gradients: bool, kept: dict[str, Tensor]) -> None:
+        """The same update by :func:`_adam_cpu`, over all blocks at once, on torch's threads, but the blocks whose
+        gradients ``kept`` holds, each updated by :func:`_adam_kept_cpu`."""
         skipped = np.zeros((len(self.names), self.stack.capacity), dtype=np.bool_)
         for row, name in enumerate(self.names):
             if name in skip:
@@ -334,14 +460,31 @@ class PackedAdam:
         halves = self._halves(copies)
         half = self.half.view(torch.uint16).numpy() if copies else np.empty(0, np.uint16)
         half_grad = self.half_grad.view(torch.uint16).numpy() if gradients else np.empty(0, np.uint16)
-        self._report("adam (numba)", halves, gradients)
+        coefficients = [t.view(-1).numpy() for t in (step_size, bias_correction2_sqrt, eps)]
+        in_flat = np.array([name not in kept for name in self.names], dtype=np.bool_)
+        self._report("adam (numba)", in_flat, halves, halves & gradients)
+        main_skip = skipped | ~in_flat[:, None]  # the kept blocks are updated below
         run_split(_adam_cpu, self.stack.flat.numel(), *(t.numpy() for t in self._flats()), half, half_grad, halves,
-                  self.ends, self.widths, skipped,
-                  *(t.view(-1).numpy() for t in (step_size, bias_correction2_sqrt, eps)))
+                  self.ends, self.widths, main_skip, *coefficients)
+        for row, name, gradient, rows, cols, _ in self._kept_blocks(kept):
+            bfloat16 = gradient.dtype == torch.bfloat16
+            values = (gradient.view(torch.uint16) if bfloat16 else gradient).numpy().reshape(-1, rows, cols)
+            transposed = values.strides[1] < values.strides[2]  # read as it lies: [P, C, R]
+            values = values.transpose(0, 2, 1) if transposed else values
+            empty = np.empty((0, 0, 0), values.dtype)
+            if (name, "numpy") not in self._views:  # .numpy() dispatches a detach: made once too
+                self._views[name, "numpy"] = tuple(t.numpy() for t in self._block_views(name, None)[:3])
+            param, exp_avg, exp_avg_sq = self._views[name, "numpy"]
+            self._report("adam (numba)", np.arange(len(self.names)) == row, halves, np.full(len(self.names), bfloat16))
+            run_split(_adam_kept_cpu, self.stack.capacity * rows, param, empty if bfloat16 else values,
+                      values if bfloat16 else empty, transposed, exp_avg, exp_avg_sq,
+                      half[self.stack.blocks[name]] if halves[row] else np.empty(0, np.uint16), skipped[row],
+                      *coefficients, min_part=max(1, MIN_PART // cols))
 
     def _step_triton(self, skip: dict[str, Tensor], step_size: Tensor, bias_correction2_sqrt: Tensor, eps: Tensor,
-                     copies: bool, gradients: bool) -> None:
-        """The same update by :func:`_adam_cuda`, one program per work unit; ``skip`` is read on the device."""
+                     copies: bool, gradients: bool, kept: dict[str, Tensor]) -> None:
+        """The same update by :func:`_adam_cuda`, one program per work unit, but the blocks whose gradients
+        ``kept`` holds, each updated by :func:`_adam_kept_cuda`; ``skip`` is read on the device."""
         capacity, device = self.stack.capacity, self.stack.device
         if self._units is None:
             starts, lengths, trials, rows = [], [], [], []
@@ -363,13 +506,32 @@ class PackedAdam:
             if name in skip:
                 self._skipped[row].copy_(skip[name])
         halves = self._halves(copies)
-        if copies and (self._halves_on_device is None or not np.array_equal(self._halves_on_device[0], halves)):
-            self._halves_on_device = halves, torch.from_numpy(halves.astype(np.uint8)).to(device)
+        in_flat = np.array([name not in kept for name in self.names], dtype=np.bool_)
         lerp_weight, beta2, one_minus_beta2 = (float(x) for x in (_LERP_WEIGHT, _BETA2, _ONE_MINUS_BETA2))
-        self._report("adam (triton)", halves, gradients)
-        half, flags = (self.half, self._halves_on_device[1]) if copies else (self.stack.flat, self._skipped)  # unread
+        self._report("adam (triton)", in_flat, halves, halves & gradients)
+        half, flags = (self.half, self._on_device("halves", halves)) if copies else (self.stack.flat, self._skipped)
         half_grad = self.half_grad if gradients else self.stack.flat  # unread without gradients
         _adam_cuda[(len(self._units[0]),)](*self._flats(), half, half_grad, flags, *self._units, self._skipped,
-                                          step_size, bias_correction2_sqrt, eps, capacity, lerp_weight, beta2,
-                                          one_minus_beta2, UNIT=_UNIT, HALF=copies, HALF_GRAD=gradients,
-                                          enable_fp_fusion=False)
+                                          self._on_device("kept", ~in_flat), step_size, bias_correction2_sqrt, eps,
+                                          capacity, lerp_weight, beta2, one_minus_beta2, UNIT=_UNIT, HALF=copies,
+                                          HALF_GRAD=gradients, enable_fp_fusion=False)
+        for row, name, gradient, rows, cols, strides in self._kept_blocks(kept):
+            tile_rows = 1 if rows == 1 else _TILE_ROWS
+            tile_cols = _UNIT // tile_rows
+            bfloat16 = gradient.dtype == torch.bfloat16
+            self._report("adam (triton)", np.arange(len(self.names)) == row, halves, np.full(len(self.names), bfloat16))
+            views = self._block_views(name, self.half if halves[row] else None)
+            param, exp_avg, exp_avg_sq, block_half, skipped = views
+            _adam_kept_cuda[(-(-rows // tile_rows) * -(-cols // tile_cols), capacity)](
+                param, gradient, exp_avg, exp_avg_sq, block_half, skipped,
+                step_size, bias_correction2_sqrt, eps, rows, cols, *strides, lerp_weight, beta2,
+                one_minus_beta2, BLOCK_R=tile_rows, BLOCK_C=tile_cols, HALF=bool(halves[row]), HALF_GRAD=bfloat16,
+                enable_fp_fusion=False)
+
+    def _on_device(self, kind: str, flags: np.ndarray) -> Tensor:
+        """Per-block flags as a uint8 tensor on the device, copied there again only when they change (not in a
+        captured step, whose flags are those of its warm-up calls)."""
+        cached = self._device_flags.get(kind)
+        if cached is None or not np.array_equal(cached[0], flags):
+            cached = self._device_flags[kind] = flags, torch.from_numpy(flags.astype(np.uint8)).to(self.stack.device)
+        return cached[1]

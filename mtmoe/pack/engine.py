@@ -312,11 +312,13 @@ class PackEngine:
     def _train_step(self, batch: dict[str, Tensor]) -> None:
         self.template.train()
         gradients = self.adam.bfloat16_gradients() if self._copies else {}
+        parameters = self.stack.tracked(self._copies, gradients, keep=self.adam.reads_kept())
         loss, aux, task_losses, counts, predictions, weights = self._forward(
-            {**self.stack.tracked(self._copies, gradients), **self.stack.buffers}, batch, self.task_weights, True)
+            {**parameters, **self.stack.buffers}, batch, self.task_weights, True)
         (loss + aux).float().sum().backward()
         self.stack.zero_unreached()
-        self.adam.step(*self._schedule_updates(), copies=bool(self._copies), gradients=bool(gradients))
+        self.adam.step(*self._schedule_updates(), copies=bool(self._copies), gradients=bool(gradients),
+                       kept=self.stack.kept)
         with torch.no_grad():
             for (_, schedule), state in zip(self.schedules, self.schedule_states):
                 schedule.on_step(state)

@@ -2,9 +2,10 @@
 
 Parameters live in one flat float32 tensor (``flat``), their gradients in another (``flat_grad``), parameter by
 parameter: each named parameter is a contiguous leaf tensor ``[P, *shape]`` that aliases its block of ``flat``, with its
-``.grad`` aliasing the same block of ``flat_grad``; a training step writes each gradient there in place
-(:meth:`TrialStack.tracked`) and the optimiser updates all trials with element-wise operations per parameter, each with
-per-trial ``[P, 1]`` coefficients (:class:`mtmoe.pack.adam.PackedAdam`). Contiguous leaves are what ``vmap``'s rules
+``.grad`` aliasing the same block of ``flat_grad``; a training step writes each gradient there in place, or, for an
+optimiser that reads it where autograd computed it, leaves it there (:meth:`TrialStack.tracked`), and the optimiser
+updates all trials with element-wise operations per parameter, each with per-trial ``[P, 1]`` coefficients
+(:class:`mtmoe.pack.adam.PackedAdam`). Contiguous leaves are what ``vmap``'s rules
 expect: an embedding table ``[P, V, D]`` is looked up as ``[P * V, D]`` without a copy. Every buffer (counters, a gate's
 float64 settings, local search's state, ...) is one stacked tensor ``[P, *shape]``. A per-trial operation (a refill, a
 best-weights snapshot) is one indexed copy per tensor.
@@ -41,22 +42,33 @@ def structure(module: nn.Module) -> dict[str, object]:
     return out
 
 
+def readable_in_place(gradient: Tensor, block: Tensor) -> bool:
+    """Whether the optimiser's kernels read ``gradient`` where it lies for ``block`` (:meth:`TrialStack.tracked`
+    with ``keep``): the block's shape and dtype, at most two dimensions a trial (any strides)."""
+    return gradient.shape == block.shape and gradient.dtype == block.dtype and block.dim() <= 3
+
+
 class _WriteGradient(torch.autograd.Function):
     """The identity on a parameter's stacked values, whose backward writes the gradient into ``grad`` (the
-    parameter's block of ``flat_grad``, casting it to float32 on the way, or a bfloat16 block the optimiser reads)
-    and notes the parameter's name in ``written``. ``anchor``, a scalar leaf that requires grad, puts the node in
-    the graph; it gets no gradient."""
+    parameter's block of ``flat_grad``, casting it to float32 on the way, or a bfloat16 block the optimiser reads),
+    or, where ``kept`` is a dict and the optimiser reads the gradient where it lies (:func:`readable_in_place`),
+    keeps it there as ``kept[name]``; either way it notes the parameter's name in ``written``. ``anchor``, a scalar
+    leaf that requires grad, puts the node in the graph; it gets no gradient."""
 
     @staticmethod
-    def forward(ctx, anchor: Tensor, value: Tensor, grad: Tensor, written: set[str], name: str) -> Tensor:
-        ctx.grad, ctx.written, ctx.name = grad, written, name
+    def forward(ctx, anchor: Tensor, value: Tensor, grad: Tensor, written: set[str], name: str,
+                kept: dict[str, Tensor] | None) -> Tensor:
+        ctx.grad, ctx.written, ctx.name, ctx.kept = grad, written, name, kept
         return value.view_as(value)
 
     @staticmethod
     def backward(ctx, upstream: Tensor) -> tuple[None, ...]:
-        ctx.grad.copy_(upstream)
+        if ctx.kept is not None and readable_in_place(upstream, ctx.grad):
+            ctx.kept[ctx.name] = upstream
+        else:
+            ctx.grad.copy_(upstream)
         ctx.written.add(ctx.name)
-        return None, None, None, None, None
+        return None, None, None, None, None, None
 
 
 def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
@@ -93,21 +105,27 @@ class TrialStack:
         self._anchor = torch.zeros((), device=self.device, requires_grad=True)  # see _WriteGradient
         self._written: set[str] = set()
         self._gradients: dict[str, Tensor] = {}  # tracked's blocks in place of flat_grad's
+        self.kept: dict[str, Tensor] = {}  # the gradients the last backward after tracked(keep=True) left in place
 
-    def tracked(self, values: dict[str, Tensor] | None = None,
-                gradients: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
+    def tracked(self, values: dict[str, Tensor] | None = None, gradients: dict[str, Tensor] | None = None,
+                keep: bool = False) -> dict[str, Tensor]:
         """The parameters as a training step's forward takes them: each the identity of its stacked values (or of
         ``values[name]``, a bfloat16 copy, say), whose backward writes (copies) the gradient into its block of
         :attr:`flat_grad` (or into ``gradients[name]``, a bfloat16 block the optimiser reads, for a copy's
         gradient), where autograd's accumulation into the leaf's gradient would read the block, add and write it,
         after a pass zeroing it. The same values as zeroing and accumulating: a parameter's gradients are summed by
-        autograd before they reach it. After the backward, :meth:`zero_unreached` zeroes the blocks no gradient
-        reached."""
+        autograd before they reach it. With ``keep`` (for an optimiser that reads them there: the fused
+        :meth:`PackedAdam.step <mtmoe.pack.adam.PackedAdam.step>` with ``kept``), the gradients that
+        :func:`readable_in_place` allows are not copied: the backward leaves each where autograd computed it (a
+        linear layer's weight gradient, the transpose of its block's layout, say) in :attr:`kept`, and their blocks
+        go unwritten. After the backward, :meth:`zero_unreached` zeroes the blocks no gradient reached."""
         values = values or {}
         self._gradients = gradients or {}
         self._written = set()
+        self.kept = {}
+        kept = self.kept if keep else None
         return {name: _WriteGradient.apply(self._anchor, values.get(name, leaf.detach()),
-                                           self._gradients.get(name, leaf.grad), self._written, name)
+                                           self._gradients.get(name, leaf.grad), self._written, name, kept)
                 for name, leaf in self.params.items()}
 
     def zero_unreached(self) -> None:
