@@ -549,7 +549,7 @@ def _tune(argv: list[str]) -> None:
     if args.study_name is not None:
         check_study_name(args.study_name)
     if args.storage is not None:
-        check_url(args.storage)
+        check_url(args.storage, writing=True)
     heartbeat_settings()  # a bad MTMOE_HEARTBEAT_* is refused before the storage is created
     dataset_path(args.data)  # unknown names fail here, before torch is imported and the storage touched
     check_gate_name(args.gate)
