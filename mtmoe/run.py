@@ -48,7 +48,7 @@ from mtmoe.data import DATASETS
 from mtmoe.data.base import InMemoryDataModule
 from mtmoe.data.layout import data_root
 from mtmoe.dataset_info import DatasetInfo
-from mtmoe.errors import TrainingDiverged, UsageError, did_you_mean
+from mtmoe.errors import SettingError, TrainingDiverged, UsageError, did_you_mean
 from mtmoe.files import write_atomic
 from mtmoe.gates import gate_class, list_gates
 from mtmoe.interrupts import Interrupted
@@ -152,11 +152,13 @@ class MTMoECLI(LightningCLI):
     def instantiate_classes(self) -> None:
         """The DataModule, the model (its net built from the settings under the run's seed, with
         ``--early_stopping.*``; the model settings in force as its checkpoints' hyperparameters) and the trainer."""
-        self.config_init = self.parser.instantiate_classes(self.config)
+        with flags_of("data", self.values):
+            self.config_init = self.parser.instantiate_classes(self.config)
         built = self.of_command(self.config_init)
         self.datamodule = built.data
-        self.model = MultiTaskMoE.build(self.datamodule.info, built.model, built.early_stopping,
-                                        self.of_command(self.config).model.as_dict())
+        with flags_of("model", self.values):
+            self.model = MultiTaskMoE.build(self.datamodule.info, built.model, built.early_stopping,
+                                            self.of_command(self.config).model.as_dict())
         self.trainer = self.instantiate_trainer()
 
     def of_command(self, config: Namespace) -> Namespace:
@@ -203,9 +205,11 @@ class MTMoECLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         config = self.of_command(self.config)
         set_values(config, self.values)
-        info = dataset_info(config.data)
+        with flags_of("data", self.values):
+            info = dataset_info(config.data)
         if info is not None:
-            resolve_dataset_settings(config.model, info)
+            with flags_of("model", self.values):
+                resolve_dataset_settings(config.model, info)
         if self.checkpoint is not None:
             self.check_checkpoint(config, info)
         if self.print_config is not None:
@@ -371,6 +375,19 @@ class MTMoECLI(LightningCLI):
             meaning = {"best": "these weights", "last": "the last epoch, to resume from"}
             for which, checkpoint in results.get("checkpoints", {}).items():
                 print(f"{which} checkpoint: {checkpoint} ({meaning[which]})")
+
+
+@contextmanager
+def flags_of(group: str, planned: dict[str, Any] | None = None) -> Iterator[None]:
+    """A :class:`~mtmoe.errors.SettingError` of a ``group`` setting (``model``, ``data``) raised inside, as the one
+    line naming its flag (``--model.gate.k``), what it allows, and the flags that bound it; one of the ``planned``
+    values (a study's, :func:`build_run`'s ``values``) is raised as it is, for the planner to name."""
+    try:
+        yield
+    except SettingError as error:
+        if f"{group}.{error.setting}" in (planned or {}):
+            raise
+        raise error.flagged(f"--{group}.") from None
 
 
 def shown_config(config: Namespace) -> Namespace:

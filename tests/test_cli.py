@@ -199,8 +199,9 @@ def test_perm_epochs_on_a_gate_without_plus_names_the_plus_gate(tiny_root: Path,
         (["--trainer.max_epochs=0"], "--trainer.max_epochs must be >= 1 (or -1: until early stopping), got 0"),
         (["--trainer.limit_train_batches=0"], "--trainer.limit_train_batches 0 leaves no train batch"),
         (["--early_stopping.patience=-1"], "--early_stopping.patience must be >= 0, got -1"),
-        (["--data.batch_size=0"], "error: batch_size must be >= 1, got 0"),
-        (["--data.eval_batch_size=-5"], "error: eval_batch_size must be >= 1, got -5"),
+        (["--data.batch_size=0"], "error: --data.batch_size 0 is not allowed: batch_size must be >= 1; pass another "
+                                  "--data.batch_size"),
+        (["--data.eval_batch_size=-5"], "error: --data.eval_batch_size -5 is not allowed: eval_batch_size must be >= 1"),
     ],
 )
 def test_bad_settings_are_one_error_line_and_leave_nothing(tiny_root: Path, extra: list[str], message: str,
@@ -208,6 +209,57 @@ def test_bad_settings_are_one_error_line_and_leave_nothing(tiny_root: Path, extr
     assert run_cli(fit(tiny_root, *extra)) == 2
     assert message in one_error_line(capsys)
     assert not Path("runs").exists()
+
+
+#: A gate setting out of its range (16 experts on MovieLens-100K): gate, flag, value, what the setting allows.
+GATE_SETTINGS_OUT_OF_RANGE = [
+    *((gate, "k", "17", "must satisfy 1 <= k <= n_experts = 16") for gate in
+      ("topk", "topk-sigmoid", "topk-lossfree", "dselect", "comet", "moesart", "remoe", "competesmoe",
+       "competesmoe-v2")),
+    ("comet", "k", "0", "must satisfy 1 <= k <= n_experts = 16"),
+    ("expertchoice", "k", "16.5", "must satisfy 0 < k <= n_experts = 16"),
+    ("usmoe", "k", "0", "must satisfy 0 < k <= n_experts = 16"),
+    ("usmoe", "alpha", "1.5", "must be in [0, 1]"),
+    ("dselect", "gamma", "0", "must be > 0"),
+    ("dselect", "entropy_reg", "-1", "must be >= 0"),
+    ("dselect", "zeta", "-1", "must be >= 0"),
+    ("comet", "entropy_reg", "-1", "must be >= 0"),
+    ("moesart", "biasness", "big", "must be one of small-random, zero"),
+    ("moesart", "trimmed_lasso_reg", "-1", "must be >= 0"),
+    ("remoe", "l1_init", "0", "must be > 0"),
+    ("remoe", "l1_multiplier", "1", "must be > 1"),
+    ("sparsemixer", "top_k", "3", "must be 1 (the paper) or 2 (an extension)"),
+    ("sparsemixer", "midpoint_prob", "2", "must be in [0, 1]"),
+    ("sparsemixer", "jitter", "-1", "must be >= 0"),
+    ("competesmoe", "competition_prob", "2", "must be in [0, 1]"),
+    ("competesmoe", "router_loss_coef", "-1", "must be >= 0"),
+    ("competesmoe-v2", "warmup", "2", "must be in [0, 1]"),
+    ("topany", "aux_coef", "-1", "must be >= 0"),
+    ("topk-lossfree", "bias_rate", "-1", "must be >= 0"),
+]
+
+
+@pytest.mark.parametrize("gate, name, value, allowed", GATE_SETTINGS_OUT_OF_RANGE)
+def test_a_gate_setting_out_of_range_names_its_flag_and_what_it_allows(tiny_root: Path, capsys, gate: str, name: str,
+                                                                         value: str, allowed: str) -> None:
+    """Before: ``fit --gate topk --model.gate.k 20`` said "k must satisfy 1 <= k <= n_experts, got k=20 with
+    n_experts=16", naming neither the flag to change nor the bound in force. Now every gate's range check names
+    ``--model.gate.NAME``, what it allows (with the number of experts in force), and the flag that bounds it."""
+    assert run_cli(fit(tiny_root, f"--model.gate.{name}={value}", gate=gate)) == 2
+    line = one_error_line(capsys)
+    assert f"--model.gate.{name} " in line and f"is not allowed: {name} {allowed}; pass another --model.gate.{name}" \
+        in line, line
+    assert line.endswith(", or change --model.n_experts") == (name == "k")
+    assert not Path("runs").exists()
+
+
+def test_every_gate_with_k_is_checked() -> None:
+    """The table above covers every registered gate that takes ``k``: a new one is added there."""
+    from mtmoe.gates import gate_class, list_gates
+    from mtmoe.run_settings import init_arguments
+
+    with_k = {name for name in list_gates() if "k" in init_arguments(gate_class(name))}
+    assert with_k == {gate for gate, name, _, _ in GATE_SETTINGS_OUT_OF_RANGE if name == "k"}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")

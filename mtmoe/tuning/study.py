@@ -46,10 +46,11 @@ from pathlib import Path
 from typing import Any
 
 import optuna
+from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState
 
 from mtmoe.data import dataset_path
-from mtmoe.errors import OneLineParser, UsageError, did_you_mean
+from mtmoe.errors import OneLineParser, SettingError, UsageError, did_you_mean
 from mtmoe.gate_names import check_gate_name
 from mtmoe.interrupts import Interrupted, handle_sigterm
 from mtmoe.tuning.space import SearchSpace, load_space
@@ -501,7 +502,14 @@ def check_overrides(space: SearchSpace, configurations: list[dict], overrides: l
     longest = max(range(len(configurations)), key=lambda i: configurations[i].get("model.perm_epochs") or 0)
     params = configurations[longest]
     with tempfile.TemporaryDirectory() as scratch:  # its planned values as values, as the tune worker sets them
-        run = build_run(cli_args(space, {}, overrides, seed, Path(scratch)), params)
+        try:
+            run = build_run(cli_args(space, {}, overrides, seed, Path(scratch)), params)
+            check_space_values(run, space, params, seed)
+        except SettingError as error:  # of a value of the space: the run names the flag of any other
+            key = next(key for key in (f"model.{error.setting}", f"data.{error.setting}") if key in params)
+            raise UsageError(f"the search space's {key} may be {error.value}, which is not allowed: "
+                             f"{error.setting.rpartition('.')[2]} {error.allowed}; narrow its range in the search "
+                             f"space (--space), or pass --{key} VALUE to fix it") from None
         if pack != 1:
             run.datamodule.prepare_data()
             run.datamodule.setup("fit")
@@ -521,6 +529,26 @@ def check_overrides(space: SearchSpace, configurations: list[dict], overrides: l
                 if not _neutral(key) and given.get(key) != default.get(key)}
     alpha = f"{run.model.trial.task_weights[0]:g}" if run.datamodule.info.task_weighting == "alpha" else None
     return _as_json(settings), alpha
+
+
+def check_space_values(run: Any, space: SearchSpace, params: dict[str, Any], seed: int) -> None:
+    """Build the nets (and DataModules) of the values of the search space a model (or its data) may refuse (a
+    gate's ``k`` above ``n_experts``), before the storage is touched, not when a trial meets them: each choice and
+    each end of each range, one setting at a time, the others at ``params`` (a setting's check is a range).
+    ``run``: a run of the overrides; a refused value raises its SettingError."""
+    from mtmoe.run_settings import dataset_info
+    from mtmoe.tuning.packs import TrialFactory
+
+    factory = TrialFactory(run)
+    for key, distribution in space.distributions.items():
+        ends = distribution.choices if isinstance(distribution, CategoricalDistribution) else (distribution.low,
+                                                                                             distribution.high)
+        for value in ends:
+            config = factory.config({**params, key: value}, seed)
+            if key.startswith("data."):
+                dataset_info(config.data)
+            elif key.startswith("model."):
+                factory.trial(None, config)
 
 
 def tune(argv: list[str]) -> None:
