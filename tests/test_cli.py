@@ -211,6 +211,39 @@ def test_bad_settings_are_one_error_line_and_leave_nothing(tiny_root: Path, extr
     assert not Path("runs").exists()
 
 
+@pytest.mark.parametrize("command", ["fit", "tune"])
+@pytest.mark.parametrize("name, content, message", [
+    ("missing.yaml", None, "--config missing.yaml is no file: pass a YAML file of settings"),
+    (".", None, "--config . is a folder: pass a YAML file of settings"),
+    ("bad.yaml", "trainer: [1, 2\n",
+     "--config bad.yaml is not valid YAML (expected ',' or ']', but got '<stream end>' at line 2, column 1)"),
+    ("list.yaml", "- a\n", "--config list.yaml holds a YAML list, not settings: a mapping of trainer:, model:, "),
+    ("empty.yaml", "", "--config empty.yaml holds nothing, not settings"),
+])
+def test_a_config_file_that_is_no_settings_is_one_line_naming_it(tiny_root: Path, capsys, command: str, name: str,
+                                                                  content: str | None, message: str) -> None:
+    """Before: 'Parser key "config": File does not exist', 'Problems parsing config: while parsing a flow sequence
+    in "<unicode string>" ...', 'Unexpected config: - a' and 'Unexpected config:', naming neither the file (nor
+    what is wrong with it, for a folder) nor what to do. Now one line each, for ``fit`` and ``tune`` alike."""
+    if content is not None:
+        Path(name).write_text(content)
+    argv = fit(tiny_root, f"--config={name}")
+    if command == "tune":
+        argv = ["tune", *argv[1:], "--trials=1", "--storage=sqlite:///s.db"]
+    assert run_cli(argv) == 2
+    assert message in one_error_line(capsys)
+    assert not Path("runs").exists() and not Path("s.db").exists() and not Path("studies").exists()
+
+
+@pytest.mark.parametrize("value", ["-1e-3", "-2.5E-4"])
+def test_a_negative_number_in_exponent_notation_is_a_value(tiny_root: Path, capsys, value: str) -> None:
+    """Before: ``--model.lr -1e-3`` was "argument --model.lr: expected one argument" (argparse takes ``-1e-3`` for
+    an option, unlike ``-1``). Now it is the flag's value, refused for what it is."""
+    assert run_cli([*fit(tiny_root), "--model.lr", value]) == 2
+    assert f"--model.lr {float(value)} is not allowed: lr must be > 0" in one_error_line(capsys)
+    assert not Path("runs").exists()
+
+
 #: A gate setting out of its range (16 experts on MovieLens-100K): gate, flag, value, what the setting allows.
 GATE_SETTINGS_OUT_OF_RANGE = [
     *((gate, "k", "17", "must satisfy 1 <= k <= n_experts = 16") for gate in

@@ -49,6 +49,7 @@ import optuna
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState
 
+from mtmoe.arguments import attach_negative_numbers, is_number
 from mtmoe.data import dataset_path
 from mtmoe.errors import OneLineParser, SettingError, UsageError, did_you_mean
 from mtmoe.gate_names import check_gate_name
@@ -425,18 +426,10 @@ def parse_tune_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     args, overrides = parser.parse_known_args(argv)
     for arg in overrides:
         flag = arg.partition("=")[0]
-        if arg.startswith("-") and not _is_number(arg) and not flag.startswith(FIT_OPTIONS):
+        if arg.startswith("-") and not is_number(arg) and not flag.startswith(FIT_OPTIONS):
             raise UsageError(f"tune: unrecognized argument {flag}{did_you_mean(flag, parser._option_string_actions)}; "
                              "the trials' fit options are --trainer.*, --model.*, --data.*, --early_stopping.*")
-    return args, overrides
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
+    return args, attach_negative_numbers(overrides)
 
 
 def pack_size(value: str | None) -> int | str:
