@@ -93,13 +93,15 @@ DESCRIPTIONS = {
 def _shown(record: logging.LogRecord) -> bool:
     message = record.getMessage()
     verbose = os.environ.get("MTMOE_VERBOSE", "") not in ("", "0")
-    return not message.startswith("💡 Tip") and (verbose or not any(text in message for text in LIGHTNING_ACCOUNT))
+    return (not message.startswith("💡 Tip") and "Detected KeyboardInterrupt" not in message
+            and (verbose or not any(text in message for text in LIGHTNING_ACCOUNT)))
 
 
 def quiet_lightning() -> None:
     """Drop what says nothing about the run: Lightning's adverts for its other products, its account of the seed
-    and the hardware (unless ``MTMOE_VERBOSE=1``), a deprecation inside Lightning, and the ``log_every_n_steps``
-    warning (every metric here is logged per epoch)."""
+    and the hardware (unless ``MTMOE_VERBOSE=1``), its line on Ctrl-C (the command's ``error: interrupted`` line
+    says what was kept), a deprecation inside Lightning, and the ``log_every_n_steps`` warning (every metric here is
+    logged per epoch)."""
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.seed"):
         logging.getLogger(name).addFilter(_shown)
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
