@@ -16,7 +16,7 @@ import torch
 import yaml
 from torchvision.datasets import MNIST, SVHN
 
-from conftest import run_cli
+from conftest import run_cli, write_u_data
 from image_fixtures import write_mnist
 
 from mtmoe.arguments import UNSUPPORTED_TRAINER_SETTINGS
@@ -555,3 +555,47 @@ def test_fit_help_lists_the_shortcuts_with_their_choices(capsys) -> None:
     for name in ("n_experts", "embedding_dim", "expert_units", "tower_units", "expert_dropout"):
         description = out.split(f"--model.{name} {name.upper()} ", 1)[1]
         assert not description.startswith("(type:"), name  # a description before the type
+
+
+#: ``python -m mtmoe ARGV`` with Ctrl-C (a real SIGINT) delivered when MODULE is first imported.
+CTRL_C_ON_IMPORT = """
+import os, runpy, signal, sys
+
+class CtrlC:
+    def find_spec(self, name, path=None, target=None):
+        if name == MODULE:
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+sys.meta_path.insert(0, CtrlC())
+sys.argv = ["mtmoe", *ARGV]
+runpy.run_module("mtmoe", run_name="__main__")
+"""
+
+
+def ctrl_c_on_import(module: str, argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return python(CTRL_C_ON_IMPORT.replace("MODULE", repr(module)).replace("ARGV", repr(argv)), cwd,
+                  MTMOE_CACHE=str(cwd / "cache"))
+
+
+@pytest.mark.integration
+def test_ctrl_c_while_the_command_line_loads_is_one_line(tmp_path: Path) -> None:
+    """Before: Ctrl-C in the first fraction of a second of ``python -m mtmoe`` (importing the command line) was a
+    KeyboardInterrupt traceback of 20 to 50 lines. Now the one line Ctrl-C gives later, exit code 130."""
+    proc = ctrl_c_on_import("mtmoe.cli", ["--help"], tmp_path)
+    assert proc.returncode == 130 and proc.stderr == "error: interrupted (Ctrl-C)\n", proc.stderr[-2000:]
+    assert proc.stdout == ""
+
+
+@pytest.mark.integration
+def test_ctrl_c_before_tune_opens_the_storage_says_nothing_was_written(tmp_path: Path) -> None:
+    """Before: Ctrl-C while ``tune`` checked its settings said "trials in flight are marked failed and run again
+    when the same tune command runs again (it resumes the study)", of a study never created. Now it says nothing
+    was written, and nothing was."""
+    write_u_data(tmp_path / "data")
+    proc = ctrl_c_on_import("mtmoe.tuning.packs", ["tune", "--gate", "topk", "--data", "movielens-100k", "--trials",
+                                                   "1", f"--data.root={tmp_path / 'data'}"], tmp_path)
+    assert proc.returncode == 130 and proc.stderr == ("error: interrupted (Ctrl-C); before the study storage was "
+                                                      "opened: nothing was written; run the same command again\n"), \
+        proc.stderr[-2000:]
+    assert not (tmp_path / "studies").exists()

@@ -546,10 +546,14 @@ def check_space_values(run: Any, space: SearchSpace, params: dict[str, Any], see
 
 def tune(argv: list[str]) -> None:
     """``python -m mtmoe tune``: plan, prepare the study, run the workers; Ctrl-C or SIGTERM stops cleanly
-    (:mod:`mtmoe.interrupts`)."""
+    (:mod:`mtmoe.interrupts`), saying whether the storage was touched."""
+    touched: list[str] = []
     try:
-        _tune(argv)
+        _tune(argv, touched)
     except KeyboardInterrupt:
+        if not touched:
+            raise Interrupted("before the study storage was opened: nothing was written; run the same command "
+                              "again") from None
         raise Interrupted("trials in flight are marked failed and run again when the same tune command runs again "
                           "(it resumes the study), from their last epoch's checkpoint where one was saved") from None
 
@@ -565,7 +569,8 @@ def check_study_name(name: str) -> None:
                          "folder of its trials' logs: pass a shorter name")
 
 
-def _tune(argv: list[str]) -> None:
+def _tune(argv: list[str], touched: list[str]) -> None:
+    """:func:`tune`; the storage's URL is appended to ``touched`` before it is first opened."""
     args, overrides = parse_tune_args(argv)
     if args.study_name is not None:
         check_study_name(args.study_name)
@@ -604,6 +609,7 @@ def _tune(argv: list[str]) -> None:
     configurations = plan_configurations(space, trials, args.seed)
     settings, alpha = check_overrides(space, configurations, overrides, args.seed, pack)
     settings = {**settings, **pinned}  # a tuned setting given a value: part of the study's identity
+    touched.append(url)
     if args.storage is None:  # made once the overrides are checked: bad input leaves no empty studies/ behind
         STUDIES_DIR.mkdir(exist_ok=True)
     with setup_lock(url), readable(url):
