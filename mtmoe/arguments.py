@@ -30,6 +30,10 @@ UNSUPPORTED_TRAINER_SETTINGS = {
 }
 
 
+#: The largest ``--seed_everything`` (numpy's, which Lightning seeds too).
+MAX_SEED = 2**32 - 1
+
+
 def unsupported_setting(key: str, value: object) -> str | None:
     """Why ``--trainer.KEY VALUE`` cannot run on the engine, or ``None`` if it can."""
     if key not in UNSUPPORTED_TRAINER_SETTINGS:

@@ -243,8 +243,11 @@ def build_net(info: DatasetInfo, settings: NetSettings) -> MMoE:
     §3)."""
     if settings.gate is None:
         raise UsageError("no gate chosen: pass --gate NAME (see `python -m mtmoe gates`)")
-    if settings.n_experts is not None and settings.n_experts < 2:
-        raise SettingError("n_experts", settings.n_experts, "must be >= 2")
+    for name, least in (("n_experts", 2), ("embedding_dim", 1), ("expert_units", 1), ("tower_units", 1)):
+        if getattr(settings, name) is not None and getattr(settings, name) < least:
+            raise SettingError(name, getattr(settings, name), f"must be >= {least}")
+    if settings.expert_dropout is not None and not 0 <= settings.expert_dropout < 1:
+        raise SettingError("expert_dropout", settings.expert_dropout, "must be in [0, 1)")
     local_search = None if settings.perm_epochs is None else {
         "epochs": settings.perm_epochs, "zeta": settings.zeta, "per_task": settings.perm_per_task,
         "eval_rounded": settings.perm_eval_rounded}

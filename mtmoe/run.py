@@ -43,7 +43,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from mtmoe.arguments import UNSUPPORTED_TRAINER_SETTINGS, translate_shortcuts
+from mtmoe.arguments import MAX_SEED, UNSUPPORTED_TRAINER_SETTINGS, translate_shortcuts
 from mtmoe.data import DATASETS
 from mtmoe.data.base import InMemoryDataModule
 from mtmoe.data.layout import data_root
@@ -183,6 +183,10 @@ class MTMoECLI(LightningCLI):
             super().parse_arguments(parser, args)
         except ArgumentError as error:
             raise UsageError(describe_parse_error(str(error), parser, args)) from None
+        command = self.config.get("subcommand")
+        seed = (self.config[command] if command else self.config).get("seed_everything")  # seeded before a hook
+        if not isinstance(seed, bool) and isinstance(seed, int) and not 0 <= seed <= MAX_SEED:
+            raise UsageError(f"--seed_everything must be between 0 and {MAX_SEED} (or true: a random seed), got {seed}")
 
     # A private use of Lightning: LightningCLI applies a checkpoint's hyperparameters in its private
     # _parse_ckpt_path, between the public parse_arguments and before_instantiate_classes hooks, and has no public

@@ -215,6 +215,9 @@ def check_run_settings(config: Namespace, command: str | None) -> None:
                              f"got {trainer.max_epochs}")
         if config.early_stopping.patience < 0:
             raise UsageError(f"--early_stopping.patience must be >= 0, got {config.early_stopping.patience}")
+        if not config.early_stopping.min_delta >= 0:
+            raise UsageError(f"--early_stopping.min_delta must be >= 0 (the least improvement that counts), got "
+                             f"{config.early_stopping.min_delta}")
     splits = {"fit": ("train", "val", "test"), "validate": ("val",), "test": ("test",), None: ("train", "val", "test")}
     for split in splits[command]:
         if trainer[f"limit_{split}_batches"] == 0:

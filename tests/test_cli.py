@@ -202,6 +202,16 @@ def test_perm_epochs_on_a_gate_without_plus_names_the_plus_gate(tiny_root: Path,
         (["--data.batch_size=0"], "error: --data.batch_size 0 is not allowed: batch_size must be >= 1; pass another "
                                   "--data.batch_size"),
         (["--data.eval_batch_size=-5"], "error: --data.eval_batch_size -5 is not allowed: eval_batch_size must be >= 1"),
+        # before: tracebacks (dropout, a negative embedding, the seed) or a run of a net without units (0 units)
+        (["--model.expert_dropout=1.5"], "--model.expert_dropout 1.5 is not allowed: expert_dropout must be in [0, 1)"),
+        (["--model.expert_units=0"], "--model.expert_units 0 is not allowed: expert_units must be >= 1"),
+        (["--model.tower_units=0"], "--model.tower_units 0 is not allowed: tower_units must be >= 1"),
+        (["--model.embedding_dim=-4"], "--model.embedding_dim -4 is not allowed: embedding_dim must be >= 1"),
+        (["--model.adam_eps=-1"], "--model.adam_eps -1.0 is not allowed: adam_eps must be >= 0"),
+        (["--early_stopping.min_delta=-1"], "--early_stopping.min_delta must be >= 0 (the least improvement that "
+                                            "counts), got -1.0"),
+        (["--seed_everything=-5"], "--seed_everything must be between 0 and 4294967295 (or true: a random seed), "
+                                   "got -5"),
     ],
 )
 def test_bad_settings_are_one_error_line_and_leave_nothing(tiny_root: Path, extra: list[str], message: str,

@@ -236,6 +236,8 @@ BAD_TUNE_INPUT = {
     "a missing folder": (["--storage", "sqlite:////nonexistent/dir/x.db"], "there is no folder /nonexistent/dir"),
     "a journal of no file": (["--storage", "journal:"], "--storage 'journal:' names no file: write journal:PATH"),
     "a trillion trials": (["--trials", "1000000000000"], "--trials must be between 1 and 100000"),
+    "a negative seed": (["--seed", "-1"], "--seed must be between 0 and 4294967292 (configuration i trains with "
+                                          "seed + i, at most 4294967295), got -1"),
     "a log folder under a file": (["--log-dir", "/dev/null/runs"],
                                   "cannot write the trials' logs to /dev/null/runs: /dev/null is a file, not a folder"),
 }

@@ -80,6 +80,8 @@ def new_trial(info: DatasetInfo, key: object, net: MMoE, optim: OptimSettings, e
     ``max_epochs`` (``None``: until early ``stopping``), its batches in the order of ``data_seed``."""
     if not optim.lr > 0:
         raise SettingError("lr", optim.lr, "must be > 0")
+    if not engine.adam_eps >= 0:
+        raise SettingError("adam_eps", engine.adam_eps, "must be >= 0")
     weights = tuple(task_weights(info, optim.alpha))
     return Trial(key, net, weights, optim.lr, engine.adam_eps, data_seed, max_epochs, stopping.patience,
                  stopping.min_delta)

@@ -49,7 +49,7 @@ import optuna
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState
 
-from mtmoe.arguments import attach_negative_numbers, is_number
+from mtmoe.arguments import MAX_SEED, attach_negative_numbers, is_number
 from mtmoe.data import dataset_path
 from mtmoe.errors import OneLineParser, SettingError, UsageError, did_you_mean
 from mtmoe.gate_names import check_gate_name
@@ -597,6 +597,9 @@ def _tune(argv: list[str], touched: list[str]) -> None:
         raise UsageError(f"--trials must be between 1 and {MAX_TRIALS} (the plan of every configuration is drawn and "
                          f"enqueued when the study starts), got {trials}; split a larger search into studies of "
                          "other --seed values")
+    if not 0 <= args.seed <= MAX_SEED - trials:
+        raise UsageError(f"--seed must be between 0 and {MAX_SEED - trials} (configuration i trains with seed + i, "
+                         f"at most {MAX_SEED}), got {args.seed}")
     quiet_libraries()
     space = SearchSpace(space.data, space.gate, trials, space.fixed, space.distributions)
     given_alpha = _option_value(overrides, "model.alpha")
