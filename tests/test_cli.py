@@ -245,6 +245,17 @@ def test_a_config_file_that_is_no_settings_is_one_line_naming_it(tiny_root: Path
     assert not Path("runs").exists() and not Path("s.db").exists() and not Path("studies").exists()
 
 
+def test_a_data_root_that_is_a_file_says_so(tmp_path: Path, monkeypatch, capsys) -> None:
+    """Before: "cannot write to data root FILE (File exists)", mkdir's reason. Now it says the root is a file."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MTMOE_CACHE", str(tmp_path / "cache"))
+    Path("a-file").write_text("not a folder")
+    assert run_cli(["fit", "--gate", "topk", "--data", "movielens-100k", "--data.root=a-file", *FAST]) == 2
+    assert "cannot write to data root a-file (a file, not a folder): pass a writable --data.root" in \
+        one_error_line(capsys)
+    assert Path("a-file").read_text() == "not a folder" and not Path("runs").exists()
+
+
 @pytest.mark.parametrize("value", ["-1e-3", "-2.5E-4"])
 def test_a_negative_number_in_exponent_notation_is_a_value(tiny_root: Path, capsys, value: str) -> None:
     """Before: ``--model.lr -1e-3`` was "argument --model.lr: expected one argument" (argparse takes ``-1e-3`` for
