@@ -19,7 +19,12 @@ class SettingError(UsageError):
 
     def __init__(self, setting: str, value: object, allowed: str, related: tuple[str, ...] = ()) -> None:
         self.setting, self.value, self.allowed, self.related = setting, value, allowed, related
-        super().__init__(f"{setting.rpartition('.')[2]} {allowed}, got {value}")
+        super().__init__(f"{self.requirement}, got {value}")
+
+    @property
+    def requirement(self) -> str:
+        """What the setting allows, in words: ``k must satisfy 1 <= k <= n_experts = 16``."""
+        return f"{self.setting.rpartition('.')[2]} {self.allowed}"
 
     def within(self, group: str) -> SettingError:
         """The same error of a setting of ``group`` (the model's ``gate``), bounded by the same related settings."""
@@ -30,8 +35,7 @@ class SettingError(UsageError):
         ...; pass another --model.gate.k, or change --model.n_experts`` for ``prefix`` ``--model.``."""
         flag = f"{prefix}{self.setting}"
         change = "".join(f", or change {prefix}{name}" for name in self.related)
-        return UsageError(f"{flag} {self.value} is not allowed: {self.setting.rpartition('.')[2]} {self.allowed}; "
-                          f"pass another {flag}{change}")
+        return UsageError(f"{flag} {self.value} is not allowed: {self.requirement}; pass another {flag}{change}")
 
 
 class TrainingDiverged(RuntimeError):

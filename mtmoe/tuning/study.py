@@ -498,11 +498,9 @@ def check_overrides(space: SearchSpace, configurations: list[dict], overrides: l
         try:
             run = build_run(cli_args(space, {}, overrides, seed, Path(scratch)), params)
             check_space_values(run, space, params, seed)
-        except SettingError as error:  # of a value of the space: the run names the flag of any other
+        except SettingError as error:  # a planned value (the run names the flag of any other)
             key = next(key for key in (f"model.{error.setting}", f"data.{error.setting}") if key in params)
-            raise UsageError(f"the search space's {key} may be {error.value}, which is not allowed: "
-                             f"{error.setting.rpartition('.')[2]} {error.allowed}; narrow its range in the search "
-                             f"space (--space), or pass --{key} VALUE to fix it") from None
+            raise refused_space_value(key, error.value, key, error) from None
         if pack != 1:
             run.datamodule.prepare_data()
             run.datamodule.setup("fit")
@@ -538,10 +536,22 @@ def check_space_values(run: Any, space: SearchSpace, params: dict[str, Any], see
                                                                                              distribution.high)
         for value in ends:
             config = factory.config({**params, key: value}, seed)
-            if key.startswith("data."):
-                dataset_info(config.data)
-            elif key.startswith("model."):
-                factory.trial(None, config)
+            try:
+                if key.startswith("data."):
+                    dataset_info(config.data)
+                elif key.startswith("model."):
+                    factory.trial(None, config)
+            except SettingError as error:
+                group = "data" if key.startswith("data.") else "model"
+                raise refused_space_value(key, value, f"{group}.{error.setting}", error) from None
+
+
+def refused_space_value(key: str, value: Any, refused: str, error: SettingError) -> UsageError:
+    """The search space's ``key`` at ``value`` makes the setting ``refused`` (``key`` itself, or one it bounds: a
+    fixed ``model.gate.k`` above a tuned ``model.n_experts``) what ``error`` refuses, as one line."""
+    which = "which is" if refused == key else f"with which {refused} {error.value} is"
+    return UsageError(f"the search space's {key} may be {value}, {which} not allowed: {error.requirement}; narrow "
+                      f"its range in the search space (--space), or pass --{key} VALUE to fix it")
 
 
 def tune(argv: list[str]) -> None:
