@@ -134,6 +134,9 @@ def disagreements(user: Namespace, saved: Namespace, given: set[str]) -> list[st
 
 def read_checkpoint(path: str) -> dict[str, Any]:
     """The checkpoint at ``path``; a missing, unreadable or foreign file is one error line."""
+    if Path(path).is_dir():
+        raise UsageError(f"--ckpt_path {path} is a folder: pass a checkpoint file in it (a fit's "
+                         "runs/lightning_logs/version_N/checkpoints/best.ckpt or last.ckpt)")
     if not Path(path).is_file():
         raise UsageError(f"no checkpoint file {path} (--ckpt_path)")
     if not zipfile.is_zipfile(path):  # torch.save's format; torch's own errors for these files are long and vague

@@ -245,6 +245,16 @@ def test_a_config_file_that_is_no_settings_is_one_line_naming_it(tiny_root: Path
     assert not Path("runs").exists() and not Path("s.db").exists() and not Path("studies").exists()
 
 
+@pytest.mark.parametrize("command", ["fit", "test"])
+def test_a_checkpoint_path_that_is_a_folder_says_so(tiny_root: Path, capsys, command: str) -> None:
+    """Before: "no checkpoint file FOLDER", as if it were missing. Now it says it is a folder and what to pass."""
+    Path("checkpoints").mkdir()
+    assert run_cli([command, *fit(tiny_root)[1:], "--ckpt_path=checkpoints"]) == 2
+    assert "--ckpt_path checkpoints is a folder: pass a checkpoint file in it (a fit's runs/lightning_logs/" \
+        "version_N/checkpoints/best.ckpt or last.ckpt)" in one_error_line(capsys)
+    assert not Path("runs").exists()
+
+
 def test_a_data_root_that_is_a_file_says_so(tmp_path: Path, monkeypatch, capsys) -> None:
     """Before: "cannot write to data root FILE (File exists)", mkdir's reason. Now it says the root is a file."""
     monkeypatch.chdir(tmp_path)
