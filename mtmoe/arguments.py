@@ -5,6 +5,8 @@ configuration files and the Python API, on the parsed configuration (:func:`mtmo
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 from mtmoe.data import dataset_path
 from mtmoe.errors import UsageError
 from mtmoe.gate_names import PLUS_PERM_EPOCHS, check_gate_name, gate_paths, split_gate_name
@@ -26,6 +28,10 @@ UNSUPPORTED_TRAINER_SETTINGS = {
     "reload_dataloaders_every_n_epochs": (0, "the splits stay on the device"),
     "plugins": (None, "the engine trains in precision 32 or bf16-mixed on one device"),
 }
+
+
+#: The largest ``--seed_everything`` (numpy's, which Lightning seeds too).
+MAX_SEED = 2**32 - 1
 
 
 def unsupported_setting(key: str, value: object) -> str | None:
@@ -50,11 +56,35 @@ def _flag_values(argv: list[str], flags: tuple[str, ...]) -> list[tuple[int, str
     return found
 
 
+def is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def attach_negative_numbers(argv: list[str]) -> list[str]:
+    """``--model.lr -1e-3`` as ``--model.lr=-1e-3``: argparse takes a negative number in exponent notation (or
+    ``-inf``) after an option for another option, and answers "expected one argument"."""
+    out: list[str] = []
+    for arg in argv:
+        if out and out[-1].startswith("--") and "=" not in out[-1] and arg.startswith("-") and is_number(arg):
+            out[-1] += "=" + arg
+        else:
+            out.append(arg)
+    return out
+
+
 def translate_shortcuts(argv: list[str]) -> list[str]:
     """``--gate NAME`` -> ``--model.gate CLASS``, ``--data NAME`` -> ``--data CLASS``; unknown names fail here, before
     torch is imported, and so do a "+" on a gate without local search and a ``module:Class`` that is no gate (both
     imported, :func:`mtmoe.gates.parse_gate_name`) and ``--model.perm_epochs`` with a gate named without "+" (it
-    would make the "+" variant)."""
+    would make the "+" variant), and so does a ``--config`` file that cannot be read (:func:`check_config_file`).
+    A negative number after a flag is attached to it (:func:`attach_negative_numbers`)."""
+    argv = attach_negative_numbers(argv)
+    for _, flag, path in _flag_values(argv, ("--config", "-c")):
+        check_config_file(flag, path)
     shortcuts = _flag_values(argv, ("--gate", "--data"))
     gates = [(split_gate_name(value), value) for _, flag, value in shortcuts if flag == "--gate"]
     for _, value in gates:
@@ -109,3 +139,34 @@ def check_arguments(argv: list[str]) -> None:
         problem = unsupported_setting(flag.removeprefix("--trainer."), parsed)
         if problem:
             raise UsageError(problem)
+
+
+def check_config_file(flag: str, path: str) -> None:
+    """``--config PATH`` as one line unless it is a file of YAML settings (a mapping): no such file, a folder, no
+    YAML, or YAML of something else (nothing). A mapping given inline (jsonargparse's other form) passes."""
+    import yaml
+
+    file = Path(path)
+    if not file.is_file():
+        try:
+            inline = yaml.safe_load(path)
+        except yaml.YAMLError:
+            inline = None
+        if isinstance(inline, dict) and not file.exists():
+            return
+        what = "is a folder" if file.is_dir() else "is no file"
+        raise UsageError(f"{flag} {path} {what}: pass a YAML file of settings (python -m mtmoe fit ... "
+                         "--print_config > run.yaml writes one)")
+    try:
+        document = yaml.safe_load(file.read_text())
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise UsageError(f"{flag} {path} is not valid YAML ({getattr(error, 'problem', None) or error}{where}): "
+                         "fix the file") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise UsageError(f"{flag} {path} cannot be read ({getattr(error, 'strerror', None) or error})") from None
+    if not isinstance(document, dict):
+        held = "nothing" if document is None else f"a YAML {type(document).__name__}"
+        raise UsageError(f"{flag} {path} holds {held}, not settings: a mapping of trainer:, model:, data:, ... "
+                         "(python -m mtmoe fit ... --print_config shows one)")

@@ -11,6 +11,33 @@ class UsageError(ValueError):
     """Bad input from the user (a flag, a file, a data root). The CLI prints ``error: <message>`` and exits 2."""
 
 
+class SettingError(UsageError):
+    """A setting's value outside what it allows: ``setting`` names it as its class's argument (``k``; ``gate.k`` for
+    the model's gate, :meth:`within`), ``allowed`` says what it allows (``must satisfy 1 <= k <= n_experts = 16``),
+    ``related`` the other settings of the same class that bound it (``n_experts``). The command line names the flags
+    (:meth:`flagged`); the Python API shows the message as it is."""
+
+    def __init__(self, setting: str, value: object, allowed: str, related: tuple[str, ...] = ()) -> None:
+        self.setting, self.value, self.allowed, self.related = setting, value, allowed, related
+        super().__init__(f"{self.requirement}, got {value}")
+
+    @property
+    def requirement(self) -> str:
+        """What the setting allows, in words: ``k must satisfy 1 <= k <= n_experts = 16``."""
+        return f"{self.setting.rpartition('.')[2]} {self.allowed}"
+
+    def within(self, group: str) -> SettingError:
+        """The same error of a setting of ``group`` (the model's ``gate``), bounded by the same related settings."""
+        return SettingError(f"{group}.{self.setting}", self.value, self.allowed, self.related)
+
+    def flagged(self, prefix: str) -> UsageError:
+        """The error as the command line gives the setting: ``--model.gate.k 20 is not allowed: k must satisfy
+        ...; pass another --model.gate.k, or change --model.n_experts`` for ``prefix`` ``--model.``."""
+        flag = f"{prefix}{self.setting}"
+        change = "".join(f", or change {prefix}{name}" for name in self.related)
+        return UsageError(f"{flag} {self.value} is not allowed: {self.requirement}; pass another {flag}{change}")
+
+
 class TrainingDiverged(RuntimeError):
     """A ``fit`` whose loss turned NaN or infinite: its results are written, then ``error: <message>``, exit 1."""
 

@@ -13,14 +13,14 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-from mtmoe.errors import UsageError
+from mtmoe.errors import SettingError, UsageError
 from mtmoe.dataset_info import DatasetInfo, TaskSpec
 
 
 def task_weights(info: DatasetInfo, alpha: float | None) -> list[float]:
     """``(alpha, 1 - alpha)`` for two-task recommenders (default alpha = 0.9), equal weights otherwise."""
     if alpha is not None and not 0.0 <= alpha <= 1.0:
-        raise UsageError(f"alpha must be in [0, 1], got {alpha}")
+        raise SettingError("alpha", alpha, "must be in [0, 1]")
     if info.task_weighting == "alpha":
         alpha = 0.9 if alpha is None else alpha
         return [alpha, 1.0 - alpha]

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from mtmoe.dataset_info import DatasetInfo
-from mtmoe.errors import UsageError
+from mtmoe.errors import SettingError, UsageError
 from mtmoe.experts import ConvExperts, DenseExperts, EmbeddingBottom, ImageBottom, Tower
 from mtmoe.gates.base import Gate, GateDims, GateOutput, RoutingInput, no_plus_variant
 from mtmoe.permutation import LocalSearch
@@ -176,7 +176,10 @@ def build_mmoe(
         initialised = [experts]
     dims = GateDims(in_features=routing_features, n_experts=n_experts, n_ids=info.n_ids, k=info.k,
                     expert_shape=(experts.out_features,))
-    gates = [gate(dims) for _ in info.tasks]
+    try:
+        gates = [gate(dims) for _ in info.tasks]
+    except SettingError as error:  # an argument of the gate's: its setting is the model's gate.NAME
+        raise error.within("gate") from None
     towers = [
         Tower(experts.out_features, tower_units or info.tower_units, task.n_classes, info.tower_layers)
         for task in info.tasks
@@ -251,8 +254,11 @@ def build_net(info: DatasetInfo, settings: NetSettings) -> MMoE:
     §3)."""
     if settings.gate is None:
         raise UsageError("no gate chosen: pass --gate NAME (see `python -m mtmoe gates`)")
-    if settings.n_experts is not None and settings.n_experts < 2:
-        raise UsageError(f"n_experts must be >= 2, got {settings.n_experts}")
+    for name, least in (("n_experts", 2), ("embedding_dim", 1), ("expert_units", 1), ("tower_units", 1)):
+        if getattr(settings, name) is not None and getattr(settings, name) < least:
+            raise SettingError(name, getattr(settings, name), f"must be >= {least}")
+    if settings.expert_dropout is not None and not 0 <= settings.expert_dropout < 1:
+        raise SettingError("expert_dropout", settings.expert_dropout, "must be in [0, 1)")
     local_search = None if settings.perm_epochs is None else {
         "epochs": settings.perm_epochs, "zeta": settings.zeta, "per_task": settings.perm_per_task,
         "eval_rounded": settings.perm_eval_rounded}

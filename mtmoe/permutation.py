@@ -32,7 +32,7 @@ import torch
 from scipy.optimize import linear_sum_assignment
 from torch import Tensor, nn
 
-from mtmoe.errors import UsageError
+from mtmoe.errors import SettingError
 from mtmoe.scalars import ScalarSettings
 from mtmoe.schedules import Schedule, Trials
 from mtmoe.sinkhorn import sinkhorn_and_penalty
@@ -126,9 +126,9 @@ class LocalSearch(ScalarSettings, Schedule):
     ) -> None:
         super().__init__()
         if epochs < 1:
-            raise UsageError(f"perm_epochs must be >= 1, got {epochs}")
+            raise SettingError("perm_epochs", epochs, "must be >= 1")
         if zeta < 0:
-            raise UsageError(f"zeta must be >= 0, got {zeta}")
+            raise SettingError("zeta", zeta, "must be >= 0")
         self.n_experts, self.epochs = n_experts, epochs
         self.per_task, self.eval_rounded = per_task, eval_rounded
         self.may_search, self.window_set = True, False

@@ -43,12 +43,12 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from mtmoe.arguments import UNSUPPORTED_TRAINER_SETTINGS, translate_shortcuts
+from mtmoe.arguments import MAX_SEED, UNSUPPORTED_TRAINER_SETTINGS, translate_shortcuts
 from mtmoe.data import DATASETS
 from mtmoe.data.base import InMemoryDataModule
 from mtmoe.data.layout import data_root
 from mtmoe.dataset_info import DatasetInfo
-from mtmoe.errors import TrainingDiverged, UsageError, did_you_mean
+from mtmoe.errors import SettingError, TrainingDiverged, UsageError, did_you_mean
 from mtmoe.files import write_atomic
 from mtmoe.gates import gate_class, list_gates
 from mtmoe.interrupts import Interrupted
@@ -93,13 +93,15 @@ DESCRIPTIONS = {
 def _shown(record: logging.LogRecord) -> bool:
     message = record.getMessage()
     verbose = os.environ.get("MTMOE_VERBOSE", "") not in ("", "0")
-    return not message.startswith("💡 Tip") and (verbose or not any(text in message for text in LIGHTNING_ACCOUNT))
+    return (not message.startswith("💡 Tip") and "Detected KeyboardInterrupt" not in message
+            and (verbose or not any(text in message for text in LIGHTNING_ACCOUNT)))
 
 
 def quiet_lightning() -> None:
     """Drop what says nothing about the run: Lightning's adverts for its other products, its account of the seed
-    and the hardware (unless ``MTMOE_VERBOSE=1``), a deprecation inside Lightning, and the ``log_every_n_steps``
-    warning (every metric here is logged per epoch)."""
+    and the hardware (unless ``MTMOE_VERBOSE=1``), its line on Ctrl-C (the command's ``error: interrupted`` line
+    says what was kept), a deprecation inside Lightning, and the ``log_every_n_steps`` warning (every metric here is
+    logged per epoch)."""
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.seed"):
         logging.getLogger(name).addFilter(_shown)
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
@@ -152,11 +154,13 @@ class MTMoECLI(LightningCLI):
     def instantiate_classes(self) -> None:
         """The DataModule, the model (its net built from the settings under the run's seed, with
         ``--early_stopping.*``; the model settings in force as its checkpoints' hyperparameters) and the trainer."""
-        self.config_init = self.parser.instantiate_classes(self.config)
+        with flags_of("data", self.values):
+            self.config_init = self.parser.instantiate_classes(self.config)
         built = self.of_command(self.config_init)
         self.datamodule = built.data
-        self.model = MultiTaskMoE.build(self.datamodule.info, built.model, built.early_stopping,
-                                        self.of_command(self.config).model.as_dict())
+        with flags_of("model", self.values):
+            self.model = MultiTaskMoE.build(self.datamodule.info, built.model, built.early_stopping,
+                                            self.of_command(self.config).model.as_dict())
         self.trainer = self.instantiate_trainer()
 
     def of_command(self, config: Namespace) -> Namespace:
@@ -179,6 +183,10 @@ class MTMoECLI(LightningCLI):
             super().parse_arguments(parser, args)
         except ArgumentError as error:
             raise UsageError(describe_parse_error(str(error), parser, args)) from None
+        command = self.config.get("subcommand")
+        seed = (self.config[command] if command else self.config).get("seed_everything")  # seeded before a hook
+        if not isinstance(seed, bool) and isinstance(seed, int) and not 0 <= seed <= MAX_SEED:
+            raise UsageError(f"--seed_everything must be between 0 and {MAX_SEED} (or true: a random seed), got {seed}")
 
     # A private use of Lightning: LightningCLI applies a checkpoint's hyperparameters in its private
     # _parse_ckpt_path, between the public parse_arguments and before_instantiate_classes hooks, and has no public
@@ -203,9 +211,11 @@ class MTMoECLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         config = self.of_command(self.config)
         set_values(config, self.values)
-        info = dataset_info(config.data)
+        with flags_of("data", self.values):
+            info = dataset_info(config.data)
         if info is not None:
-            resolve_dataset_settings(config.model, info)
+            with flags_of("model", self.values):
+                resolve_dataset_settings(config.model, info)
         if self.checkpoint is not None:
             self.check_checkpoint(config, info)
         if self.print_config is not None:
@@ -371,6 +381,19 @@ class MTMoECLI(LightningCLI):
             meaning = {"best": "these weights", "last": "the last epoch, to resume from"}
             for which, checkpoint in results.get("checkpoints", {}).items():
                 print(f"{which} checkpoint: {checkpoint} ({meaning[which]})")
+
+
+@contextmanager
+def flags_of(group: str, planned: dict[str, Any] | None = None) -> Iterator[None]:
+    """A :class:`~mtmoe.errors.SettingError` of a ``group`` setting (``model``, ``data``) raised inside, as the one
+    line naming its flag (``--model.gate.k``), what it allows, and the flags that bound it; one of the ``planned``
+    values (a study's, :func:`build_run`'s ``values``) is raised as it is, for the planner to name."""
+    try:
+        yield
+    except SettingError as error:
+        if f"{group}.{error.setting}" in (planned or {}):
+            raise
+        raise error.flagged(f"--{group}.") from None
 
 
 def shown_config(config: Namespace) -> Namespace:

@@ -134,6 +134,9 @@ def disagreements(user: Namespace, saved: Namespace, given: set[str]) -> list[st
 
 def read_checkpoint(path: str) -> dict[str, Any]:
     """The checkpoint at ``path``; a missing, unreadable or foreign file is one error line."""
+    if Path(path).is_dir():
+        raise UsageError(f"--ckpt_path {path} is a folder: pass a checkpoint file in it (a fit's "
+                         "runs/lightning_logs/version_N/checkpoints/best.ckpt or last.ckpt)")
     if not Path(path).is_file():
         raise UsageError(f"no checkpoint file {path} (--ckpt_path)")
     if not zipfile.is_zipfile(path):  # torch.save's format; torch's own errors for these files are long and vague
@@ -215,6 +218,9 @@ def check_run_settings(config: Namespace, command: str | None) -> None:
                              f"got {trainer.max_epochs}")
         if config.early_stopping.patience < 0:
             raise UsageError(f"--early_stopping.patience must be >= 0, got {config.early_stopping.patience}")
+        if not config.early_stopping.min_delta >= 0:
+            raise UsageError(f"--early_stopping.min_delta must be >= 0 (the least improvement that counts), got "
+                             f"{config.early_stopping.min_delta}")
     splits = {"fit": ("train", "val", "test"), "validate": ("val",), "test": ("test",), None: ("train", "val", "test")}
     for split in splits[command]:
         if trainer[f"limit_{split}_batches"] == 0:

@@ -215,8 +215,10 @@ def test_a_fit_on_a_full_disk_is_one_error_line_and_leaves_no_run(tiny_root: Pat
 # ------------------------------------------------------------------------------------- 22.3: SIGTERM, as Ctrl-C
 
 
-def stop_when(args: list[str], tmp: Path, root: Path, log: str, path: Path, timeout: float = 240) -> tuple[int, str]:
-    """Start ``python -m mtmoe ARGS``, send it SIGTERM once ``path`` exists: its exit code and stderr's last line."""
+def stop_when(args: list[str], tmp: Path, root: Path, log: str, path: Path, timeout: float = 240,
+              signum: int = signal.SIGTERM) -> tuple[int, str]:
+    """Start ``python -m mtmoe ARGS``, send it ``signum`` once ``path`` exists: its exit code and stderr's last
+    line."""
     proc = start_tune(args, tmp, root, log)
     deadline = time.monotonic() + timeout
     try:
@@ -224,7 +226,7 @@ def stop_when(args: list[str], tmp: Path, root: Path, log: str, path: Path, time
             assert proc.poll() is None, f"it ended ({proc.returncode}) before {path} appeared"
             assert time.monotonic() < deadline, f"no {path}"
             time.sleep(0.1)
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signum)
         code = proc.wait(timeout=120)
     finally:
         if proc.poll() is None:
@@ -261,6 +263,19 @@ def test_sigterm_stops_a_fit_which_resumes_from_its_last_checkpoint(root_and_tmp
     resumed = tmp / "runs" / "lightning_logs" / "version_1"
     assert json.loads((resumed / "results.json").read_text())["epochs_run"] == 4
     assert val_epochs(resumed) == list(range(ended + 1, 4))  # the remaining epochs, not the first again
+
+
+@pytest.mark.integration
+def test_ctrl_c_in_a_fit_is_one_line(root_and_tmp) -> None:
+    """Before: Ctrl-C in a fit's epoch printed Lightning's "Detected KeyboardInterrupt, attempting graceful shutdown
+    ..." above the ``error: interrupted`` line. Now only that line, exit 130."""
+    root, tmp = root_and_tmp
+    args = ["fit", "--gate", "topk", *data(root), "--data.batch_size=8", "--trainer.limit_train_batches=30",
+            "--trainer.max_epochs=4", "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"]
+    last = tmp / "runs" / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
+    code, line = stop_when(args, tmp, root, "ctrl-c", last, signum=signal.SIGINT)
+    assert code == 130 and line.startswith("error: interrupted (Ctrl-C); to resume, run the same command with "), line
+    assert (tmp / "ctrl-c.err").read_text().strip().splitlines() == [line]
 
 
 def val_epochs(folder: Path) -> list[int]:

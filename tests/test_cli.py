@@ -16,7 +16,7 @@ import torch
 import yaml
 from torchvision.datasets import MNIST, SVHN
 
-from conftest import run_cli
+from conftest import run_cli, write_u_data
 from image_fixtures import write_mnist
 
 from mtmoe.arguments import UNSUPPORTED_TRAINER_SETTINGS
@@ -199,8 +199,19 @@ def test_perm_epochs_on_a_gate_without_plus_names_the_plus_gate(tiny_root: Path,
         (["--trainer.max_epochs=0"], "--trainer.max_epochs must be >= 1 (or -1: until early stopping), got 0"),
         (["--trainer.limit_train_batches=0"], "--trainer.limit_train_batches 0 leaves no train batch"),
         (["--early_stopping.patience=-1"], "--early_stopping.patience must be >= 0, got -1"),
-        (["--data.batch_size=0"], "error: batch_size must be >= 1, got 0"),
-        (["--data.eval_batch_size=-5"], "error: eval_batch_size must be >= 1, got -5"),
+        (["--data.batch_size=0"], "error: --data.batch_size 0 is not allowed: batch_size must be >= 1; pass another "
+                                  "--data.batch_size"),
+        (["--data.eval_batch_size=-5"], "error: --data.eval_batch_size -5 is not allowed: eval_batch_size must be >= 1"),
+        # before: tracebacks (dropout, a negative embedding, the seed) or a run of a net without units (0 units)
+        (["--model.expert_dropout=1.5"], "--model.expert_dropout 1.5 is not allowed: expert_dropout must be in [0, 1)"),
+        (["--model.expert_units=0"], "--model.expert_units 0 is not allowed: expert_units must be >= 1"),
+        (["--model.tower_units=0"], "--model.tower_units 0 is not allowed: tower_units must be >= 1"),
+        (["--model.embedding_dim=-4"], "--model.embedding_dim -4 is not allowed: embedding_dim must be >= 1"),
+        (["--model.adam_eps=-1"], "--model.adam_eps -1.0 is not allowed: adam_eps must be >= 0"),
+        (["--early_stopping.min_delta=-1"], "--early_stopping.min_delta must be >= 0 (the least improvement that "
+                                            "counts), got -1.0"),
+        (["--seed_everything=-5"], "--seed_everything must be between 0 and 4294967295 (or true: a random seed), "
+                                   "got -5"),
     ],
 )
 def test_bad_settings_are_one_error_line_and_leave_nothing(tiny_root: Path, extra: list[str], message: str,
@@ -208,6 +219,111 @@ def test_bad_settings_are_one_error_line_and_leave_nothing(tiny_root: Path, extr
     assert run_cli(fit(tiny_root, *extra)) == 2
     assert message in one_error_line(capsys)
     assert not Path("runs").exists()
+
+
+@pytest.mark.parametrize("command", ["fit", "tune"])
+@pytest.mark.parametrize("name, content, message", [
+    ("missing.yaml", None, "--config missing.yaml is no file: pass a YAML file of settings"),
+    (".", None, "--config . is a folder: pass a YAML file of settings"),
+    ("bad.yaml", "trainer: [1, 2\n",
+     "--config bad.yaml is not valid YAML (expected ',' or ']', but got '<stream end>' at line 2, column 1)"),
+    ("list.yaml", "- a\n", "--config list.yaml holds a YAML list, not settings: a mapping of trainer:, model:, "),
+    ("empty.yaml", "", "--config empty.yaml holds nothing, not settings"),
+])
+def test_a_config_file_that_is_no_settings_is_one_line_naming_it(tiny_root: Path, capsys, command: str, name: str,
+                                                                  content: str | None, message: str) -> None:
+    """Before: 'Parser key "config": File does not exist', 'Problems parsing config: while parsing a flow sequence
+    in "<unicode string>" ...', 'Unexpected config: - a' and 'Unexpected config:', naming neither the file (nor
+    what is wrong with it, for a folder) nor what to do. Now one line each, for ``fit`` and ``tune`` alike."""
+    if content is not None:
+        Path(name).write_text(content)
+    argv = fit(tiny_root, f"--config={name}")
+    if command == "tune":
+        argv = ["tune", *argv[1:], "--trials=1", "--storage=sqlite:///s.db"]
+    assert run_cli(argv) == 2
+    assert message in one_error_line(capsys)
+    assert not Path("runs").exists() and not Path("s.db").exists() and not Path("studies").exists()
+
+
+@pytest.mark.parametrize("command", ["fit", "test"])
+def test_a_checkpoint_path_that_is_a_folder_says_so(tiny_root: Path, capsys, command: str) -> None:
+    """Before: "no checkpoint file FOLDER", as if it were missing. Now it says it is a folder and what to pass."""
+    Path("checkpoints").mkdir()
+    assert run_cli([command, *fit(tiny_root)[1:], "--ckpt_path=checkpoints"]) == 2
+    assert "--ckpt_path checkpoints is a folder: pass a checkpoint file in it (a fit's runs/lightning_logs/" \
+        "version_N/checkpoints/best.ckpt or last.ckpt)" in one_error_line(capsys)
+    assert not Path("runs").exists()
+
+
+def test_a_data_root_that_is_a_file_says_so(tmp_path: Path, monkeypatch, capsys) -> None:
+    """Before: "cannot write to data root FILE (File exists)", mkdir's reason. Now it says the root is a file."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MTMOE_CACHE", str(tmp_path / "cache"))
+    Path("a-file").write_text("not a folder")
+    assert run_cli(["fit", "--gate", "topk", "--data", "movielens-100k", "--data.root=a-file", *FAST]) == 2
+    assert "cannot write to data root a-file (a file, not a folder): pass a writable --data.root" in \
+        one_error_line(capsys)
+    assert Path("a-file").read_text() == "not a folder" and not Path("runs").exists()
+
+
+@pytest.mark.parametrize("value", ["-1e-3", "-2.5E-4"])
+def test_a_negative_number_in_exponent_notation_is_a_value(tiny_root: Path, capsys, value: str) -> None:
+    """Before: ``--model.lr -1e-3`` was "argument --model.lr: expected one argument" (argparse takes ``-1e-3`` for
+    an option, unlike ``-1``). Now it is the flag's value, refused for what it is."""
+    assert run_cli([*fit(tiny_root), "--model.lr", value]) == 2
+    assert f"--model.lr {float(value)} is not allowed: lr must be > 0" in one_error_line(capsys)
+    assert not Path("runs").exists()
+
+
+#: A gate setting out of its range (16 experts on MovieLens-100K): gate, flag, value, what the setting allows.
+GATE_SETTINGS_OUT_OF_RANGE = [
+    *((gate, "k", "17", "must satisfy 1 <= k <= n_experts = 16") for gate in
+      ("topk", "topk-sigmoid", "topk-lossfree", "dselect", "comet", "moesart", "remoe", "competesmoe",
+       "competesmoe-v2")),
+    ("comet", "k", "0", "must satisfy 1 <= k <= n_experts = 16"),
+    ("expertchoice", "k", "16.5", "must satisfy 0 < k <= n_experts = 16"),
+    ("usmoe", "k", "0", "must satisfy 0 < k <= n_experts = 16"),
+    ("usmoe", "alpha", "1.5", "must be in [0, 1]"),
+    ("dselect", "gamma", "0", "must be > 0"),
+    ("dselect", "entropy_reg", "-1", "must be >= 0"),
+    ("dselect", "zeta", "-1", "must be >= 0"),
+    ("comet", "entropy_reg", "-1", "must be >= 0"),
+    ("moesart", "biasness", "big", "must be one of small-random, zero"),
+    ("moesart", "trimmed_lasso_reg", "-1", "must be >= 0"),
+    ("remoe", "l1_init", "0", "must be > 0"),
+    ("remoe", "l1_multiplier", "1", "must be > 1"),
+    ("sparsemixer", "top_k", "3", "must be 1 (the paper) or 2 (an extension)"),
+    ("sparsemixer", "midpoint_prob", "2", "must be in [0, 1]"),
+    ("sparsemixer", "jitter", "-1", "must be >= 0"),
+    ("competesmoe", "competition_prob", "2", "must be in [0, 1]"),
+    ("competesmoe", "router_loss_coef", "-1", "must be >= 0"),
+    ("competesmoe-v2", "warmup", "2", "must be in [0, 1]"),
+    ("topany", "aux_coef", "-1", "must be >= 0"),
+    ("topk-lossfree", "bias_rate", "-1", "must be >= 0"),
+]
+
+
+@pytest.mark.parametrize("gate, name, value, allowed", GATE_SETTINGS_OUT_OF_RANGE)
+def test_a_gate_setting_out_of_range_names_its_flag_and_what_it_allows(tiny_root: Path, capsys, gate: str, name: str,
+                                                                         value: str, allowed: str) -> None:
+    """Before: ``fit --gate topk --model.gate.k 20`` said "k must satisfy 1 <= k <= n_experts, got k=20 with
+    n_experts=16", naming neither the flag to change nor the bound in force. Now every gate's range check names
+    ``--model.gate.NAME``, what it allows (with the number of experts in force), and the flag that bounds it."""
+    assert run_cli(fit(tiny_root, f"--model.gate.{name}={value}", gate=gate)) == 2
+    line = one_error_line(capsys)
+    assert f"--model.gate.{name} " in line and f"is not allowed: {name} {allowed}; pass another --model.gate.{name}" \
+        in line, line
+    assert line.endswith(", or change --model.n_experts") == (name == "k")
+    assert not Path("runs").exists()
+
+
+def test_every_gate_with_k_is_checked() -> None:
+    """The table above covers every registered gate that takes ``k``: a new one is added there."""
+    from mtmoe.gates import gate_class, list_gates
+    from mtmoe.run_settings import init_arguments
+
+    with_k = {name for name in list_gates() if "k" in init_arguments(gate_class(name))}
+    assert with_k == {gate for gate, name, _, _ in GATE_SETTINGS_OUT_OF_RANGE if name == "k"}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
@@ -470,3 +586,47 @@ def test_fit_help_lists_the_shortcuts_with_their_choices(capsys) -> None:
     for name in ("n_experts", "embedding_dim", "expert_units", "tower_units", "expert_dropout"):
         description = out.split(f"--model.{name} {name.upper()} ", 1)[1]
         assert not description.startswith("(type:"), name  # a description before the type
+
+
+#: ``python -m mtmoe ARGV`` with Ctrl-C (a real SIGINT) delivered when MODULE is first imported.
+CTRL_C_ON_IMPORT = """
+import os, runpy, signal, sys
+
+class CtrlC:
+    def find_spec(self, name, path=None, target=None):
+        if name == MODULE:
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+sys.meta_path.insert(0, CtrlC())
+sys.argv = ["mtmoe", *ARGV]
+runpy.run_module("mtmoe", run_name="__main__")
+"""
+
+
+def ctrl_c_on_import(module: str, argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return python(CTRL_C_ON_IMPORT.replace("MODULE", repr(module)).replace("ARGV", repr(argv)), cwd,
+                  MTMOE_CACHE=str(cwd / "cache"))
+
+
+@pytest.mark.integration
+def test_ctrl_c_while_the_command_line_loads_is_one_line(tmp_path: Path) -> None:
+    """Before: Ctrl-C in the first fraction of a second of ``python -m mtmoe`` (importing the command line) was a
+    KeyboardInterrupt traceback of 20 to 50 lines. Now the one line Ctrl-C gives later, exit code 130."""
+    proc = ctrl_c_on_import("mtmoe.cli", ["--help"], tmp_path)
+    assert proc.returncode == 130 and proc.stderr == "error: interrupted (Ctrl-C)\n", proc.stderr[-2000:]
+    assert proc.stdout == ""
+
+
+@pytest.mark.integration
+def test_ctrl_c_before_tune_opens_the_storage_says_nothing_was_written(tmp_path: Path) -> None:
+    """Before: Ctrl-C while ``tune`` checked its settings said "trials in flight are marked failed and run again
+    when the same tune command runs again (it resumes the study)", of a study never created. Now it says nothing
+    was written, and nothing was."""
+    write_u_data(tmp_path / "data")
+    proc = ctrl_c_on_import("mtmoe.tuning.packs", ["tune", "--gate", "topk", "--data", "movielens-100k", "--trials",
+                                                   "1", f"--data.root={tmp_path / 'data'}"], tmp_path)
+    assert proc.returncode == 130 and proc.stderr == ("error: interrupted (Ctrl-C); before the study storage was "
+                                                      "opened: nothing was written; run the same command again\n"), \
+        proc.stderr[-2000:]
+    assert not (tmp_path / "studies").exists()

@@ -4,9 +4,11 @@ Optuna's on the study's completed trials, the table, CSV and figure name the eva
 too few trials, one tuned hyperparameter, one objective value or one configuration gets a note."""
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +21,7 @@ from optuna.trial import TrialState
 from conftest import run_cli
 from test_tuning import synthetic_study
 from mtmoe.tuning.importance import FANOVA_SEED, ped_anova
+from mtmoe.tuning.objective import quiet_optuna
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 CHECKOUT = Path(__file__).resolve().parents[1]
@@ -203,3 +206,47 @@ def test_optuna_says_nothing_of_mtmoes_own_in_memory_studies(storage: str, tmp_p
     assert user.stdout.splitlines() == ["mtmoe done", "verbosity True"]
     assert [line.split("] ", 1)[1] for line in user.stderr.splitlines()] == [
         "A new study created in memory with name: mine"]
+
+
+class _Kept(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_quiet_optuna_silences_only_its_own_thread() -> None:
+    """Before: ``quiet_optuna`` set Optuna's verbosity to WARNING for the whole process while mtmoe planned or
+    computed importances, so a user's thread creating its own study meanwhile lost Optuna's line about it. Now
+    Optuna's verbosity stays the user's, the lines of the thread inside (nested too) are dropped, another
+    thread's pass, and so does a warning of the thread inside."""
+    kept, verbosity = _Kept(), optuna.logging.get_verbosity()
+    optuna.logging.get_logger("optuna").addHandler(kept)
+    optuna.logging.set_verbosity(optuna.logging.INFO)
+    inside, done = threading.Event(), threading.Event()
+
+    def user() -> None:
+        inside.wait(60)
+        optuna.create_study(study_name="user's")
+        done.set()
+
+    thread = threading.Thread(target=user)
+    thread.start()
+    try:
+        with quiet_optuna():
+            with quiet_optuna():
+                optuna.create_study(study_name="nested")
+            inside.set()
+            assert done.wait(60)
+            optuna.create_study(study_name="mtmoe's")
+            logging.getLogger(optuna.Study.__module__).warning("a warning of mtmoe's thread")
+            assert optuna.logging.get_verbosity() == optuna.logging.INFO
+        optuna.create_study(study_name="after")
+    finally:
+        thread.join(60)
+        optuna.logging.get_logger("optuna").removeHandler(kept)
+        optuna.logging.set_verbosity(verbosity)
+    assert kept.messages == ["A new study created in memory with name: user's", "a warning of mtmoe's thread",
+                             "A new study created in memory with name: after"]

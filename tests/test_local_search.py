@@ -1088,9 +1088,9 @@ def assert_one_line_error(capsys: pytest.CaptureFixture, *fragments: str) -> str
     [
         (["--gate", "comet+", "--trainer.max_epochs=2", "--model.perm_epochs=3"],
          ["perm_epochs=3 is longer than the run", "max_epochs=2"]),
-        (["--gate", "topk+", "--trainer.max_epochs=2", "--model.zeta=-1"], ["zeta must be >= 0"]),
+        (["--gate", "topk+", "--trainer.max_epochs=2", "--model.zeta=-1"], ["--model.zeta -1.0 is not allowed: zeta must be >= 0"]),
         (["--gate", "foo+", "--trainer.max_epochs=2"], ["unknown gate 'foo+'", "comet"]),
-        (["--gate", "comet+", "--trainer.max_epochs=2", "--model.perm_epochs=0"], ["perm_epochs must be >= 1"]),
+        (["--gate", "comet+", "--trainer.max_epochs=2", "--model.perm_epochs=0"], ["--model.perm_epochs 0 is not allowed: perm_epochs must be >= 1"]),
     ],
     ids=["perm-longer-than-run", "negative-zeta", "unknown-plus-gate", "zero-perm-epochs"],
 )

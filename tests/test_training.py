@@ -118,12 +118,14 @@ def test_validate_and_test_from_checkpoint(tiny_root: Path) -> None:
     [
         (["--gate", "nope"], "unknown gate 'nope'; valid gates: comet"),
         (["--gate", "topk", "--data", "nope"], "unknown dataset 'nope'; valid datasets: "),  # names: test_data_images.py
-        (["--gate", "topk", "--model.gate.k=17"], "k must satisfy 1 <= k <= n_experts"),
-        (["--gate", "comet", "--model.gate.k=0"], "k must satisfy 1 <= k <= n_experts"),
-        (["--gate", "softmax", "--model.n_experts=1"], "n_experts must be >= 2"),
-        (["--gate", "dselect", "--model.gate.gamma=0"], "gamma must be > 0"),
-        (["--gate", "comet", "--model.gate.gamma=-1"], "gamma must be > 0"),
-        (["--gate", "topk", "--model.alpha=1.5"], "alpha must be in [0, 1]"),
+        (["--gate", "topk", "--model.gate.k=17"], "--model.gate.k 17 is not allowed: k must satisfy 1 <= k <= "
+                                                  "n_experts = 16; pass another --model.gate.k, or change "
+                                                  "--model.n_experts"),
+        (["--gate", "comet", "--model.gate.k=0"], "--model.gate.k 0 is not allowed: k must satisfy 1 <= k <="),
+        (["--gate", "softmax", "--model.n_experts=1"], "--model.n_experts 1 is not allowed: n_experts must be >= 2"),
+        (["--gate", "dselect", "--model.gate.gamma=0"], "--model.gate.gamma 0.0 is not allowed: gamma must be > 0"),
+        (["--gate", "comet", "--model.gate.gamma=-1"], "--model.gate.gamma -1.0 is not allowed: gamma must be > 0"),
+        (["--gate", "topk", "--model.alpha=1.5"], "--model.alpha 1.5 is not allowed: alpha must be in [0, 1]"),
         (["--gate", "topk", "--model.lr=abc"], "model.lr"),
     ],
 )

@@ -511,9 +511,25 @@ def file_digest(path: Path) -> str | None:
         ({"workers": "2"}, "SQLite serialises writers"),
         ({"gate": "comet+", "extra": ["--trainer.max_epochs=1"]}, "longer than the run"),
         ({"extra": ["--model.lr=abc"]}, "model.lr"),
+        ({"space": BASE_SPACE + "    model.gate.k: {int: [1, 20]}\n"},
+         "the search space's model.gate.k may be 20, which is not allowed: k must satisfy 1 <= k <= n_experts = 16; "
+         "narrow its range in the search space (--space), or pass --model.gate.k VALUE to fix it"),
+        ({"space": BASE_SPACE.replace("[0.01, 0.1, 1, 5, 10]", "[0.01, 0]")}, "the search space's "
+         "model.gate.gamma may be 0, which is not allowed: gamma must be > 0"),
+        ({"space": BASE_SPACE + "    data.eval_batch_size: {choice: [64, 0]}\n"},
+         "the search space's data.eval_batch_size may be 0, which is not allowed: eval_batch_size must be >= 1"),
+        ({"space": BASE_SPACE + "    model.n_experts: {choice: [16, 2]}\n    model.gate.k: 4\n"},
+         "model.gate.k 4 is not allowed: k must satisfy 1 <= k <= n_experts = 2"),
+        ({"extra": ["--model.gate.k=20"]}, "--model.gate.k 20 is not allowed: k must satisfy 1 <= k <= n_experts = 16; "
+                                          "pass another --model.gate.k, or change --model.n_experts"),
+        ({"extra": ["--space=."]}, ". is a folder, not a search-space file for dataset 'movielens-100k': pass "
+                                   "--space FILE.yaml (the packaged ones: "),
+        ({"extra": ["--space=missing.yaml"]}, "no search-space file missing.yaml for dataset 'movielens-100k': pass "
+                                              "--space FILE.yaml"),
     ],
     ids=["gate", "dataset", "space-typo", "empty-grid", "trials-0", "unreachable-pg", "plain-postgresql-url",
-         "unreachable-sqlite", "sqlite-workers", "perm-window", "bad-override"],
+         "unreachable-sqlite", "sqlite-workers", "perm-window", "bad-override", "planned-k", "planned-gamma",
+         "planned-batch-size", "bounded-k", "override-k", "space-folder", "space-missing"],
 )
 def test_bad_input_one_line_exit_2_storage_untouched(tiny_root: Path, tmp_path: Path, capsys, change, message):
     db = tmp_path / "untouched.db"

@@ -236,6 +236,8 @@ BAD_TUNE_INPUT = {
     "a missing folder": (["--storage", "sqlite:////nonexistent/dir/x.db"], "there is no folder /nonexistent/dir"),
     "a journal of no file": (["--storage", "journal:"], "--storage 'journal:' names no file: write journal:PATH"),
     "a trillion trials": (["--trials", "1000000000000"], "--trials must be between 1 and 100000"),
+    "a negative seed": (["--seed", "-1"], "--seed must be between 0 and 4294967292 (configuration i trains with "
+                                          "seed + i, at most 4294967295), got -1"),
     "a log folder under a file": (["--log-dir", "/dev/null/runs"],
                                   "cannot write the trials' logs to /dev/null/runs: /dev/null is a file, not a folder"),
 }
@@ -264,6 +266,49 @@ def test_bad_tune_input_is_one_line_before_the_storage_is_touched(request, tiny_
     assert not (tmp_path / "x.db").exists() and not (tmp_path / "runs").exists() and not (tmp_path / "studies").exists()
     if storage == "postgresql":
         assert not [name for name in optuna.get_all_study_names(storage_for(url)) if name.startswith("sss")]
+
+
+def tune_on(storage: str, root: Path, tmp_path: Path) -> list[str]:
+    return ["tune", "--gate", "topk", "--data", "movielens-100k", "--trials", "1", "--storage", storage,
+            f"--data.root={root}", "--log-dir", str(tmp_path / "runs"), *TINY]
+
+
+@pytest.mark.parametrize("scheme, name", [("journal:", "optuna.journal"), ("sqlite:///", "optuna.db")])
+def test_a_storage_that_is_a_folder_says_so_and_names_a_file_in_it(tiny_root: Path, tmp_path: Path, capsys,
+                                                                    scheme: str, name: str) -> None:
+    """Before: ``tune --storage journal:FOLDER`` (or ``sqlite:///FOLDER``) said "cannot read it (Is a directory)"
+    and ``report``/``bootstrap`` "no journal file FOLDER", as if it were missing. Now each says it is a folder and
+    names a file in it to pass instead; nothing is created."""
+    folder = tmp_path / "studies"
+    folder.mkdir()
+    for argv in (tune_on(f"{scheme}{folder}", tiny_root, tmp_path),
+                 ["report", "--data", "movielens-100k", "--storage", f"{scheme}{folder}"],
+                 ["bootstrap", "--data", "movielens-100k", "--storage", f"{scheme}{folder}"]):
+        line = one_error_line(capsys, run_cli(argv))
+        assert f"{folder} is a folder, not a file: name the study file, e.g. --storage {scheme}{folder / name}" in line
+    assert list(folder.iterdir()) == [] and not (tmp_path / "runs").exists()
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("scheme", ["journal:", "sqlite:///"])
+def test_a_storage_in_a_read_only_folder_is_refused_before_a_trial(tiny_root: Path, tmp_path: Path, capsys,
+                                                                    scheme: str) -> None:
+    """The folder is a read-only tmpfs (unwritable even to root). Before: ``tune`` planned and built a trial's
+    model, then failed opening the storage with "[Errno 30] Read-only file system" and no advice. Now it is
+    refused with the other bad input, before the model is built, saying to pass a writable folder."""
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=8k", "tmpfs",
+                                            str(folder)]).returncode:
+        pytest.skip("mounting a read-only tmpfs needs root")
+    try:
+        start = time.monotonic()
+        line = one_error_line(capsys, run_cli(tune_on(f"{scheme}{folder / 'studies.db'}", tiny_root, tmp_path)))
+        assert f"{folder} is not writable, and tune writes the study there: pass a --storage in a writable folder" \
+            in line
+        assert time.monotonic() - start < 10 and not (tmp_path / "runs").exists()
+    finally:
+        subprocess.run(["umount", str(folder)])
 
 
 def test_a_bad_heartbeat_setting_creates_no_database(tiny_root: Path, tmp_path: Path, capsys, monkeypatch) -> None:

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from mtmoe.data.layout import data_root
 from mtmoe.dataset_info import DatasetInfo, TaskSpec  # noqa: F401  (re-exported: the model's view of a dataset)
-from mtmoe.errors import UsageError
+from mtmoe.errors import SettingError
 
 Splits = dict[str, dict[str, Tensor]]  # {"train"|"val"|"test": {name: tensor}}
 
@@ -109,9 +109,9 @@ class InMemoryDataModule(pl.LightningDataModule):
     ) -> None:
         super().__init__()
         if batch_size < 1:
-            raise UsageError(f"batch_size must be >= 1, got {batch_size}")
+            raise SettingError("batch_size", batch_size, "must be >= 1")
         if eval_batch_size is not None and eval_batch_size < 1:
-            raise UsageError(f"eval_batch_size must be >= 1, got {eval_batch_size}")
+            raise SettingError("eval_batch_size", eval_batch_size, "must be >= 1")
         self.root = data_root(root)
         self.cache_dir = Path(cache_dir or os.environ.get("MTMOE_CACHE") or Path.home() / ".cache" / "mtmoe")
         self.batch_size, self.eval_batch_size = batch_size, eval_batch_size or batch_size

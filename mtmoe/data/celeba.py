@@ -38,7 +38,7 @@ from torchvision.transforms.v2.functional import resize
 from mtmoe.data.base import DatasetInfo, TaskSpec, register_dataset
 from mtmoe.data.images import SPLITS, ImageDataModule, Splits, check_n_ids, with_sample_ids
 from mtmoe.data.layout import CELEBA
-from mtmoe.errors import UsageError
+from mtmoe.errors import SettingError, UsageError
 
 ATTRIBUTES = (
     "5_o_Clock_Shadow", "Arched_Eyebrows", "Attractive", "Bags_Under_Eyes", "Bald", "Bangs", "Big_Lips", "Big_Nose",
@@ -135,7 +135,7 @@ class CelebADataModule(ImageDataModule):
             raise UsageError(f"attributes must be distinct CelebA attribute names, got {unknown or list(attributes)} "
                              f"(valid: {', '.join(ATTRIBUTES)})")
         if image_size < 1:
-            raise UsageError(f"image_size must be >= 1, got {image_size}")
+            raise SettingError("image_size", image_size, "must be >= 1")
         self.attributes, self.image_size = attributes, image_size
 
     @property

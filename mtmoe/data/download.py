@@ -145,9 +145,9 @@ def _fetch(entry: dict, root: Path, hint: str) -> None:
         root.mkdir(parents=True, exist_ok=True)
         fd, name = tempfile.mkstemp(dir=root, prefix=".download-", suffix=f"-{archive_name}")
     except OSError as error:
+        reason = "a file, not a folder" if root.is_file() else error.strerror or error  # mkdir: "File exists"
         raise UsageError(
-            f"cannot write to data root {root} ({error.strerror or error}): pass a writable --data.root "
-            f"(or MTMOE_DATA), or {hint}"
+            f"cannot write to data root {root} ({reason}): pass a writable --data.root (or MTMOE_DATA), or {hint}"
         ) from None
     archive = Path(name)
     algorithm = "sha256" if "sha256" in entry else "md5"

@@ -26,7 +26,7 @@ from mtmoe.data.cache import load_or_prepare
 from mtmoe.data.download import ensure_files, raw_sha256
 from mtmoe.data.layout import RAW_FILES
 from mtmoe.data.recsys import rating_splits, rating_tasks
-from mtmoe.errors import UsageError
+from mtmoe.errors import SettingError, UsageError
 
 TASKS = rating_tasks("rated")
 N_USERS, N_JOKES = 73_421, 100  # S1.2's embedding tables
@@ -122,7 +122,7 @@ class JesterDataModule(InMemoryDataModule):
     ) -> None:
         super().__init__(batch_size=batch_size, **kwargs)
         if rating_scale not in ("zscore", "raw"):
-            raise UsageError(f"rating_scale must be zscore or raw, got {rating_scale!r}")
+            raise SettingError("rating_scale", rating_scale, "must be zscore or raw")
         self.split_seed, self.stratify, self.rating_scale = split_seed, stratify, rating_scale
         self.rating_mean: float | None = None
         self.rating_std: float | None = None

@@ -19,7 +19,7 @@ from mtmoe.data.base import DatasetInfo, InMemoryDataModule, TaskSpec, register_
 from mtmoe.data.cache import load_or_prepare
 from mtmoe.data.download import ensure_files, raw_sha256
 from mtmoe.data.layout import RAW_FILES
-from mtmoe.errors import UsageError
+from mtmoe.errors import SettingError, UsageError
 
 TASKS = (TaskSpec("watch", "binary"), TaskSpec("rating", "regression", masked=True))
 
@@ -160,7 +160,7 @@ class MovieLensDataModule(InMemoryDataModule):
     def __init__(self, variant: Literal["1m", "100k"] = "1m", negative_seed: int = 0, **kwargs) -> None:
         super().__init__(**kwargs)
         if variant not in _VARIANTS:
-            raise UsageError(f"variant must be one of {', '.join(_VARIANTS)}, got {variant!r}")
+            raise SettingError("variant", variant, f"must be one of {', '.join(_VARIANTS)}")
         self.variant, self.negative_seed = variant, negative_seed
 
     @property

@@ -30,7 +30,7 @@ from mtmoe.data.base import DatasetInfo, TaskSpec, register_dataset
 from mtmoe.data.images import (
     ImageDataModule, Splits, check_n_ids, ensure_mnist, official_train_val, read_mnist, with_sample_ids,
 )
-from mtmoe.errors import UsageError
+from mtmoe.errors import SettingError, UsageError
 
 TASKS = (TaskSpec("top_left", "multiclass", n_classes=10), TaskSpec("bottom_right", "multiclass", n_classes=10))
 SHIFT = 8  # 36 = 28 + 2 * 4: the second image sits 8 pixels right of and below the first
@@ -101,7 +101,7 @@ class MultiMNISTFamilyDataModule(ImageDataModule):
     def __init__(self, variant: Literal["mnist", "fashion"] = "mnist", generator_seed: int = 0, **kwargs) -> None:
         super().__init__(**kwargs)
         if variant not in _VARIANTS:
-            raise UsageError(f"variant must be one of {', '.join(_VARIANTS)}, got {variant!r}")
+            raise SettingError("variant", variant, f"must be one of {', '.join(_VARIANTS)}")
         self.variant, self.generator_seed = variant, generator_seed
 
     @property

@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from mtmoe.errors import UsageError
+from mtmoe.errors import SettingError, UsageError
 from mtmoe.random import Stream
 from mtmoe.scalars import ScalarSettings
 
@@ -151,7 +151,7 @@ def resolve_k(k: int | None, dims: GateDims) -> int:
     """``k`` if given, else the dataset's default ``dims.k``; checked against ``1 <= k <= n``."""
     k = dims.k if k is None else k
     if not 1 <= k <= dims.n_experts:
-        raise UsageError(f"k must satisfy 1 <= k <= n_experts, got k={k} with n_experts={dims.n_experts}")
+        raise SettingError("k", k, f"must satisfy 1 <= k <= n_experts = {dims.n_experts}", ("n_experts",))
     return int(k)
 
 
@@ -159,20 +159,20 @@ def resolve_budget(k: float | None, dims: GateDims) -> float:
     """A batch-level router's average number of experts per sample: ``k`` if given, else ``dims.k``; ``0 < k <= n``."""
     k = dims.k if k is None else k
     if not 0 < k <= dims.n_experts:
-        raise UsageError(f"k must satisfy 0 < k <= n_experts, got k={k} with n_experts={dims.n_experts}")
+        raise SettingError("k", k, f"must satisfy 0 < k <= n_experts = {dims.n_experts}", ("n_experts",))
     return float(k)
 
 
 def check_probability(name: str, value: float) -> float:
     if not 0.0 <= value <= 1.0:
-        raise UsageError(f"{name} must be in [0, 1], got {value}")
+        raise SettingError(name, value, "must be in [0, 1]")
     return float(value)
 
 
 def check_non_negative(**values: float) -> None:
     for name, value in values.items():
         if not value >= 0:
-            raise UsageError(f"{name} must be >= 0, got {value}")
+            raise SettingError(name, value, "must be >= 0")
 
 
 def topk_softmax(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
@@ -195,7 +195,7 @@ def product(x: Tensor, dim: int) -> Tensor:
 
 def check_gamma(gamma: float) -> float:
     if not gamma > 0:
-        raise UsageError(f"gamma must be > 0, got {gamma}")
+        raise SettingError("gamma", gamma, "must be > 0")
     return float(gamma)
 
 

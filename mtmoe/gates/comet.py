@@ -19,8 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from mtmoe.errors import UsageError
-from mtmoe.gates.base import Gate, GateDims, GateOutput, RoutingInput, check_gamma, resolve_k, safe_log
+from mtmoe.gates.base import Gate, GateDims, GateOutput, RoutingInput, check_gamma, check_non_negative, resolve_k, safe_log
 from mtmoe.gates.reach import reach
 from mtmoe.gates.registry import register_gate
 from mtmoe.scalars import cast
@@ -68,8 +67,7 @@ class COMETGate(Gate):
         super().__init__(dims)
         self.k = resolve_k(k, dims)
         gamma = check_gamma(gamma)
-        if entropy_reg < 0:
-            raise UsageError(f"entropy_reg must be >= 0, got {entropy_reg}")
+        check_non_negative(entropy_reg=entropy_reg)
         self.set_scalars(gamma=gamma, entropy_reg=entropy_reg)
         n, p = dims.n_experts, dims.in_features
         self.split = nn.Linear(p, (n - 1) * self.k, bias=split_bias)

@@ -63,7 +63,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from mtmoe.errors import UsageError
+from mtmoe.errors import SettingError
 from mtmoe.gates.base import (
     Gate, GateDims, GateOutput, RoutingInput, check_non_negative, check_probability, resolve_k, topk_softmax,
 )
@@ -115,7 +115,7 @@ class CompetitionGate(Gate):
         self.k = resolve_k(k, dims)
         self.set_scalars(competition_prob=check_probability("competition_prob", competition_prob))
         if distill not in ("paper", "code"):
-            raise UsageError(f"distill must be 'paper' or 'code', got {distill!r}")
+            raise SettingError("distill", distill, "must be paper or code")
         self.distill, self.competition_output = distill, bool(competition_output)
         seed = torch.initial_seed() if seed is None else seed
         self.register_buffer("seed", torch.tensor(seed % 2**63, dtype=torch.long))

@@ -23,8 +23,8 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from mtmoe.errors import UsageError
-from mtmoe.gates.base import Gate, GateDims, GateOutput, RoutingInput, check_gamma, product, resolve_k
+from mtmoe.errors import SettingError
+from mtmoe.gates.base import Gate, GateDims, GateOutput, RoutingInput, check_gamma, check_non_negative, product, resolve_k
 from mtmoe.gates.registry import register_gate
 from mtmoe.gates.smooth_step import smooth_step
 from mtmoe.scalars import cast
@@ -54,10 +54,9 @@ class DSelectKGate(Gate):
         super().__init__(dims)
         self.k = resolve_k(k, dims)
         gamma = check_gamma(gamma)
-        if entropy_reg < 0 or zeta < 0:
-            raise UsageError(f"entropy_reg and zeta must be >= 0, got {entropy_reg} and {zeta}")
+        check_non_negative(entropy_reg=entropy_reg, zeta=zeta)
         if entropy_reduction not in ("mean", "sum"):
-            raise UsageError(f"entropy_reduction must be 'mean' or 'sum', got {entropy_reduction!r}")
+            raise SettingError("entropy_reduction", entropy_reduction, "must be mean or sum")
         self.entropy_reduction = entropy_reduction
         self.set_scalars(gamma=gamma, entropy_reg=entropy_reg, zeta=zeta)
         codes = binary_codes(dims.n_experts)

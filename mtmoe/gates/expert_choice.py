@@ -27,7 +27,7 @@ from typing import Literal
 
 import torch
 
-from mtmoe.errors import UsageError
+from mtmoe.errors import SettingError
 from mtmoe.gates.base import Gate, GateDims, GateOutput, RoutingInput, resolve_budget
 from mtmoe.gates.registry import register_gate
 from mtmoe.gates.softmax import keras_dense
@@ -35,7 +35,7 @@ from mtmoe.gates.softmax import keras_dense
 
 def check_eval_policy(eval_policy: str) -> str:
     if eval_policy not in ("batch", "sample"):
-        raise UsageError(f"eval_policy must be 'batch' or 'sample', got {eval_policy!r}")
+        raise SettingError("eval_policy", eval_policy, "must be batch or sample")
     return eval_policy
 
 

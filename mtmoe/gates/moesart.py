@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from mtmoe.errors import UsageError
+from mtmoe.errors import SettingError
 from mtmoe.gates.base import Gate, GateDims, GateOutput, RoutingInput, check_non_negative, resolve_k
 from mtmoe.gates.registry import register_gate
 from mtmoe.gates.softmax import keras_dense
@@ -47,7 +47,7 @@ class MOESARTGate(Gate):
                  biasness: str = "small-random") -> None:
         super().__init__(dims)
         if biasness not in BIASNESS:
-            raise UsageError(f"biasness must be one of {', '.join(BIASNESS)}, got {biasness!r}")
+            raise SettingError("biasness", biasness, f"must be one of {', '.join(BIASNESS)}")
         self.k, self.biasness = resolve_k(k, dims), biasness
         check_non_negative(trimmed_lasso_reg=trimmed_lasso_reg)
         self.set_scalars(trimmed_lasso_reg=trimmed_lasso_reg)

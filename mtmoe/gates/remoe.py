@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from mtmoe.errors import UsageError
+from mtmoe.errors import SettingError
 from mtmoe.gates.base import Gate, GateDims, GateOutput, RoutingInput, resolve_k
 from mtmoe.gates.registry import register_gate
 from mtmoe.gates.softmax import keras_dense
@@ -47,9 +47,9 @@ class ReMoEGate(Gate):
                  load_balance: bool = True) -> None:
         super().__init__(dims)
         if not l1_init > 0:
-            raise UsageError(f"l1_init must be > 0, got {l1_init}")
+            raise SettingError("l1_init", l1_init, "must be > 0")
         if not l1_multiplier > 1:
-            raise UsageError(f"l1_multiplier must be > 1, got {l1_multiplier}")
+            raise SettingError("l1_multiplier", l1_multiplier, "must be > 1")
         self.k, self.load_balance = resolve_k(k, dims), bool(load_balance)
         self.router = keras_dense(dims.in_features, dims.n_experts, bias=False)
         self.register_buffer("l1_coef", torch.tensor(l1_init, dtype=torch.float32))

@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from mtmoe.errors import UsageError
+from mtmoe.errors import SettingError, UsageError
 from mtmoe.gates.base import Gate, GateDims, GateOutput, RoutingInput, check_non_negative, check_probability
 from mtmoe.gates.losses import switch_balance_loss
 from mtmoe.gates.registry import register_gate
@@ -92,7 +92,7 @@ class SparseMixerGate(Gate):
     ) -> None:
         super().__init__(dims)
         if top_k not in (1, 2):
-            raise UsageError(f"top_k must be 1 (the paper) or 2 (an extension), got {top_k}")
+            raise SettingError("top_k", top_k, "must be 1 (the paper) or 2 (an extension)")
         check_non_negative(jitter=jitter, balance_coef=balance_coef)
         self.top_k, self.balance_coef = top_k, float(balance_coef)
         self.set_scalars(midpoint_prob=check_probability("midpoint_prob", midpoint_prob), jitter=jitter)

@@ -38,7 +38,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from mtmoe.errors import UsageError
+from mtmoe.errors import SettingError
 from mtmoe.gates.base import Gate, GateDims, GateOutput, RoutingInput, check_non_negative, resolve_k, topk_softmax
 from mtmoe.gates.registry import register_gate
 from mtmoe.gates.softmax import keras_dense
@@ -56,7 +56,7 @@ class TopKGate(Gate):
                  bias_rate: float = 1e-3) -> None:
         super().__init__(dims)
         if score not in SCORES:
-            raise UsageError(f"score must be one of {', '.join(SCORES)}, got {score!r}")
+            raise SettingError("score", score, f"must be one of {', '.join(SCORES)}")
         check_non_negative(bias_rate=bias_rate)
         self.k = resolve_k(k, dims)
         self.score, self.normalize, self.simplex = score, bool(normalize), bool(normalize)

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from mtmoe.dataset_info import DatasetInfo
 from mtmoe.discovery import import_object
-from mtmoe.errors import UsageError
+from mtmoe.errors import SettingError, UsageError
 from mtmoe.losses import task_weights
 from mtmoe.mmoe import MMoE, NetSettings, build_net, documented, setting
 from mtmoe.pack.engine import EarlyStopping, Trial
@@ -79,7 +79,9 @@ def new_trial(info: DatasetInfo, key: object, net: MMoE, optim: OptimSettings, e
     """The engine's trial of a built ``net`` trained with ``optim`` and ``engine``'s Adam epsilon, to
     ``max_epochs`` (``None``: until early ``stopping``), its batches in the order of ``data_seed``."""
     if not optim.lr > 0:
-        raise UsageError(f"lr must be > 0, got {optim.lr}")
+        raise SettingError("lr", optim.lr, "must be > 0")
+    if not engine.adam_eps >= 0:
+        raise SettingError("adam_eps", engine.adam_eps, "must be >= 0")
     weights = tuple(task_weights(info, optim.alpha))
     return Trial(key, net, weights, optim.lr, engine.adam_eps, data_seed, max_epochs, stopping.patience,
                  stopping.min_delta)

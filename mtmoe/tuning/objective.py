@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
+import threading
+from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -26,17 +29,50 @@ class TrialInterrupted(KeyboardInterrupt):
     resume."""
 
 
+class _QuietThreads(logging.Filter):
+    """Drops the info lines of the threads inside :func:`quiet_optuna` (a count per thread: the context nests);
+    warnings, errors and every other thread's lines pass."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.depth: Counter[int] = Counter()
+        self.lock = threading.Lock()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or record.thread not in self.depth
+
+    def enter(self) -> None:
+        with self.lock:
+            self.depth[threading.get_ident()] += 1
+
+    def leave(self) -> None:
+        with self.lock:
+            self.depth[threading.get_ident()] -= 1
+            if not self.depth[threading.get_ident()]:
+                del self.depth[threading.get_ident()]
+
+
+_QUIET_THREADS = _QuietThreads()
+#: The loggers of Optuna's info lines about an in-memory study ("A new study created in memory", "Trial 0
+#: finished"): its modules' loggers, named after the modules of public classes (Optuna names a logger by its module).
+OPTUNA_STUDY_LOGGERS = (optuna.storages.InMemoryStorage.__module__, optuna.Study.__module__)
+
+
 @contextmanager
 def quiet_optuna() -> Iterator[None]:
     """Optuna's info lines ("A new study created in memory", "Trial 0 finished") off while mtmoe works with an
-    in-memory study of its own (the plan, the importances): the terminal shows mtmoe's output only. The verbosity
-    set before (a user's, for their own studies) is back after; warnings and errors stay."""
-    verbosity = optuna.logging.get_verbosity()
-    optuna.logging.set_verbosity(max(verbosity, optuna.logging.WARNING))
+    in-memory study of its own (the plan, the importances): the terminal shows mtmoe's output only. Only the lines
+    this thread logs are dropped, by a filter on :data:`OPTUNA_STUDY_LOGGERS`: Optuna's verbosity (a user's, for
+    their own studies) is left as it is, and another thread's lines, or a callback's of another thread, pass;
+    warnings and errors stay."""
+    for name in OPTUNA_STUDY_LOGGERS:
+        if _QUIET_THREADS not in logging.getLogger(name).filters:
+            logging.getLogger(name).addFilter(_QUIET_THREADS)
+    _QUIET_THREADS.enter()
     try:
         yield
     finally:
-        optuna.logging.set_verbosity(verbosity)
+        _QUIET_THREADS.leave()
 
 
 def plan_configurations(space: SearchSpace, n: int, seed: int) -> list[dict[str, Any]]:

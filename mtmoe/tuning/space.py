@@ -145,7 +145,8 @@ def read_space_file(data: str, path: str | Path | None = None) -> tuple[dict[str
         return {"data": data, "trials": DEFAULT_TRIALS}, f"the defaults (no {space_file(data).name} in {SPACES_DIR})"
     path = Path(path) if path is not None else space_file(data)
     if not path.is_file():
-        raise UsageError(f"no search-space file {path} for dataset {data!r}")
+        what = f"{path} is a folder, not a search-space file" if path.is_dir() else f"no search-space file {path}"
+        raise UsageError(f"{what} for dataset {data!r}: pass --space FILE.yaml (the packaged ones: {SPACES_DIR})")
     try:
         document = yaml.safe_load(path.read_text())
     except yaml.YAMLError as error:

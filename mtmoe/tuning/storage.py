@@ -217,10 +217,10 @@ def readable(url: str) -> Iterator[None]:
         raise _storage_error(url, error) from None
 
 
-def check_url(url: str) -> None:
+def check_url(url: str, writing: bool = False) -> None:
     """``--storage`` checked before anything is opened or created: not empty, a URL SQLAlchemy can parse (or
-    ``journal:PATH``, which needs no SQLAlchemy, of a file that is a journal if it exists), a file's folder
-    existing."""
+    ``journal:PATH``, which needs no SQLAlchemy, of a file that is a journal if it exists), a file's path a file in
+    an existing folder, writable for ``tune`` (``writing``; :func:`check_file`)."""
     if not url.strip():
         raise UsageError("--storage is empty: pass postgresql://user@host/db, sqlite:///PATH, journal:PATH or "
                          "grpc://HOST:PORT, or leave the flag out for the default studies/optuna.db")
@@ -242,9 +242,27 @@ def check_url(url: str) -> None:
         if path is not None and _file_start(path, url) == JOURNAL_RECORD_START:
             raise UsageError(f"--storage {display_url(url)!r}: the file is an Optuna journal, not a SQLite database: "
                              f"pass --storage journal:{path}")
-    if path is not None and not Path(path).absolute().parent.is_dir():
-        raise UsageError(f"--storage {display_url(url)!r}: there is no folder {Path(path).absolute().parent} for "
-                         "its file; create it, or pass another --storage")
+    if path is not None:
+        check_file(url, path, writing)
+
+
+def check_file(url: str, path: str, writing: bool = False) -> None:
+    """The file ``path`` of a SQLite or journal storage ``url``: not a folder, in an existing folder, and for
+    ``tune`` (``writing``) in a writable one (SQLite's rollback journal and the journal's lock are written beside
+    the file), the file writable if it exists."""
+    file = Path(path).absolute()
+    if file.is_dir():
+        example = f"sqlite:///{file / 'optuna.db'}" if url.startswith("sqlite") else f"journal:{file / 'optuna.journal'}"
+        raise UsageError(f"--storage {display_url(url)!r}: {path} is a folder, not a file: name the study file, e.g. "
+                         f"--storage {example}")
+    if not file.parent.is_dir():
+        raise UsageError(f"--storage {display_url(url)!r}: there is no folder {file.parent} for its file; create it, "
+                         "or pass another --storage")
+    if writing and not (os.access(file.parent, os.W_OK | os.X_OK)
+                        and (not file.exists() or os.access(file, os.R_OK | os.W_OK))):
+        where = file if os.access(file.parent, os.W_OK | os.X_OK) else file.parent
+        raise UsageError(f"--storage {display_url(url)!r}: {where} is not writable, and tune writes the study "
+                         "there: pass a --storage in a writable folder")
 
 
 def repair_journal(path: str) -> None:
@@ -289,11 +307,12 @@ JOURNAL_RECORD_START = b'{"op_code":'
 
 
 def _file_start(path: str, url: str) -> bytes:
-    """The first bytes of the storage file ``path`` (as many as :data:`JOURNAL_RECORD_START`), ``b""`` if missing."""
+    """The first bytes of the storage file ``path`` (as many as :data:`JOURNAL_RECORD_START`), ``b""`` if missing
+    or a folder (:func:`check_file` says so)."""
     try:
         with open(path, "rb") as file:
             return file.read(len(JOURNAL_RECORD_START))
-    except FileNotFoundError:
+    except (FileNotFoundError, IsADirectoryError):
         return b""
     except OSError as error:
         raise UsageError(f"--storage {display_url(url)!r}: cannot read it ({error.strerror or error})") from None
@@ -443,6 +462,9 @@ def open_storage(url: str | None):
     error, never created, and a journal's torn last record is read past, not cut off (:func:`warn_torn_journal`).
     ``None``: the default storage."""
     url = default_storage_url() if url is None else url
+    file = url.removeprefix("sqlite:///") if url.startswith("sqlite:///") else journal_path(url)
+    if file and Path(file).is_dir():  # not "no file": a folder, and what to name instead
+        check_file(url, file)
     if url.startswith("sqlite:///"):
         path = Path(url.removeprefix("sqlite:///"))
         if not path.is_file():

@@ -46,10 +46,12 @@ from pathlib import Path
 from typing import Any
 
 import optuna
+from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState
 
+from mtmoe.arguments import MAX_SEED, attach_negative_numbers, is_number
 from mtmoe.data import dataset_path
-from mtmoe.errors import OneLineParser, UsageError, did_you_mean
+from mtmoe.errors import OneLineParser, SettingError, UsageError, did_you_mean
 from mtmoe.gate_names import check_gate_name
 from mtmoe.interrupts import Interrupted, handle_sigterm
 from mtmoe.tuning.space import SearchSpace, load_space
@@ -424,18 +426,10 @@ def parse_tune_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     args, overrides = parser.parse_known_args(argv)
     for arg in overrides:
         flag = arg.partition("=")[0]
-        if arg.startswith("-") and not _is_number(arg) and not flag.startswith(FIT_OPTIONS):
+        if arg.startswith("-") and not is_number(arg) and not flag.startswith(FIT_OPTIONS):
             raise UsageError(f"tune: unrecognized argument {flag}{did_you_mean(flag, parser._option_string_actions)}; "
                              "the trials' fit options are --trainer.*, --model.*, --data.*, --early_stopping.*")
-    return args, overrides
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
+    return args, attach_negative_numbers(overrides)
 
 
 def pack_size(value: str | None) -> int | str:
@@ -501,7 +495,12 @@ def check_overrides(space: SearchSpace, configurations: list[dict], overrides: l
     longest = max(range(len(configurations)), key=lambda i: configurations[i].get("model.perm_epochs") or 0)
     params = configurations[longest]
     with tempfile.TemporaryDirectory() as scratch:  # its planned values as values, as the tune worker sets them
-        run = build_run(cli_args(space, {}, overrides, seed, Path(scratch)), params)
+        try:
+            run = build_run(cli_args(space, {}, overrides, seed, Path(scratch)), params)
+            check_space_values(run, space, params, seed)
+        except SettingError as error:  # a planned value (the run names the flag of any other)
+            key = next(key for key in (f"model.{error.setting}", f"data.{error.setting}") if key in params)
+            raise refused_space_value(key, error.value, key, error) from None
         if pack != 1:
             run.datamodule.prepare_data()
             run.datamodule.setup("fit")
@@ -523,12 +522,48 @@ def check_overrides(space: SearchSpace, configurations: list[dict], overrides: l
     return _as_json(settings), alpha
 
 
+def check_space_values(run: Any, space: SearchSpace, params: dict[str, Any], seed: int) -> None:
+    """Build the nets (and DataModules) of the values of the search space a model (or its data) may refuse (a
+    gate's ``k`` above ``n_experts``), before the storage is touched, not when a trial meets them: each choice and
+    each end of each range, one setting at a time, the others at ``params`` (a setting's check is a range).
+    ``run``: a run of the overrides; a refused value raises its SettingError."""
+    from mtmoe.run_settings import dataset_info
+    from mtmoe.tuning.packs import TrialFactory
+
+    factory = TrialFactory(run)
+    for key, distribution in space.distributions.items():
+        ends = distribution.choices if isinstance(distribution, CategoricalDistribution) else (distribution.low,
+                                                                                             distribution.high)
+        for value in ends:
+            config = factory.config({**params, key: value}, seed)
+            try:
+                if key.startswith("data."):
+                    dataset_info(config.data)
+                elif key.startswith("model."):
+                    factory.trial(None, config)
+            except SettingError as error:
+                group = "data" if key.startswith("data.") else "model"
+                raise refused_space_value(key, value, f"{group}.{error.setting}", error) from None
+
+
+def refused_space_value(key: str, value: Any, refused: str, error: SettingError) -> UsageError:
+    """The search space's ``key`` at ``value`` makes the setting ``refused`` (``key`` itself, or one it bounds: a
+    fixed ``model.gate.k`` above a tuned ``model.n_experts``) what ``error`` refuses, as one line."""
+    which = "which is" if refused == key else f"with which {refused} {error.value} is"
+    return UsageError(f"the search space's {key} may be {value}, {which} not allowed: {error.requirement}; narrow "
+                      f"its range in the search space (--space), or pass --{key} VALUE to fix it")
+
+
 def tune(argv: list[str]) -> None:
     """``python -m mtmoe tune``: plan, prepare the study, run the workers; Ctrl-C or SIGTERM stops cleanly
-    (:mod:`mtmoe.interrupts`)."""
+    (:mod:`mtmoe.interrupts`), saying whether the storage was touched."""
+    touched: list[str] = []
     try:
-        _tune(argv)
+        _tune(argv, touched)
     except KeyboardInterrupt:
+        if not touched:
+            raise Interrupted("before the study storage was opened: nothing was written; run the same command "
+                              "again") from None
         raise Interrupted("trials in flight are marked failed and run again when the same tune command runs again "
                           "(it resumes the study), from their last epoch's checkpoint where one was saved") from None
 
@@ -544,12 +579,13 @@ def check_study_name(name: str) -> None:
                          "folder of its trials' logs: pass a shorter name")
 
 
-def _tune(argv: list[str]) -> None:
+def _tune(argv: list[str], touched: list[str]) -> None:
+    """:func:`tune`; the storage's URL is appended to ``touched`` before it is first opened."""
     args, overrides = parse_tune_args(argv)
     if args.study_name is not None:
         check_study_name(args.study_name)
     if args.storage is not None:
-        check_url(args.storage)
+        check_url(args.storage, writing=True)
     heartbeat_settings()  # a bad MTMOE_HEARTBEAT_* is refused before the storage is created
     dataset_path(args.data)  # unknown names fail here, before torch is imported and the storage touched
     check_gate_name(args.gate)
@@ -571,6 +607,9 @@ def _tune(argv: list[str]) -> None:
         raise UsageError(f"--trials must be between 1 and {MAX_TRIALS} (the plan of every configuration is drawn and "
                          f"enqueued when the study starts), got {trials}; split a larger search into studies of "
                          "other --seed values")
+    if not 0 <= args.seed <= MAX_SEED - trials:
+        raise UsageError(f"--seed must be between 0 and {MAX_SEED - trials} (configuration i trains with seed + i, "
+                         f"at most {MAX_SEED}), got {args.seed}")
     quiet_libraries()
     space = SearchSpace(space.data, space.gate, trials, space.fixed, space.distributions)
     given_alpha = _option_value(overrides, "model.alpha")
@@ -583,6 +622,7 @@ def _tune(argv: list[str]) -> None:
     configurations = plan_configurations(space, trials, args.seed)
     settings, alpha = check_overrides(space, configurations, overrides, args.seed, pack)
     settings = {**settings, **pinned}  # a tuned setting given a value: part of the study's identity
+    touched.append(url)
     if args.storage is None:  # made once the overrides are checked: bad input leaves no empty studies/ behind
         STUDIES_DIR.mkdir(exist_ok=True)
     with setup_lock(url), readable(url):
