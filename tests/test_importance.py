@@ -21,6 +21,7 @@ from test_tuning import synthetic_study
 from mtmoe.tuning.importance import FANOVA_SEED, ped_anova
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
+pytestmark = pytest.mark.xdist_group("importance")
 CHECKOUT = Path(__file__).resolve().parents[1]
 SPACE = {"model.lr": FloatDistribution(1e-4, 1e-2, log=True), "model.gate.gamma": FloatDistribution(0.1, 10.0),
          "model.gate.k": IntDistribution(1, 4), "model.gate.entropy_reg": CategoricalDistribution([1, 5, 10])}
@@ -31,8 +32,8 @@ def lr_bowl(params: dict, rng: np.random.Generator) -> float:
     return 0.4 + 0.05 * np.log10(params["model.lr"] / 1e-3) ** 2 + rng.normal(0, 0.001)
 
 
-def add_study(url: str, gate: str, n: int, seed: int, failed: int = 0, space: dict = SPACE,
-              objective=lr_bowl) -> str:
+def add_study(url: str | optuna.storages.BaseStorage, gate: str, n: int, seed: int, failed: int = 0,
+              space: dict = SPACE, objective=lr_bowl) -> str:
     """A study as ``tune`` leaves it, ``n`` random configurations of ``space`` scored by ``objective``; ``failed``
     more configurations diverged, and a lost trial to ignore."""
     name = f"synthetic/{gate}"
@@ -55,12 +56,17 @@ def add_study(url: str, gate: str, n: int, seed: int, failed: int = 0, space: di
 
 @pytest.fixture(scope="module")
 def storage(tmp_path_factory) -> str:
+    """The studies, asked and told in memory, then copied to SQLite: a commit per trial, not one per ask, tell and
+    attribute (each an fsync). The tests of this module share an ``xdist_group``: one worker builds it."""
+    memory = optuna.storages.InMemoryStorage()
+    add_study(memory, "comet", 60, 1, failed=3)
+    add_study(memory, "topk", 3, 2)
+    add_study(memory, "softmax", 8, 3, space={"model.lr": SPACE["model.lr"]})
+    add_study(memory, "hash", 8, 4, objective=lambda params, rng: 0.4)
+    synthetic_study(memory, "synthetic/dselect", "dselect", 8, 0.4, np.random.default_rng(5), data="synthetic")
     url = f"sqlite:///{tmp_path_factory.mktemp('importance') / 'studies.db'}"
-    add_study(url, "comet", 60, 1, failed=3)
-    add_study(url, "topk", 3, 2)
-    add_study(url, "softmax", 8, 3, space={"model.lr": SPACE["model.lr"]})
-    add_study(url, "hash", 8, 4, objective=lambda params, rng: 0.4)
-    synthetic_study(url, "synthetic/dselect", "dselect", 8, 0.4, np.random.default_rng(5), data="synthetic")
+    for study in optuna.get_all_study_summaries(memory, include_best_trial=False):
+        optuna.copy_study(from_study_name=study.study_name, from_storage=memory, to_storage=url)
     return url
 
 
