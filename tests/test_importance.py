@@ -16,7 +16,7 @@ import pytest
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.trial import TrialState
 
-from conftest import run_cli
+from conftest import run_cli, sqlite_file
 from test_tuning import synthetic_study
 from mtmoe.tuning.importance import FANOVA_SEED, ped_anova
 
@@ -56,18 +56,16 @@ def add_study(url: str | optuna.storages.BaseStorage, gate: str, n: int, seed: i
 
 @pytest.fixture(scope="module")
 def storage(tmp_path_factory) -> str:
-    """The studies, asked and told in memory, then copied to SQLite: a commit per trial, not one per ask, tell and
-    attribute (each an fsync). The tests of this module share an ``xdist_group``: one worker builds it."""
-    memory = optuna.storages.InMemoryStorage()
-    add_study(memory, "comet", 60, 1, failed=3)
-    add_study(memory, "topk", 3, 2)
-    add_study(memory, "softmax", 8, 3, space={"model.lr": SPACE["model.lr"]})
-    add_study(memory, "hash", 8, 4, objective=lambda params, rng: 0.4)
-    synthetic_study(memory, "synthetic/dselect", "dselect", 8, 0.4, np.random.default_rng(5), data="synthetic")
-    url = f"sqlite:///{tmp_path_factory.mktemp('importance') / 'studies.db'}"
-    for study in optuna.get_all_study_summaries(memory, include_best_trial=False):
-        optuna.copy_study(from_study_name=study.study_name, from_storage=memory, to_storage=url)
-    return url
+    """The studies in one SQLite file (:func:`conftest.sqlite_file`); the tests of this module share an
+    ``xdist_group``: one worker builds it."""
+    def build(into) -> None:
+        add_study(into, "comet", 60, 1, failed=3)
+        add_study(into, "topk", 3, 2)
+        add_study(into, "softmax", 8, 3, space={"model.lr": SPACE["model.lr"]})
+        add_study(into, "hash", 8, 4, objective=lambda params, rng: 0.4)
+        synthetic_study(into, "synthetic/dselect", "dselect", 8, 0.4, np.random.default_rng(5), data="synthetic")
+
+    return sqlite_file(tmp_path_factory.mktemp("importance") / "studies.db", build)
 
 
 def test_the_parameter_that_drives_the_objective_ranks_first_and_reruns_agree(storage: str, tmp_path: Path,
