@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -98,6 +100,26 @@ def full_disk_for(prefixes: str | tuple[str, ...], monkeypatch: pytest.MonkeyPat
         return fd, name
 
     monkeypatch.setattr(tempfile, "mkstemp", full_disk)
+
+
+def sqlite_file(path: Path, build: Callable[[Any], None]) -> str:
+    """``build(storage)`` on an Optuna storage in an in-memory SQLite database, then that database written to ``path``
+    in one go (sqlite3's backup): the ``sqlite:///`` URL of ``path``. The file is the one ``build`` would leave on
+    it, without a commit, each a sync of the disk, per trial and attribute."""
+    import sqlite3
+
+    import optuna
+
+    memory = optuna.storages.RDBStorage("sqlite:///:memory:")
+    build(memory)
+    target = sqlite3.connect(path)
+    try:
+        with memory.engine.connect() as connection:
+            connection.connection.driver_connection.backup(target)
+    finally:
+        target.close()
+        memory.engine.dispose()
+    return f"sqlite:///{path}"
 
 
 def write_u_data(root: Path, n_users: int = 60, per_user: int = 12, seed: int = 0) -> Path:

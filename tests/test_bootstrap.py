@@ -39,7 +39,7 @@ from mtmoe.tuning.bootstrap import (
 from mtmoe.tuning.bands import median_band, objective_curves
 from mtmoe.tuning.bootstrap_report import plot
 
-from conftest import run_cli
+from conftest import run_cli, sqlite_file
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 LR = optuna.distributions.FloatDistribution(5e-5, 5e-4, log=True)
@@ -275,17 +275,20 @@ def add_study(storage, data: str, gate: str, objectives, test_losses, alpha: str
 @pytest.fixture(scope="module")
 def storage(tmp_path_factory) -> tuple[str, dict]:
     """movielens at two alphas; hash+ identical to hash, topk+ = topk with every test loss 0.005 lower."""
-    url = f"sqlite:///{tmp_path_factory.mktemp('boot') / 'studies.db'}"
     trials = {}
-    for alpha, n in (("0.1", 30), ("0.9", 20)):
-        objectives, losses = correlated_trials(n, int(float(alpha) * 10))
-        for gate, shift, diverged in (("hash", 0.0, 2), ("hash+", 0.0, 0), ("topk", 0.05, 0), ("topk+", 0.045, 1)):
-            add_study(url, "movielens", gate, objectives, losses + shift, alpha, diverged)
-            trials[(alpha, gate)] = (objectives, losses + shift)
-    add_study(url, "books", "topk", *correlated_trials(10, 9))  # another dataset: not read
-    add_study(url, "tiny", "topk", *correlated_trials(5, 9))  # too few trials for the exact bands
-    add_study(url, "one", "topk", [0.4], [0.41])
-    return url, trials
+
+    def build(into) -> None:
+        for alpha, n in (("0.1", 30), ("0.9", 20)):
+            objectives, losses = correlated_trials(n, int(float(alpha) * 10))
+            for gate, shift, diverged in (("hash", 0.0, 2), ("hash+", 0.0, 0), ("topk", 0.05, 0),
+                                          ("topk+", 0.045, 1)):
+                add_study(into, "movielens", gate, objectives, losses + shift, alpha, diverged)
+                trials[(alpha, gate)] = (objectives, losses + shift)
+        add_study(into, "books", "topk", *correlated_trials(10, 9))  # another dataset: not read
+        add_study(into, "tiny", "topk", *correlated_trials(5, 9))  # too few trials for the exact bands
+        add_study(into, "one", "topk", [0.4], [0.41])
+
+    return sqlite_file(tmp_path_factory.mktemp("boot") / "studies.db", build), trials
 
 
 def run_bootstrap(url: str, out: Path, *extra: str, data: str = "movielens") -> int:

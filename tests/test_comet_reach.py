@@ -23,6 +23,7 @@ from mtmoe.gates.reach import reach, reach_reference
 from mtmoe.gates.smooth_step import smooth_step
 from mtmoe.pack.roofline import measure
 
+from covering import pairwise
 from test_epilogue import bits_of
 from test_random import run_interpreted
 
@@ -200,18 +201,16 @@ def run(function, t, gamma, paths):
     v = function(t, gamma, paths).transpose(-1, -2)
     v.backward(torch.randn(v.shape[-3:], generator=torch.Generator().manual_seed(1)).to(v.dtype).expand(v.shape))
     return v.detach(), t.grad
+for n, dtype, k in ROWS:
+    dtype, paths, gamma = getattr(torch, dtype), path_index(n), 1.0 if k == 1 else 0.01
+    t = torch.randn(2, 40, (n - 1) * k, generator=torch.Generator().manual_seed(n)) * gamma
+    t[0, 0, 0], t[0, 1, 0] = -gamma / 2, gamma / 2
+    t = t.to(dtype)
+    assert use_triton(t.device)
+    gamma = torch.tensor(gamma, dtype=torch.float64)
+    for a, b in zip(run(reach, t, gamma, paths), run(reach_reference, t, gamma, paths)):
+        assert torch.equal(bits(a), bits(b)), (dtype, n, k)
 for dtype in (torch.float32, torch.bfloat16):
-    for n in (4, 5, 8, 16):
-        for k in (1, 2):
-            paths = path_index(n)
-            for gamma in ((0.01, 1.0) if n == 16 else (1.0 if k == 1 else 0.01,)):
-                t = torch.randn(2, 40, (n - 1) * k, generator=torch.Generator().manual_seed(n)) * gamma
-                t[0, 0, 0], t[0, 1, 0] = -gamma / 2, gamma / 2
-                t = t.to(dtype)
-                assert use_triton(t.device)
-                gamma = torch.tensor(gamma, dtype=torch.float64)
-                for a, b in zip(run(reach, t, gamma, paths), run(reach_reference, t, gamma, paths)):
-                    assert torch.equal(bits(a), bits(b)), (dtype, n, k)
     gammas = torch.tensor([0.01, 1.0, 10.0], dtype=torch.float64)  # a pack: each trial's gamma and paths
     paths = torch.stack([path_index(16), path_index(16), torch.zeros_like(path_index(16))])
     t = torch.randn(3, 40, 30, generator=torch.Generator().manual_seed(0)).to(dtype)
@@ -226,9 +225,13 @@ print("ok")
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
 @pytest.mark.integration  # a Python process of its own, importing torch and Triton's interpreter: CI, not the inner loop
 def test_the_triton_kernels_compute_the_plain_path_in_the_interpreter() -> None:
-    """Float32 and bfloat16, n in {4, 5, 8, 16}, k in {1, 2}, saturated and not, ties, over several programs, and a
-    vmapped pack with its own gammas and paths (one all zeros, as an empty slot's: its values only): bitwise."""
-    run_interpreted(TRITON_CHECK)
+    """Float32 and bfloat16, n in {4, 5, 8, 16} (N and its powers of two padded or not), k in {1, 2}, pairwise
+    (``tests/covering.py``: every n in both dtypes and with both k, each dtype with both k), saturated and not (``t``
+    scales with gamma: the same masks at any gamma), ties, over several programs, and per dtype a vmapped pack at
+    n = 16 with gammas 0.01, 1 and 10 and its own paths (one all zeros, as an empty slot's: its values only):
+    bitwise. The full product runs on the numba kernels above, and on a GPU in ``test_cuda_equals_cpu``."""
+    rows = pairwise((4, 5, 8, 16), ("float32", "bfloat16"), (1, 2))
+    run_interpreted(f"ROWS = {rows!r}\n" + TRITON_CHECK)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

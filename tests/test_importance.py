@@ -18,12 +18,13 @@ import pytest
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.trial import TrialState
 
-from conftest import run_cli
+from conftest import run_cli, sqlite_file
 from test_tuning import synthetic_study
 from mtmoe.tuning.importance import FANOVA_SEED, ped_anova
 from mtmoe.tuning.objective import quiet_optuna
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
+pytestmark = pytest.mark.xdist_group("importance")
 CHECKOUT = Path(__file__).resolve().parents[1]
 SPACE = {"model.lr": FloatDistribution(1e-4, 1e-2, log=True), "model.gate.gamma": FloatDistribution(0.1, 10.0),
          "model.gate.k": IntDistribution(1, 4), "model.gate.entropy_reg": CategoricalDistribution([1, 5, 10])}
@@ -34,8 +35,8 @@ def lr_bowl(params: dict, rng: np.random.Generator) -> float:
     return 0.4 + 0.05 * np.log10(params["model.lr"] / 1e-3) ** 2 + rng.normal(0, 0.001)
 
 
-def add_study(url: str, gate: str, n: int, seed: int, failed: int = 0, space: dict = SPACE,
-              objective=lr_bowl) -> str:
+def add_study(url: str | optuna.storages.BaseStorage, gate: str, n: int, seed: int, failed: int = 0,
+              space: dict = SPACE, objective=lr_bowl) -> str:
     """A study as ``tune`` leaves it, ``n`` random configurations of ``space`` scored by ``objective``; ``failed``
     more configurations diverged, and a lost trial to ignore."""
     name = f"synthetic/{gate}"
@@ -58,13 +59,16 @@ def add_study(url: str, gate: str, n: int, seed: int, failed: int = 0, space: di
 
 @pytest.fixture(scope="module")
 def storage(tmp_path_factory) -> str:
-    url = f"sqlite:///{tmp_path_factory.mktemp('importance') / 'studies.db'}"
-    add_study(url, "comet", 60, 1, failed=3)
-    add_study(url, "topk", 3, 2)
-    add_study(url, "softmax", 8, 3, space={"model.lr": SPACE["model.lr"]})
-    add_study(url, "hash", 8, 4, objective=lambda params, rng: 0.4)
-    synthetic_study(url, "synthetic/dselect", "dselect", 8, 0.4, np.random.default_rng(5), data="synthetic")
-    return url
+    """The studies in one SQLite file (:func:`conftest.sqlite_file`); the tests of this module share an
+    ``xdist_group``: one worker builds it."""
+    def build(into) -> None:
+        add_study(into, "comet", 60, 1, failed=3)
+        add_study(into, "topk", 3, 2)
+        add_study(into, "softmax", 8, 3, space={"model.lr": SPACE["model.lr"]})
+        add_study(into, "hash", 8, 4, objective=lambda params, rng: 0.4)
+        synthetic_study(into, "synthetic/dselect", "dselect", 8, 0.4, np.random.default_rng(5), data="synthetic")
+
+    return sqlite_file(tmp_path_factory.mktemp("importance") / "studies.db", build)
 
 
 def test_the_parameter_that_drives_the_objective_ranks_first_and_reruns_agree(storage: str, tmp_path: Path,
