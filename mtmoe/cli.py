@@ -128,7 +128,7 @@ def print_datasets(root: str | None) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    interrupts.handle_sigterm()
+    interrupts.handle_interrupts()
     try:
         if not argv or argv[0] in ("-h", "--help"):
             print(usage())

@@ -1,8 +1,11 @@
 """Ctrl-C and SIGTERM stop a command alike. SIGTERM is what schedulers send to stop a job (Slurm at its time limit
 or on ``scancel``, Kubernetes when it evicts a pod), SIGKILL following after a grace period.
 
-:func:`handle_sigterm` turns SIGTERM into the ``KeyboardInterrupt`` Ctrl-C raises, so every place that handles Ctrl-C
-(a fit's run folder, a tune worker's trials) handles it. While a Lightning ``Trainer`` runs, its signal connector
+:func:`handle_interrupts` turns SIGTERM into the ``KeyboardInterrupt`` Ctrl-C raises, so every place that handles
+Ctrl-C (a fit's run folder, a tune worker's trials) handles it, and keeps either from being lost: Python raises a
+signal's ``KeyboardInterrupt`` wherever the main thread is, and one raised inside a finalizer (a ``weakref.finalize``
+callback, a ``__del__``: torch, Lightning and Optuna run many) is printed as "Exception ignored" and dropped, the
+command running on as if no signal had come. :func:`_redeliver` delivers it again once the finalizer is done. While a Lightning ``Trainer`` runs, its signal connector
 holds SIGTERM and calls this handler after its own: Lightning sets ``trainer.received_sigterm`` and raises
 ``SIGTERMException`` (a ``SystemExit``) once the current batch is done, and the handler here only records the
 signal. The command ends with :class:`Interrupted` and exits with :func:`exit_code`, ``128 +`` the signal's number as
@@ -10,10 +13,13 @@ a shell reports a process it stopped: 143 for SIGTERM, 130 for Ctrl-C.
 """
 from __future__ import annotations
 
+import _thread
 import signal
+import sys
 import threading
 from types import FrameType
 
+REDELIVERY_DELAY = 0.05  # seconds from a dropped stop to its second delivery
 _received: int | None = None  # SIGTERM once it arrived (Ctrl-C raises KeyboardInterrupt by Python's own handler)
 
 
@@ -21,12 +27,33 @@ class Interrupted(KeyboardInterrupt):
     """A command stopped by Ctrl-C or SIGTERM; the message says what was kept and how to go on."""
 
 
-def handle_sigterm() -> None:
-    """From now on SIGTERM stops this process as Ctrl-C does (main thread only, as every signal handler)."""
+def handle_interrupts() -> None:
+    """From now on SIGTERM stops this process as Ctrl-C does (main thread only, as every signal handler), and a stop
+    raised inside a finalizer is delivered again after it."""
     global _received
     _received = None
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _on_sigterm)
+    if sys.unraisablehook is not _redeliver:
+        _redeliver.previous = sys.unraisablehook
+        sys.unraisablehook = _redeliver
+
+
+def _redeliver(unraisable: "sys.UnraisableHookArgs") -> None:
+    """``sys.unraisablehook``: a ``KeyboardInterrupt`` that a finalizer could not raise arrives again as SIGINT
+    :data:`REDELIVERY_DELAY` later (``_thread.interrupt_main`` from a timer thread: called here, the signal would be
+    raised at once, inside this hook, and dropped again), whose handler raises it in the main thread, by then
+    outside the finalizer (a SIGTERM's stop too: :func:`signal_name` still names SIGTERM). Anything else goes to the
+    hook that was there before."""
+    if unraisable.exc_type is not None and issubclass(unraisable.exc_type, KeyboardInterrupt):
+        timer = threading.Timer(REDELIVERY_DELAY, _thread.interrupt_main)
+        timer.daemon = True
+        timer.start()
+    else:
+        _redeliver.previous(unraisable)
+
+
+_redeliver.previous = sys.unraisablehook
 
 
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:

@@ -53,7 +53,7 @@ from mtmoe.arguments import MAX_SEED, attach_negative_numbers, is_number
 from mtmoe.data import dataset_path
 from mtmoe.errors import OneLineParser, SettingError, UsageError, did_you_mean
 from mtmoe.gate_names import check_gate_name
-from mtmoe.interrupts import Interrupted, handle_sigterm
+from mtmoe.interrupts import Interrupted, handle_interrupts
 from mtmoe.tuning.space import SearchSpace, load_space
 from mtmoe.tuning.storage import (
     STUDIES_DIR,
@@ -231,7 +231,7 @@ def worker_devices(workers: int, gpus: list[str]) -> list[str | None]:
 def _worker_process(*args: Any, device: str | None = None) -> None:
     if device is not None:  # before CUDA starts in this process (torch starts it at the first CUDA call)
         os.environ["CUDA_VISIBLE_DEVICES"] = device
-    handle_sigterm()  # a scheduler's SIGTERM to every process of the job stops this worker as Ctrl-C does
+    handle_interrupts()  # a scheduler's SIGTERM to every process of the job stops this worker as Ctrl-C does
     if "OMP_NUM_THREADS" not in os.environ:  # N workers share the cores: no N-fold oversubscription of torch threads
         import torch
 
