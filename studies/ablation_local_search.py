@@ -162,7 +162,7 @@ def main() -> None:
     threads = args.threads if args.threads is not None else max(1, (os.cpu_count() or 1) // args.workers)
     start = time.perf_counter()
     pool = multiprocessing.get_context("spawn").Pool(args.workers, _init_worker, (args.root, threads))
-    interrupts.handle_sigterm()  # ``kill`` stops the workers too, as Ctrl-C does
+    interrupts.handle_interrupts()  # ``kill`` stops the workers too, as Ctrl-C does
     try:
         jobs = pool.imap_unordered(_train_in_worker, [(gate, seed, args) for gate, seed in todo])
         for i, row in enumerate(jobs, 1):
