@@ -11,15 +11,17 @@ import ast
 import importlib
 from importlib.metadata import entry_points
 from pathlib import Path
+from typing import Any
 
 from mtmoe.errors import UsageError
 
 
-def registered_in_files(package: str, decorator: str) -> dict[str, str]:
-    """``name -> "module:Class"`` for every class of the package ``package`` (its folder beside this file) marked
-    ``@decorator("name")``; a name marked twice is an error."""
+def registrations(package: str, decorator: str) -> dict[str, tuple[str, dict[str, Any]]]:
+    """``name -> ("module:Class", keywords)`` for every class of the package ``package`` (its folder beside this file)
+    marked ``@decorator("name", key=literal, ...)``, ``keywords`` the literal keyword arguments (a registered
+    class's static facts, read without importing it); a name marked twice is an error."""
     folder = Path(__file__).resolve().parent.joinpath(*package.split(".")[1:])
-    found: dict[str, str] = {}
+    found: dict[str, tuple[str, dict[str, Any]]] = {}
     for path in sorted(folder.glob("*.py")):
         for node in ast.parse(path.read_text(), str(path)).body:
             for mark in getattr(node, "decorator_list", []) if isinstance(node, ast.ClassDef) else []:
@@ -27,9 +29,14 @@ def registered_in_files(package: str, decorator: str) -> dict[str, str]:
                         and isinstance(mark.args[0], ast.Constant) and isinstance(mark.args[0].value, str)):
                     name, where = mark.args[0].value, f"{package}.{path.stem}:{node.name}"
                     if name in found:
-                        raise RuntimeError(f"{name!r} registered twice: {found[name]} and {where}")
-                    found[name] = where
+                        raise RuntimeError(f"{name!r} registered twice: {found[name][0]} and {where}")
+                    found[name] = where, {k.arg: ast.literal_eval(k.value) for k in mark.keywords if k.arg}
     return found
+
+
+def registered_in_files(package: str, decorator: str) -> dict[str, str]:
+    """``name -> "module:Class"`` of the package's registered classes (:func:`registrations`)."""
+    return {name: where for name, (where, _) in registrations(package, decorator).items()}
 
 
 def registered(package: str, decorator: str, group: str) -> dict[str, str]:

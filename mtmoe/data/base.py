@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import ClassVar, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -67,12 +68,14 @@ class IndexBatches:
                 yield {key: t[start : start + self.batch_size] for key, t in self.tensors.items()}
 
 
-def register_dataset(name: str):
-    """``@register_dataset("name")`` on a DataModule: the dataset the CLI's ``--data name`` selects. The line is read
-    from the file without importing it (:mod:`mtmoe.discovery`); a DataModule of another package registers with an
-    entry point of the group ``mtmoe.datasets`` instead."""
+def register_dataset(name: str, *, task_weighting: Literal["alpha", "equal"]):
+    """``@register_dataset("name", task_weighting=...)`` on a DataModule: the dataset the CLI's ``--data name``
+    selects, and its static facts, which its ``info`` reads from the class. The line is read from the file without
+    importing it (:mod:`mtmoe.discovery`), so ``report`` and ``bootstrap`` know a dataset's default alpha without
+    Lightning; a DataModule of another package registers with an entry point of the group ``mtmoe.datasets``
+    instead (and sets ``task_weighting`` on its class, or passes it to its ``DatasetInfo`` itself)."""
     def decorator(cls: type) -> type:
-        cls.registry_name = name
+        cls.registry_name, cls.task_weighting = name, task_weighting
         return cls
 
     return decorator
@@ -95,6 +98,9 @@ class InMemoryDataModule(pl.LightningDataModule):
         data_on_device: when training on a GPU, copy the splits to it once at setup and cut batches there (no
             host-to-device copy per step); False keeps them in host memory and Lightning copies each batch.
     """
+
+    registry_name: ClassVar[str]  # both set by :func:`register_dataset`
+    task_weighting: ClassVar[Literal["alpha", "equal"]]
 
     def __init__(
         self,

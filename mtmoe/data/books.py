@@ -97,7 +97,7 @@ def prepare_books(ratings: BookRatings, seed: int, stratify: bool = True) -> Spl
     return rating_splits(user, book, rating, rating > 0, "read", seed, stratify)
 
 
-@register_dataset("books")
+@register_dataset("books", task_weighting="alpha")
 class BooksDataModule(InMemoryDataModule):
     """Book-Crossing as the paper's Books (S1.1-S1.3): ``<root>/book-crossing/BX-CSV-Dump.zip``, read in place.
 
@@ -117,7 +117,7 @@ class BooksDataModule(InMemoryDataModule):
         return DatasetInfo(
             name="books", tasks=TASKS, n_ids=N_USERS, n_users=N_USERS, n_items=N_BOOKS,
             n_experts=9, k=4, embedding_dim=64, expert_units=128, tower_units=256, expert_dropout=0.5,
-            task_weighting="alpha",
+            task_weighting=self.task_weighting,
         )
 
     def load_splits(self) -> Splits:

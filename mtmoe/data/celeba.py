@@ -114,7 +114,7 @@ def decode_images(paths: list[Path], size: int) -> Tensor:
     return out
 
 
-@register_dataset("celeba")
+@register_dataset("celeba", task_weighting="equal")
 class CelebADataModule(ImageDataModule):
     """CelebA with its official partition; one binary task per chosen attribute (module docstring).
 
@@ -143,7 +143,8 @@ class CelebADataModule(ImageDataModule):
         return DatasetInfo(
             name="celeba", tasks=tuple(TaskSpec(name, "binary") for name in self.attributes), n_ids=N_IMAGES,
             image_shape=(3, self.image_size, self.image_size), n_experts=6, k=2, expert_dropout=0.0,
-            task_weighting="equal", conv_layers=((3, 4), (3, 4), (3, 4), (3, 1)), expert_layers=0, tower_layers=0,
+            task_weighting=self.task_weighting, conv_layers=((3, 4), (3, 4), (3, 4), (3, 1)), expert_layers=0,
+            tower_layers=0,
         )
 
     def raw_files(self) -> list[Path]:

@@ -91,7 +91,7 @@ def prepare_digits(mnist: tuple[Tensor, Tensor, Tensor, Tensor], svhn: tuple[Ten
     })
 
 
-@register_dataset("digits")
+@register_dataset("digits", task_weighting="equal")
 class DigitsDataModule(ImageDataModule):
     """Digits: MNIST (``<root>/MNIST/raw/``) and SVHN (``<root>/SVHN/*_32x32.mat``); module docstring.
 
@@ -116,7 +116,7 @@ class DigitsDataModule(ImageDataModule):
     def info(self) -> DatasetInfo:
         return DatasetInfo(
             name="digits", tasks=TASKS, n_ids=self.n_ids, image_shape=(3, 32, 32), n_experts=8, k=2,
-            expert_units=50, tower_units=50, expert_dropout=0.0, task_weighting="equal",
+            expert_units=50, tower_units=50, expert_dropout=0.0, task_weighting=self.task_weighting,
             conv_layers=((5, 10), (5, 20)), expert_layers=1, tower_layers=2,
         )
 

@@ -100,7 +100,7 @@ def standardise_ratings(splits: Splits) -> tuple[Splits, float, float]:
     return scaled, mean, std
 
 
-@register_dataset("jester")
+@register_dataset("jester", task_weighting="alpha")
 class JesterDataModule(InMemoryDataModule):
     """Jester dataset 1 as the paper's Jester (S1.1-S1.3): ``<root>/jester/jester-data-{1,2,3}.xls``.
 
@@ -132,7 +132,7 @@ class JesterDataModule(InMemoryDataModule):
         return DatasetInfo(
             name="jester", tasks=TASKS, n_ids=N_USERS, n_users=N_USERS, n_items=N_JOKES,
             n_experts=16, k=2, embedding_dim=64, expert_units=128, tower_units=256, expert_dropout=0.5,
-            task_weighting="alpha",
+            task_weighting=self.task_weighting,
         )
 
     def raw_files(self) -> list[Path]:

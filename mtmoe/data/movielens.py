@@ -169,7 +169,7 @@ class MovieLensDataModule(InMemoryDataModule):
         return DatasetInfo(
             name=variant.name, tasks=TASKS, n_ids=variant.n_users, n_users=variant.n_users, n_items=variant.n_items,
             n_experts=16, k=2, embedding_dim=128, expert_units=256, tower_units=256, expert_dropout=0.5,
-            task_weighting="alpha",
+            task_weighting=self.task_weighting,
         )
 
     def load_splits(self) -> dict[str, dict[str, Tensor]]:
@@ -189,7 +189,7 @@ class MovieLensDataModule(InMemoryDataModule):
         return load_or_prepare(cache, prepare)
 
 
-@register_dataset("movielens")
+@register_dataset("movielens", task_weighting="alpha")
 class MovieLens1MDataModule(MovieLensDataModule):
     """MovieLens-1M, the paper's MovieLens (CLI name ``movielens``); arguments as :class:`MovieLensDataModule`."""
 
@@ -197,7 +197,7 @@ class MovieLens1MDataModule(MovieLensDataModule):
         super().__init__(variant="1m", **kwargs)
 
 
-@register_dataset("movielens-100k")
+@register_dataset("movielens-100k", task_weighting="alpha")
 class MovieLens100KDataModule(MovieLensDataModule):
     """MovieLens-100K, a small stand-in with the same protocol (CLI name ``movielens-100k``)."""
 

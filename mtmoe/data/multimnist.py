@@ -110,7 +110,7 @@ class MultiMNISTFamilyDataModule(ImageDataModule):
         return DatasetInfo(
             name=variant.name, tasks=TASKS, n_ids=N_IDS, image_shape=(1, 28 + SHIFT, 28 + SHIFT),
             n_experts=variant.n_experts, k=variant.k, expert_units=50, tower_units=50, expert_dropout=0.0,
-            task_weighting="equal", conv_layers=((5, 10), (5, 20)), expert_layers=2, tower_layers=2,
+            task_weighting=self.task_weighting, conv_layers=((5, 10), (5, 20)), expert_layers=2, tower_layers=2,
             overlay_shift=SHIFT,
         )
 
@@ -126,7 +126,7 @@ class MultiMNISTFamilyDataModule(ImageDataModule):
         return splits
 
 
-@register_dataset("multimnist")
+@register_dataset("multimnist", task_weighting="equal")
 class MultiMNISTDataModule(MultiMNISTFamilyDataModule):
     """MultiMNIST (CLI name ``multimnist``); arguments as :class:`MultiMNISTFamilyDataModule`."""
 
@@ -134,7 +134,7 @@ class MultiMNISTDataModule(MultiMNISTFamilyDataModule):
         super().__init__(variant="mnist", **kwargs)
 
 
-@register_dataset("multifashionmnist")
+@register_dataset("multifashionmnist", task_weighting="equal")
 class MultiFashionMNISTDataModule(MultiMNISTFamilyDataModule):
     """MultiFashionMNIST (CLI name ``multifashionmnist``); arguments as :class:`MultiMNISTFamilyDataModule`."""
 
