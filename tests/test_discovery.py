@@ -73,22 +73,24 @@ def test_gate_and_dataset_names_are_read_from_the_files() -> None:
         assert import_class(path).registry_name == name
 
 
-def test_a_datasets_registered_facts_are_its_info() -> None:
-    """The task weighting read from each registration line (no import) is the DataModule's ``info``, and the
+def test_a_datasets_static_facts_are_its_info() -> None:
+    """Each packaged dataset's task weighting, read from its file (no import), is its DataModule's ``info``, and the
     default alpha ``report`` shows is the one a run without ``--model.alpha`` trains with."""
     from mtmoe.data import task_weighting
+    from mtmoe.discovery import registrations
     from mtmoe.losses import task_weights
     from mtmoe.run_settings import import_class
     from mtmoe.tuning.trials import default_alpha
 
-    weightings = {}
+    read = {name: literals["task_weighting"] for name, (_, literals) in
+            registrations("mtmoe.data", "register_dataset").items()}
+    assert set(read) == set(DATASETS)
     for name, path in DATASETS.items():
         info = import_class(path)(download=False).info
-        weightings[name] = task_weighting(name)
-        assert weightings[name] == info.task_weighting, name
+        assert read[name] == task_weighting(name) == info.task_weighting, name
         alpha = f"{task_weights(info, None)[0]:g}" if info.task_weighting == "alpha" else None
         assert default_alpha(name) == alpha, name
-    assert {name for name, weighting in weightings.items() if weighting == "alpha"} == {
+    assert {name for name, weighting in read.items() if weighting == "alpha"} == {
         "books", "jester", "movielens", "movielens-100k"}  # the paper's recommenders (comet-protocol.md §5)
     assert task_weighting("no-such-dataset") is None and default_alpha("no-such-dataset") is None
 

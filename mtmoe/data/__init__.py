@@ -32,11 +32,11 @@ def dataset_path(name: str) -> str:
 
 @cache
 def task_weighting(name: str) -> str | None:
-    """How dataset ``name`` weights its tasks, ``alpha`` or ``equal`` (``None``: not a registered dataset): the
-    ``task_weighting`` of its ``@register_dataset`` line, read without importing it; a dataset of an entry point
-    is imported and instantiated (``download=False``) to read its ``info``."""
+    """How dataset ``name`` weights its tasks, ``alpha`` or ``equal`` (``None``: not a registered dataset): its
+    DataModule's ``task_weighting`` literal, read from the file without importing it; a DataModule that inherits it
+    from another file's class, or an entry point's, is imported and instantiated (``download=False``) instead."""
     own = registrations("mtmoe.data", "register_dataset")
-    if name in own:
+    if "task_weighting" in own.get(name, ("", {}))[1]:
         return own[name][1]["task_weighting"]
     found = registered("mtmoe.data", "register_dataset", "mtmoe.datasets")
     return import_object(found[name], "dataset")(download=False).info.task_weighting if name in found else None

@@ -68,14 +68,14 @@ class IndexBatches:
                 yield {key: t[start : start + self.batch_size] for key, t in self.tensors.items()}
 
 
-def register_dataset(name: str, *, task_weighting: Literal["alpha", "equal"]):
-    """``@register_dataset("name", task_weighting=...)`` on a DataModule: the dataset the CLI's ``--data name``
-    selects, and its static facts, which its ``info`` reads from the class. The line is read from the file without
-    importing it (:mod:`mtmoe.discovery`), so ``report`` and ``bootstrap`` know a dataset's default alpha without
-    Lightning; a DataModule of another package registers with an entry point of the group ``mtmoe.datasets``
-    instead (and sets ``task_weighting`` on its class, or passes it to its ``DatasetInfo`` itself)."""
+def register_dataset(name: str):
+    """``@register_dataset("name")`` on a DataModule: the dataset the CLI's ``--data name`` selects. The line is read
+    from the file without importing it (:mod:`mtmoe.discovery`), and so are the class's literal attributes (its
+    static facts, as ``task_weighting``: ``report`` and ``bootstrap`` know a dataset's default alpha without
+    Lightning); a DataModule of another package registers with an entry point of the group ``mtmoe.datasets``
+    instead."""
     def decorator(cls: type) -> type:
-        cls.registry_name, cls.task_weighting = name, task_weighting
+        cls.registry_name = name
         return cls
 
     return decorator
@@ -99,7 +99,9 @@ class InMemoryDataModule(pl.LightningDataModule):
             host-to-device copy per step); False keeps them in host memory and Lightning copies each batch.
     """
 
-    registry_name: ClassVar[str]  # both set by :func:`register_dataset`
+    registry_name: ClassVar[str]  # set by :func:`register_dataset`
+    #: How the loss weights the tasks (``alpha``: ``(alpha, 1 - alpha)`` for two tasks; ``equal``): each dataset sets
+    #: it as a literal, which its ``info`` reads and :mod:`mtmoe.discovery` reads without importing the file.
     task_weighting: ClassVar[Literal["alpha", "equal"]]
 
     def __init__(

@@ -97,7 +97,7 @@ def prepare_books(ratings: BookRatings, seed: int, stratify: bool = True) -> Spl
     return rating_splits(user, book, rating, rating > 0, "read", seed, stratify)
 
 
-@register_dataset("books", task_weighting="alpha")
+@register_dataset("books")
 class BooksDataModule(InMemoryDataModule):
     """Book-Crossing as the paper's Books (S1.1-S1.3): ``<root>/book-crossing/BX-CSV-Dump.zip``, read in place.
 
@@ -107,6 +107,8 @@ class BooksDataModule(InMemoryDataModule):
         batch_size: 2048, the paper's (S1.3).
         root, cache_dir, eval_batch_size, seed, download: see :class:`InMemoryDataModule`.
     """
+
+    task_weighting = "alpha"
 
     def __init__(self, split_seed: int = 0, stratify: bool = True, batch_size: int = 2048, **kwargs) -> None:
         super().__init__(batch_size=batch_size, **kwargs)

@@ -114,7 +114,7 @@ def decode_images(paths: list[Path], size: int) -> Tensor:
     return out
 
 
-@register_dataset("celeba", task_weighting="equal")
+@register_dataset("celeba")
 class CelebADataModule(ImageDataModule):
     """CelebA with its official partition; one binary task per chosen attribute (module docstring).
 
@@ -126,6 +126,8 @@ class CelebADataModule(ImageDataModule):
         image_size: side of the square the images are resized to (default 64).
         root, cache_dir, batch_size, eval_batch_size, seed, download: see :class:`InMemoryDataModule`.
     """
+
+    task_weighting = "equal"
 
     def __init__(self, attributes: tuple[str, ...] = BALANCED_TEN, image_size: int = 64, **kwargs) -> None:
         super().__init__(**kwargs)

@@ -91,7 +91,7 @@ def prepare_digits(mnist: tuple[Tensor, Tensor, Tensor, Tensor], svhn: tuple[Ten
     })
 
 
-@register_dataset("digits", task_weighting="equal")
+@register_dataset("digits")
 class DigitsDataModule(ImageDataModule):
     """Digits: MNIST (``<root>/MNIST/raw/``) and SVHN (``<root>/SVHN/*_32x32.mat``); module docstring.
 
@@ -103,6 +103,8 @@ class DigitsDataModule(ImageDataModule):
         split_seed: seed of the MNIST and SVHN splits.
         root, cache_dir, batch_size, eval_batch_size, seed, download: see :class:`InMemoryDataModule`.
     """
+
+    task_weighting = "equal"
 
     def __init__(self, svhn_extra: bool = True, split_seed: int = 0, **kwargs) -> None:
         super().__init__(**kwargs)

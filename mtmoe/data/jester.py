@@ -100,7 +100,7 @@ def standardise_ratings(splits: Splits) -> tuple[Splits, float, float]:
     return scaled, mean, std
 
 
-@register_dataset("jester", task_weighting="alpha")
+@register_dataset("jester")
 class JesterDataModule(InMemoryDataModule):
     """Jester dataset 1 as the paper's Jester (S1.1-S1.3): ``<root>/jester/jester-data-{1,2,3}.xls``.
 
@@ -111,6 +111,8 @@ class JesterDataModule(InMemoryDataModule):
         batch_size: 2048, the paper's (S1.3).
         root, cache_dir, eval_batch_size, seed, download: see :class:`InMemoryDataModule`.
     """
+
+    task_weighting = "alpha"
 
     def __init__(
         self,

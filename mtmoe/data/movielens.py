@@ -157,6 +157,8 @@ class MovieLensDataModule(InMemoryDataModule):
         root, cache_dir, batch_size, eval_batch_size, seed, download: see :class:`InMemoryDataModule`.
     """
 
+    task_weighting = "alpha"
+
     def __init__(self, variant: Literal["1m", "100k"] = "1m", negative_seed: int = 0, **kwargs) -> None:
         super().__init__(**kwargs)
         if variant not in _VARIANTS:
@@ -189,7 +191,7 @@ class MovieLensDataModule(InMemoryDataModule):
         return load_or_prepare(cache, prepare)
 
 
-@register_dataset("movielens", task_weighting="alpha")
+@register_dataset("movielens")
 class MovieLens1MDataModule(MovieLensDataModule):
     """MovieLens-1M, the paper's MovieLens (CLI name ``movielens``); arguments as :class:`MovieLensDataModule`."""
 
@@ -197,7 +199,7 @@ class MovieLens1MDataModule(MovieLensDataModule):
         super().__init__(variant="1m", **kwargs)
 
 
-@register_dataset("movielens-100k", task_weighting="alpha")
+@register_dataset("movielens-100k")
 class MovieLens100KDataModule(MovieLensDataModule):
     """MovieLens-100K, a small stand-in with the same protocol (CLI name ``movielens-100k``)."""
 

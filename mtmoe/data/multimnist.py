@@ -98,6 +98,8 @@ class MultiMNISTFamilyDataModule(ImageDataModule):
         root, cache_dir, batch_size, eval_batch_size, seed, download: see :class:`InMemoryDataModule`.
     """
 
+    task_weighting = "equal"
+
     def __init__(self, variant: Literal["mnist", "fashion"] = "mnist", generator_seed: int = 0, **kwargs) -> None:
         super().__init__(**kwargs)
         if variant not in _VARIANTS:
@@ -126,7 +128,7 @@ class MultiMNISTFamilyDataModule(ImageDataModule):
         return splits
 
 
-@register_dataset("multimnist", task_weighting="equal")
+@register_dataset("multimnist")
 class MultiMNISTDataModule(MultiMNISTFamilyDataModule):
     """MultiMNIST (CLI name ``multimnist``); arguments as :class:`MultiMNISTFamilyDataModule`."""
 
@@ -134,7 +136,7 @@ class MultiMNISTDataModule(MultiMNISTFamilyDataModule):
         super().__init__(variant="mnist", **kwargs)
 
 
-@register_dataset("multifashionmnist", task_weighting="equal")
+@register_dataset("multifashionmnist")
 class MultiFashionMNISTDataModule(MultiMNISTFamilyDataModule):
     """MultiFashionMNIST (CLI name ``multifashionmnist``); arguments as :class:`MultiMNISTFamilyDataModule`."""
 

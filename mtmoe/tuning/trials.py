@@ -184,7 +184,7 @@ def _alpha_of(study_name: str) -> str | None:
 
 def default_alpha(data: str) -> str | None:
     """The task weight alpha that ``data``'s runs use without ``--model.alpha`` (``None``: a dataset that weights its
-    tasks equally, or not a registered one); read from the dataset's registration, without Lightning or torch."""
+    tasks equally, or not a registered one); read from its DataModule's file, without importing Lightning or torch."""
     alpha = dataset_info.default_alpha(task_weighting(data) or "equal")
     return None if alpha is None else f"{alpha:g}"
 
