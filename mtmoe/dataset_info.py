@@ -8,6 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+#: The recommenders' task weight alpha where a run sets none (comet-protocol.md §5:
+#: ``alpha · BCE + (1 - alpha) · MSE`` with alpha in {0.1, 0.9}).
+DEFAULT_ALPHA = 0.9
+
 
 @dataclass(frozen=True)
 class TaskSpec:
@@ -41,3 +45,9 @@ class DatasetInfo:
     expert_layers: int = 1  # dense layers of ``expert_units`` in an expert (after the convolutions, for images)
     tower_layers: int = 1  # hidden dense layers of ``tower_units`` in a tower
     overlay_shift: int = 0  # > 0: ``image`` holds two layers, summed at offsets 0 and this shift (MultiMNIST)
+
+
+def default_alpha(task_weighting: str) -> float | None:
+    """The task weight alpha of a dataset weighted ``task_weighting`` where a run sets none (``None``: equal
+    weights)."""
+    return DEFAULT_ALPHA if task_weighting == "alpha" else None

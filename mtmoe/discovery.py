@@ -11,25 +11,48 @@ import ast
 import importlib
 from importlib.metadata import entry_points
 from pathlib import Path
+from typing import Any
 
 from mtmoe.errors import UsageError
 
 
-def registered_in_files(package: str, decorator: str) -> dict[str, str]:
-    """``name -> "module:Class"`` for every class of the package ``package`` (its folder beside this file) marked
-    ``@decorator("name")``; a name marked twice is an error."""
+def class_literals(node: ast.ClassDef, classes: dict[str, ast.ClassDef]) -> dict[str, Any]:
+    """The attributes a class body sets to a literal (``name = "text"``), its bases' among ``classes`` (the file's)
+    first, so that the class's own win."""
+    found: dict[str, Any] = {}
+    for base in node.bases:
+        if isinstance(base, ast.Name) and base.id in classes:
+            found.update(class_literals(classes[base.id], classes))
+    for statement in node.body:
+        if isinstance(statement, ast.Assign) and isinstance(statement.value, ast.Constant):
+            found.update({target.id: statement.value.value for target in statement.targets
+                          if isinstance(target, ast.Name)})
+    return found
+
+
+def registrations(package: str, decorator: str) -> dict[str, tuple[str, dict[str, Any]]]:
+    """``name -> ("module:Class", literals)`` for every class of the package ``package`` (its folder beside this
+    file) marked ``@decorator("name")``, ``literals`` its literal class attributes (:func:`class_literals`: a
+    registered class's static facts, read without importing it); a name marked twice is an error."""
     folder = Path(__file__).resolve().parent.joinpath(*package.split(".")[1:])
-    found: dict[str, str] = {}
+    found: dict[str, tuple[str, dict[str, Any]]] = {}
     for path in sorted(folder.glob("*.py")):
-        for node in ast.parse(path.read_text(), str(path)).body:
-            for mark in getattr(node, "decorator_list", []) if isinstance(node, ast.ClassDef) else []:
+        body = ast.parse(path.read_text(), str(path)).body
+        classes = {node.name: node for node in body if isinstance(node, ast.ClassDef)}
+        for node in classes.values():
+            for mark in node.decorator_list:
                 if (isinstance(mark, ast.Call) and getattr(mark.func, "id", None) == decorator and mark.args
                         and isinstance(mark.args[0], ast.Constant) and isinstance(mark.args[0].value, str)):
                     name, where = mark.args[0].value, f"{package}.{path.stem}:{node.name}"
                     if name in found:
-                        raise RuntimeError(f"{name!r} registered twice: {found[name]} and {where}")
-                    found[name] = where
+                        raise RuntimeError(f"{name!r} registered twice: {found[name][0]} and {where}")
+                    found[name] = where, class_literals(node, classes)
     return found
+
+
+def registered_in_files(package: str, decorator: str) -> dict[str, str]:
+    """``name -> "module:Class"`` of the package's registered classes (:func:`registrations`)."""
+    return {name: where for name, (where, _) in registrations(package, decorator).items()}
 
 
 def registered(package: str, decorator: str, group: str) -> dict[str, str]:

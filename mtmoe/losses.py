@@ -14,15 +14,16 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from mtmoe.errors import SettingError, UsageError
-from mtmoe.dataset_info import DatasetInfo, TaskSpec
+from mtmoe.dataset_info import DEFAULT_ALPHA, DatasetInfo, TaskSpec
 
 
 def task_weights(info: DatasetInfo, alpha: float | None) -> list[float]:
-    """``(alpha, 1 - alpha)`` for two-task recommenders (default alpha = 0.9), equal weights otherwise."""
+    """``(alpha, 1 - alpha)`` for two-task recommenders (default alpha: :data:`mtmoe.dataset_info.DEFAULT_ALPHA`),
+    equal weights otherwise."""
     if alpha is not None and not 0.0 <= alpha <= 1.0:
         raise SettingError("alpha", alpha, "must be in [0, 1]")
     if info.task_weighting == "alpha":
-        alpha = 0.9 if alpha is None else alpha
+        alpha = DEFAULT_ALPHA if alpha is None else alpha
         return [alpha, 1.0 - alpha]
     if alpha is not None:
         raise UsageError(f"alpha applies to the two-task recommenders only; {info.name} weights its tasks equally")

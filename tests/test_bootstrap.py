@@ -9,8 +9,11 @@ import contextlib
 import io
 import itertools
 import math
+import os
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -305,6 +308,34 @@ def end_to_end(storage, tmp_path_factory) -> tuple[Path, str]:
     with contextlib.redirect_stdout(printed):
         assert run_bootstrap(storage[0], out, "--gates", "topk,topk+,hash,hash+", "--draws", "400") == 0
     return out, printed.getvalue()
+
+
+STARTUP_RUN = """\
+import sys
+from mtmoe.cli import main
+
+def imported():
+    return sorted({{name.split(".")[0] for name in sys.modules}} & {{"torch", "lightning"}})
+
+main(["report", "--data", "books", "--storage", {url!r}, "--out", "rep", "--importance", "none"])
+print("report imported", imported())
+main(["bootstrap", "--data", "books", "--storage", {url!r}, "--out", "boot", "--draws", "50"])
+print("bootstrap imported", imported())
+"""
+
+
+@pytest.mark.integration
+@pytest.mark.xdist_group("bootstrap-storage")
+def test_report_and_bootstrap_import_no_lightning(storage, tmp_path: Path) -> None:
+    """A fresh interpreter: ``report`` finds the books study's default alpha (it has none of its own) without
+    importing torch or Lightning, ``bootstrap`` imports torch for its draws only, never Lightning."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", STARTUP_RUN.format(url=storage[0])], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "report imported []" in proc.stdout and "bootstrap imported ['torch']" in proc.stdout
+    table = pd.read_csv(tmp_path / "rep" / "table_2_3.csv", dtype={"alpha": str})
+    assert list(table.alpha) == ["0.9"]
 
 
 @pytest.mark.xdist_group("bootstrap-storage")

@@ -73,6 +73,28 @@ def test_gate_and_dataset_names_are_read_from_the_files() -> None:
         assert import_class(path).registry_name == name
 
 
+def test_a_datasets_static_facts_are_its_info() -> None:
+    """Each packaged dataset's task weighting, read from its file (no import), is its DataModule's ``info``, and the
+    default alpha ``report`` shows is the one a run without ``--model.alpha`` trains with."""
+    from mtmoe.data import task_weighting
+    from mtmoe.discovery import registrations
+    from mtmoe.losses import task_weights
+    from mtmoe.run_settings import import_class
+    from mtmoe.tuning.trials import default_alpha
+
+    read = {name: literals["task_weighting"] for name, (_, literals) in
+            registrations("mtmoe.data", "register_dataset").items()}
+    assert set(read) == set(DATASETS)
+    for name, path in DATASETS.items():
+        info = import_class(path)(download=False).info
+        assert read[name] == task_weighting(name) == info.task_weighting, name
+        alpha = f"{task_weights(info, None)[0]:g}" if info.task_weighting == "alpha" else None
+        assert default_alpha(name) == alpha, name
+    assert {name for name, weighting in read.items() if weighting == "alpha"} == {
+        "books", "jester", "movielens", "movielens-100k"}  # the paper's recommenders (comet-protocol.md §5)
+    assert task_weighting("no-such-dataset") is None and default_alpha("no-such-dataset") is None
+
+
 @pytest.mark.integration
 def test_listing_the_names_imports_no_torch() -> None:
     code = ("import sys; from mtmoe.gate_names import gate_paths; from mtmoe.data import DATASETS; "
@@ -202,6 +224,8 @@ main(["datasets"])
 main(["fit", "--gate", "softmax-copy+", "--data", "ml-copy", "--model.perm_epochs=1", *{tiny}])
 space = load_space("ml-copy", "softmax-copy")
 print("space", space.trials, space.fixed, list(space.distributions))
+from mtmoe.tuning.trials import default_alpha
+print("default alpha", default_alpha("ml-copy"))
 """
 
 
@@ -220,6 +244,7 @@ def test_a_gate_and_a_dataset_outside_the_package_by_entry_points(root_and_tmp) 
     assert any(line.split()[:2] == ["ml-copy", "my_data.MyData"] for line in proc.stdout.splitlines())
     assert "softmax-copy+ on movielens-100k" in proc.stdout
     assert "space 500 {} ['model.lr']" in proc.stdout
+    assert "default alpha 0.9" in proc.stdout  # read from the entry point's DataModule
 
 
 @pytest.mark.integration

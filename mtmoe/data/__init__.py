@@ -1,12 +1,13 @@
 """Datasets: in-memory DataModules (:mod:`mtmoe.data.base`) and raw-file fetching (:mod:`mtmoe.data.download`).
 
 The package's names are imported when first used: ``DATASETS`` (:func:`dataset_paths`: what ``python -m mtmoe
-datasets`` lists) costs no Lightning import.
+datasets`` lists) and a dataset's task weighting (:func:`task_weighting`, what ``report`` and ``bootstrap`` need)
+cost no Lightning import.
 """
 import importlib
 from functools import cache
 
-from mtmoe.discovery import registered
+from mtmoe.discovery import import_object, registrations, registered
 
 
 @cache
@@ -29,6 +30,18 @@ def dataset_path(name: str) -> str:
     return paths[name]
 
 
+@cache
+def task_weighting(name: str) -> str | None:
+    """How dataset ``name`` weights its tasks, ``alpha`` or ``equal`` (``None``: not a registered dataset): its
+    DataModule's ``task_weighting`` literal, read from the file without importing it; a DataModule that inherits it
+    from another file's class, or an entry point's, is imported and instantiated (``download=False``) instead."""
+    own = registrations("mtmoe.data", "register_dataset")
+    if "task_weighting" in own.get(name, ("", {}))[1]:
+        return own[name][1]["task_weighting"]
+    found = registered("mtmoe.data", "register_dataset", "mtmoe.datasets")
+    return import_object(found[name], "dataset")(download=False).info.task_weighting if name in found else None
+
+
 _MODULES = {  # exported name -> its module
     "DatasetInfo": "mtmoe.data.base", "IndexBatches": "mtmoe.data.base", "InMemoryDataModule": "mtmoe.data.base",
     "TaskSpec": "mtmoe.data.base", "BooksDataModule": "mtmoe.data.books", "JesterDataModule": "mtmoe.data.jester",
@@ -46,6 +59,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "DATASETS", "dataset_path", "dataset_paths", "BooksDataModule", "DatasetInfo", "InMemoryDataModule", "IndexBatches",
-    "JesterDataModule", "MovieLens100KDataModule", "MovieLens1MDataModule", "MovieLensDataModule", "TaskSpec",
+    "DATASETS", "dataset_path", "dataset_paths", "task_weighting", "BooksDataModule", "DatasetInfo",
+    "InMemoryDataModule", "IndexBatches", "JesterDataModule", "MovieLens100KDataModule", "MovieLens1MDataModule",
+    "MovieLensDataModule", "TaskSpec",
 ]

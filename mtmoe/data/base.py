@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import ClassVar, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -69,8 +70,10 @@ class IndexBatches:
 
 def register_dataset(name: str):
     """``@register_dataset("name")`` on a DataModule: the dataset the CLI's ``--data name`` selects. The line is read
-    from the file without importing it (:mod:`mtmoe.discovery`); a DataModule of another package registers with an
-    entry point of the group ``mtmoe.datasets`` instead."""
+    from the file without importing it (:mod:`mtmoe.discovery`), and so are the class's literal attributes (its
+    static facts, as ``task_weighting``: ``report`` and ``bootstrap`` know a dataset's default alpha without
+    Lightning); a DataModule of another package registers with an entry point of the group ``mtmoe.datasets``
+    instead."""
     def decorator(cls: type) -> type:
         cls.registry_name = name
         return cls
@@ -95,6 +98,11 @@ class InMemoryDataModule(pl.LightningDataModule):
         data_on_device: when training on a GPU, copy the splits to it once at setup and cut batches there (no
             host-to-device copy per step); False keeps them in host memory and Lightning copies each batch.
     """
+
+    registry_name: ClassVar[str]  # set by :func:`register_dataset`
+    #: How the loss weights the tasks (``alpha``: ``(alpha, 1 - alpha)`` for two tasks; ``equal``): each dataset sets
+    #: it as a literal, which its ``info`` reads and :mod:`mtmoe.discovery` reads without importing the file.
+    task_weighting: ClassVar[Literal["alpha", "equal"]]
 
     def __init__(
         self,

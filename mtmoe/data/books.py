@@ -108,6 +108,8 @@ class BooksDataModule(InMemoryDataModule):
         root, cache_dir, eval_batch_size, seed, download: see :class:`InMemoryDataModule`.
     """
 
+    task_weighting = "alpha"
+
     def __init__(self, split_seed: int = 0, stratify: bool = True, batch_size: int = 2048, **kwargs) -> None:
         super().__init__(batch_size=batch_size, **kwargs)
         self.split_seed, self.stratify = split_seed, stratify
@@ -117,7 +119,7 @@ class BooksDataModule(InMemoryDataModule):
         return DatasetInfo(
             name="books", tasks=TASKS, n_ids=N_USERS, n_users=N_USERS, n_items=N_BOOKS,
             n_experts=9, k=4, embedding_dim=64, expert_units=128, tower_units=256, expert_dropout=0.5,
-            task_weighting="alpha",
+            task_weighting=self.task_weighting,
         )
 
     def load_splits(self) -> Splits:

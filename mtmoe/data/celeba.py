@@ -127,6 +127,8 @@ class CelebADataModule(ImageDataModule):
         root, cache_dir, batch_size, eval_batch_size, seed, download: see :class:`InMemoryDataModule`.
     """
 
+    task_weighting = "equal"
+
     def __init__(self, attributes: tuple[str, ...] = BALANCED_TEN, image_size: int = 64, **kwargs) -> None:
         super().__init__(**kwargs)
         attributes = tuple(attributes)
@@ -143,7 +145,8 @@ class CelebADataModule(ImageDataModule):
         return DatasetInfo(
             name="celeba", tasks=tuple(TaskSpec(name, "binary") for name in self.attributes), n_ids=N_IMAGES,
             image_shape=(3, self.image_size, self.image_size), n_experts=6, k=2, expert_dropout=0.0,
-            task_weighting="equal", conv_layers=((3, 4), (3, 4), (3, 4), (3, 1)), expert_layers=0, tower_layers=0,
+            task_weighting=self.task_weighting, conv_layers=((3, 4), (3, 4), (3, 4), (3, 1)), expert_layers=0,
+            tower_layers=0,
         )
 
     def raw_files(self) -> list[Path]:

@@ -104,6 +104,8 @@ class DigitsDataModule(ImageDataModule):
         root, cache_dir, batch_size, eval_batch_size, seed, download: see :class:`InMemoryDataModule`.
     """
 
+    task_weighting = "equal"
+
     def __init__(self, svhn_extra: bool = True, split_seed: int = 0, **kwargs) -> None:
         super().__init__(**kwargs)
         self.svhn_extra, self.split_seed = svhn_extra, split_seed
@@ -116,7 +118,7 @@ class DigitsDataModule(ImageDataModule):
     def info(self) -> DatasetInfo:
         return DatasetInfo(
             name="digits", tasks=TASKS, n_ids=self.n_ids, image_shape=(3, 32, 32), n_experts=8, k=2,
-            expert_units=50, tower_units=50, expert_dropout=0.0, task_weighting="equal",
+            expert_units=50, tower_units=50, expert_dropout=0.0, task_weighting=self.task_weighting,
             conv_layers=((5, 10), (5, 20)), expert_layers=1, tower_layers=2,
         )
 

@@ -112,6 +112,8 @@ class JesterDataModule(InMemoryDataModule):
         root, cache_dir, eval_batch_size, seed, download: see :class:`InMemoryDataModule`.
     """
 
+    task_weighting = "alpha"
+
     def __init__(
         self,
         split_seed: int = 0,
@@ -132,7 +134,7 @@ class JesterDataModule(InMemoryDataModule):
         return DatasetInfo(
             name="jester", tasks=TASKS, n_ids=N_USERS, n_users=N_USERS, n_items=N_JOKES,
             n_experts=16, k=2, embedding_dim=64, expert_units=128, tower_units=256, expert_dropout=0.5,
-            task_weighting="alpha",
+            task_weighting=self.task_weighting,
         )
 
     def raw_files(self) -> list[Path]:

@@ -157,6 +157,8 @@ class MovieLensDataModule(InMemoryDataModule):
         root, cache_dir, batch_size, eval_batch_size, seed, download: see :class:`InMemoryDataModule`.
     """
 
+    task_weighting = "alpha"
+
     def __init__(self, variant: Literal["1m", "100k"] = "1m", negative_seed: int = 0, **kwargs) -> None:
         super().__init__(**kwargs)
         if variant not in _VARIANTS:
@@ -169,7 +171,7 @@ class MovieLensDataModule(InMemoryDataModule):
         return DatasetInfo(
             name=variant.name, tasks=TASKS, n_ids=variant.n_users, n_users=variant.n_users, n_items=variant.n_items,
             n_experts=16, k=2, embedding_dim=128, expert_units=256, tower_units=256, expert_dropout=0.5,
-            task_weighting="alpha",
+            task_weighting=self.task_weighting,
         )
 
     def load_splits(self) -> dict[str, dict[str, Tensor]]:

@@ -98,6 +98,8 @@ class MultiMNISTFamilyDataModule(ImageDataModule):
         root, cache_dir, batch_size, eval_batch_size, seed, download: see :class:`InMemoryDataModule`.
     """
 
+    task_weighting = "equal"
+
     def __init__(self, variant: Literal["mnist", "fashion"] = "mnist", generator_seed: int = 0, **kwargs) -> None:
         super().__init__(**kwargs)
         if variant not in _VARIANTS:
@@ -110,7 +112,7 @@ class MultiMNISTFamilyDataModule(ImageDataModule):
         return DatasetInfo(
             name=variant.name, tasks=TASKS, n_ids=N_IDS, image_shape=(1, 28 + SHIFT, 28 + SHIFT),
             n_experts=variant.n_experts, k=variant.k, expert_units=50, tower_units=50, expert_dropout=0.0,
-            task_weighting="equal", conv_layers=((5, 10), (5, 20)), expert_layers=2, tower_layers=2,
+            task_weighting=self.task_weighting, conv_layers=((5, 10), (5, 20)), expert_layers=2, tower_layers=2,
             overlay_shift=SHIFT,
         )
 

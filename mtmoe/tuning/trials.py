@@ -26,7 +26,8 @@ import optuna
 import pandas as pd
 from optuna.trial import TrialState
 
-from mtmoe.data import DATASETS
+from mtmoe import dataset_info
+from mtmoe.data import task_weighting
 from mtmoe.errors import OneLineParser, UsageError, did_you_mean, suggestion
 from mtmoe.files import remove_orphans, write_atomic
 from mtmoe.gate_names import split_gate_name
@@ -183,16 +184,9 @@ def _alpha_of(study_name: str) -> str | None:
 
 def default_alpha(data: str) -> str | None:
     """The task weight alpha that ``data``'s runs use without ``--model.alpha`` (``None``: a dataset that weights its
-    tasks equally, or not a registered one)."""
-    import importlib
-
-    from mtmoe.losses import task_weights
-
-    if data not in DATASETS:
-        return None
-    module_name, class_name = DATASETS[data].rsplit(".", 1)
-    info = getattr(importlib.import_module(module_name), class_name)(download=False).info
-    return f"{task_weights(info, None)[0]:g}" if info.task_weighting == "alpha" else None
+    tasks equally, or not a registered one); read from its DataModule's file, without importing Lightning or torch."""
+    alpha = dataset_info.default_alpha(task_weighting(data) or "equal")
+    return None if alpha is None else f"{alpha:g}"
 
 
 def collect(url: str | None, data: str | None = None, study: str | None = None) -> tuple[str, pd.DataFrame]:
