@@ -96,7 +96,7 @@ class Sizes:
 # pack ``--pack auto`` finds fastest (all 500 at once, measured on an H200: none finished in a lease).
 GPU = Sizes("256", 500, ["--device", "cuda"], ["--trainer.accelerator=gpu", "--model.matmul_precision=high",
                                                "--pack=128", "--no-checkpoints"], ["--device", "cuda"],
-            {"install": 40, "tests": 100, "bench": 80, "report": 30, "bootstrap": 30})
+            {"install": 40, "tests": 150, "bench": 80, "report": 30, "bootstrap": 30})
 # the interpreter's pace: each program of a kernel costs milliseconds, each 1,024 parameters one Adam program
 TINY = "--data.batch_size=8 --model.n_experts=4 --model.embedding_dim=4 --model.expert_units=8 --model.tower_units=8"
 DRY = Sizes("2", 2, ["--limit-batches", "2", f"--trial-args={TINY}"],
