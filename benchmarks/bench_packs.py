@@ -330,7 +330,8 @@ def main() -> None:
     parser.add_argument("--floor", action="store_true", help="the expert matmuls' time per trial-epoch")
     parser.add_argument("--roofline", action="store_true",
                         help="per phase and precision: FLOPs, bytes, launches and the H100 time they project")
-    parser.add_argument("--profile", type=int, default=0, help="P: where a pack's training step spends its time (the kernels on a GPU)")
+    parser.add_argument("--profile", type=int, default=0,
+                        help="P: where a pack's training step spends its time (the kernels on a GPU)")
     parser.add_argument("--matmul-precision", default="highest", choices=["highest", "high"],
                         help="--packs: float32 matmuls in float32 or TF32 (--model.matmul_precision)")
     parser.add_argument("--limit-batches", type=int, default=None, help="--packs: batches per epoch (default all)")

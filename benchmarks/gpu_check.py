@@ -1,6 +1,7 @@
 """One prepared command for a lent GPU (issue 31): the CUDA tests, the pack throughput in each precision and where
-a pack's training step spends its time (its kernels, ``bench_packs.py --profile``), the 500-trial MovieLens-100K comet study at the paper's budget (resumable across leases), then ``report`` and
-``bootstrap``, each step in its own time budget, within 9 minutes.
+a pack's training step spends its time (its kernels, ``bench_packs.py --profile``), the 500-trial MovieLens-100K
+comet study at the paper's budget (resumable across leases), then ``report`` and ``bootstrap``, each step in its
+own time budget, within 9 minutes.
 
     python benchmarks/gpu_check.py gather             # here: wheels and data into .gpu/ (git-ignored, carried)
     python3 benchmarks/gpu_check.py run --out DIR     # on the GPU (the exact device call: benchmarks/README.md)

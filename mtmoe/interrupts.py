@@ -5,11 +5,12 @@ or on ``scancel``, Kubernetes when it evicts a pod), SIGKILL following after a g
 Ctrl-C (a fit's run folder, a tune worker's trials) handles it, and keeps either from being lost: Python raises a
 signal's ``KeyboardInterrupt`` wherever the main thread is, and one raised inside a finalizer (a ``weakref.finalize``
 callback, a ``__del__``: torch, Lightning and Optuna run many) is printed as "Exception ignored" and dropped, the
-command running on as if no signal had come. :func:`_redeliver` delivers it again once the finalizer is done. While a Lightning ``Trainer`` runs, its signal connector
-holds SIGTERM and calls this handler after its own: Lightning sets ``trainer.received_sigterm`` and raises
-``SIGTERMException`` (a ``SystemExit``) once the current batch is done, and the handler here only records the
-signal. The command ends with :class:`Interrupted` and exits with :func:`exit_code`, ``128 +`` the signal's number as
-a shell reports a process it stopped: 143 for SIGTERM, 130 for Ctrl-C.
+command running on as if no signal had come. :func:`_redeliver` delivers it again once the finalizer is done.
+While a Lightning ``Trainer`` runs, its signal connector holds SIGTERM and calls this handler after its own:
+Lightning sets ``trainer.received_sigterm`` and raises ``SIGTERMException`` (a ``SystemExit``) once the current batch
+is done, and the handler here only records the signal. The command ends with :class:`Interrupted` and exits with
+:func:`exit_code`, ``128 +`` the signal's number as a shell reports a process it stopped: 143 for SIGTERM, 130 for
+Ctrl-C.
 """
 from __future__ import annotations
 

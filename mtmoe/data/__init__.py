@@ -35,9 +35,9 @@ def task_weighting(name: str) -> str | None:
     """How dataset ``name`` weights its tasks, ``alpha`` or ``equal`` (``None``: not a registered dataset): its
     DataModule's ``task_weighting`` literal, read from the file without importing it; a DataModule that inherits it
     from another file's class, or an entry point's, is imported and instantiated (``download=False``) instead."""
-    own = registrations("mtmoe.data", "register_dataset")
-    if "task_weighting" in own.get(name, ("", {}))[1]:
-        return own[name][1]["task_weighting"]
+    _, literals = registrations("mtmoe.data", "register_dataset").get(name, (None, {}))
+    if "task_weighting" in literals:
+        return literals["task_weighting"]
     found = registered("mtmoe.data", "register_dataset", "mtmoe.datasets")
     return import_object(found[name], "dataset")(download=False).info.task_weighting if name in found else None
 

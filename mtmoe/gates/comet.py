@@ -19,7 +19,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from mtmoe.gates.base import Gate, GateDims, GateOutput, RoutingInput, check_gamma, check_non_negative, resolve_k, safe_log
+from mtmoe.gates.base import (
+    Gate, GateDims, GateOutput, RoutingInput, check_gamma, check_non_negative, resolve_k, safe_log,
+)
 from mtmoe.gates.reach import reach
 from mtmoe.gates.registry import register_gate
 from mtmoe.scalars import cast

@@ -24,7 +24,9 @@ import torch
 from torch import Tensor, nn
 
 from mtmoe.errors import SettingError
-from mtmoe.gates.base import Gate, GateDims, GateOutput, RoutingInput, check_gamma, check_non_negative, product, resolve_k
+from mtmoe.gates.base import (
+    Gate, GateDims, GateOutput, RoutingInput, check_gamma, check_non_negative, product, resolve_k,
+)
 from mtmoe.gates.registry import register_gate
 from mtmoe.gates.smooth_step import smooth_step
 from mtmoe.scalars import cast

@@ -208,9 +208,10 @@ if triton is not None:
                         lerp_weight, beta2, one_minus_beta2, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
                         HALF: tl.constexpr, HALF_GRAD: tl.constexpr):
         """Program ``(tile, trial)``: :func:`_adam_kept_cpu` on tile ``tile`` (row-major over the tiles) of
-        ``BLOCK_R x BLOCK_C`` elements of trial ``trial``'s ``rows x cols`` block (``param``, the moments and with ``HALF`` its bfloat16 copy,
-        laid out as the block), its gradient read with its own strides (bfloat16 with ``HALF_GRAD``, widened
-        exactly): a transposed gradient is read along its contiguous axis, the tile turned in the kernel."""
+        ``BLOCK_R x BLOCK_C`` elements of trial ``trial``'s ``rows x cols`` block (``param``, the moments and with
+        ``HALF`` its bfloat16 copy, laid out as the block), its gradient read with its own strides (bfloat16 with
+        ``HALF_GRAD``, widened exactly): a transposed gradient is read along its contiguous axis, the tile turned in
+        the kernel."""
         trial = tl.program_id(1)
         if tl.load(skip_ptr + trial) == 0:
             s = tl.load(step_size_ptr + trial)

@@ -252,7 +252,8 @@ def check_file(url: str, path: str, writing: bool = False) -> None:
     the file), the file writable if it exists."""
     file = Path(path).absolute()
     if file.is_dir():
-        example = f"sqlite:///{file / 'optuna.db'}" if url.startswith("sqlite") else f"journal:{file / 'optuna.journal'}"
+        example = (f"sqlite:///{file / 'optuna.db'}" if url.startswith("sqlite")
+                   else f"journal:{file / 'optuna.journal'}")
         raise UsageError(f"--storage {display_url(url)!r}: {path} is a folder, not a file: name the study file, e.g. "
                          f"--storage {example}")
     if not file.parent.is_dir():
