@@ -591,6 +591,7 @@ def test_fit_help_lists_the_shortcuts_with_their_choices(capsys) -> None:
 #: ``python -m mtmoe ARGV`` with Ctrl-C (a real SIGINT) delivered when MODULE is first imported.
 CTRL_C_ON_IMPORT = """
 import os, runpy, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (a background job starts with it ignored)
 
 class CtrlC:
     def find_spec(self, name, path=None, target=None):

@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # KeyboardInterrupt there, prints "Exception ignored" and goes on; the loop after it stands for the rest of a command.
 SCRIPT = """
 import gc, os, signal, sys, time, weakref
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (a background job starts with it ignored)
 if sys.argv[1] == "handled":
     from mtmoe import interrupts
     interrupts.handle_interrupts()
