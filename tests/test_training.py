@@ -26,8 +26,9 @@ FAST = ["--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=f
 
 @pytest.mark.parametrize("gate", list_gates())
 def test_fit_end_to_end_every_gate(tiny_root: Path, gate: str, capsys: pytest.CaptureFixture) -> None:
+    """``fit`` of every gate: 2 epochs of 3 training batches, the whole validation and test splits."""
     code = run_cli(["fit", "--gate", gate, "--data", "movielens-100k", f"--data.root={tiny_root}",
-                    "--trainer.max_epochs=2", "--model.lr=1e-3", *FAST])
+                    "--trainer.max_epochs=2", "--trainer.limit_train_batches=3", "--model.lr=1e-3", *FAST])
     assert code == 0
     out = capsys.readouterr().out
     assert f"{gate} on movielens-100k" in out and "watch/auroc" in out and "rating/mse" in out
@@ -72,19 +73,10 @@ def test_the_planned_run_length_reaches_the_gates(tiny_root: Path) -> None:
         assert int(gate.step) == 2 * 10
 
 
-def test_fit_is_reproducible_with_a_seed(tiny_root: Path) -> None:
-    losses = []
-    for run in range(2):
-        assert run_cli(["fit", "--gate", "comet", "--data", "movielens-100k", f"--data.root={tiny_root}",
-                        "--trainer.max_epochs=1", "--seed_everything=7", *FAST,
-                        f"--trainer.logger.init_args.name=run{run}"]) == 0
-        losses.append(json.loads(next(Path("runs/run%d" % run).rglob("results.json")).read_text())["test"]["loss"])
-    assert losses[0] == losses[1]
-
-
 def test_build_run_gives_the_objects_of_fit_untrained_and_fits_them_as_the_command(tiny_root: Path) -> None:
     """``mtmoe.run.build_run``: the parsed configuration, DataModule, LightningModule and Trainer of ``fit``
-    arguments, seeded and not trained; ``run.fit()`` then gives what ``python -m mtmoe fit`` gives."""
+    arguments, seeded and not trained; ``run.fit()`` then gives what ``python -m mtmoe fit`` gives: a fit with a
+    seed is reproducible, its test loss the same to the bit on a second run."""
     from mtmoe.run import build_run
 
     args = ["--gate", "comet", "--data", "movielens-100k", f"--data.root={tiny_root}", "--trainer.max_epochs=1",
@@ -197,12 +189,13 @@ def test_masked_loss_uses_the_explicit_mask() -> None:
 
 def test_restore_best_weights(tiny_root: Path) -> None:
     """After fit, the model holds the best-validation epoch's weights (Keras' restore_best_weights)."""
+    pl.seed_everything(0, verbose=False)
     data = MovieLens100KDataModule(root=str(tiny_root), batch_size=64)
     model = MultiTaskMoE.build(data.info, ModelSettings(gate=partial(gate_class("topk")), lr=3e-2))
-    trainer = pl.Trainer(max_epochs=6, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False)
+    trainer = pl.Trainer(max_epochs=4, limit_train_batches=4, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(model, datamodule=data)
     best = model.engine.summary(0)
-    assert 0 <= best["best_epoch"] < 6
+    assert 0 <= best["best_epoch"] < 3  # not the last epoch: its weights must be restored
     trainer.validate(model, datamodule=data, verbose=False)
     assert model.last_results["val"]["loss"] == pytest.approx(best["best_val_loss"], rel=1e-6)
