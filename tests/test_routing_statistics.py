@@ -85,7 +85,8 @@ def test_a_packed_trial_routes_as_alone_through_a_refill_and_a_compaction(name: 
 
 def fit(root: Path, name: str, *extra: str) -> dict:
     assert run_cli(["fit", "--gate", "softmax", "--data", "movielens-100k", f"--data.root={root}", "--model.lr=1e-3",
-                    "--trainer.num_sanity_val_steps=2", f"--trainer.logger.init_args.name={name}", *FAST, *extra]) == 0
+                    "--trainer.num_sanity_val_steps=2", "--trainer.limit_train_batches=3",
+                    f"--trainer.logger.init_args.name={name}", *FAST, *extra]) == 0
     return json.loads(next(Path("runs", name).rglob("results.json")).read_text())
 
 
