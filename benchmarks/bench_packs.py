@@ -157,12 +157,12 @@ def operations(gate: str, pack: int, trial_args: tuple[str, ...] = ()) -> dict:
 
 
 def profile_step(gate: str, pack: int, device: str = "cpu", bf16: bool = False, trial_args: tuple[str, ...] = (),
-                 steps: int = 3) -> tuple[dict, str]:
+                 steps: int = 3, adam_repeats: int = 20) -> tuple[dict, str]:
     """Where a pack of P's eager training step (512-row batches, or ``trial_args``' batch size) spends its time,
-    after 3 warm-up steps, under bf16 autocast or none: milliseconds per step without and with ``torch.profiler``
-    (mean of ``steps``), on a GPU the kernels' summed time and their number per step (what a CUDA graph of the step
-    replays), the pack's Adam update alone by each of its kernels (median of 20), and the profiler's table of the
-    operations (CPU) or kernels (GPU) with the most self time."""
+    after ``steps`` warm-up steps, under bf16 autocast or none: milliseconds per step without and with
+    ``torch.profiler`` (mean of ``steps``), on a GPU the kernels' summed time and their number per step (what a CUDA
+    graph of the step replays), the pack's Adam update alone by each of its kernels (median of ``adam_repeats``),
+    and the profiler's table of the operations (CPU) or kernels (GPU) with the most self time."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device == "cuda"
@@ -179,7 +179,7 @@ def profile_step(gate: str, pack: int, device: str = "cpu", bf16: bool = False, 
     batch = {key: tensor[index].to(device) for key, tensor in splits["train"].items()}
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with torch.autocast(device, dtype=torch.bfloat16, enabled=bf16):
-        for _ in range(3):
+        for _ in range(steps):
             engine.train_step(batch)
         start = now()
         for _ in range(steps):
@@ -197,7 +197,7 @@ def profile_step(gate: str, pack: int, device: str = "cpu", bf16: bool = False, 
     for kernel in ("fused", "elementwise"):
         engine.adam.fused = kernel == "fused"
         times = []
-        for _ in range(20):
+        for _ in range(adam_repeats):
             start = now()
             engine.adam.step()
             times.append((now() - start) * 1000)
@@ -332,6 +332,9 @@ def main() -> None:
                         help="per phase and precision: FLOPs, bytes, launches and the H100 time they project")
     parser.add_argument("--profile", type=int, default=0,
                         help="P: where a pack's training step spends its time (the kernels on a GPU)")
+    parser.add_argument("--profile-steps", type=int, default=3, help="--profile: warm-up steps, then steps timed "
+                        "without and with the profiler, as many each")
+    parser.add_argument("--adam-repeats", type=int, default=20, help="--profile: each Adam kernel's median of N")
     parser.add_argument("--matmul-precision", default="highest", choices=["highest", "high"],
                         help="--packs: float32 matmuls in float32 or TF32 (--model.matmul_precision)")
     parser.add_argument("--limit-batches", type=int, default=None, help="--packs: batches per epoch (default all)")
@@ -436,7 +439,8 @@ def main() -> None:
     if args.profile:
         bf16 = args.precision == "bf16-mixed"
         with matmul_precision(args.matmul_precision):
-            result, table = profile_step(gates[0], args.profile, args.device, bf16, tuple(args.trial_args.split()))
+            result, table = profile_step(gates[0], args.profile, args.device, bf16, tuple(args.trial_args.split()),
+                                         args.profile_steps, args.adam_repeats)
         precision = "bf16" if bf16 else {"highest": "fp32", "high": "tf32"}[args.matmul_precision]
         line = (f"profile gate={gates[0]} P={args.profile} device={args.device} precision={precision} "
                 + " ".join(f"{key}={value:.3f}" if isinstance(value, float) else f"{key}={value}"

@@ -21,9 +21,9 @@ log), ``study.journal``, ``checkpoints.tar.gz`` (if the study left any and the a
 :data:`RETURN_LIMIT`), ``report.md`` and ``results.tar.gz`` (the report's and the bootstrap's folders): at most 8
 files, as the device tool returns.
 
-``--dry-run`` runs :func:`run` itself with :data:`DRY` sizes (2 trials of 2 epochs of 2 batches of 8 rows, 4 experts
-of 8 units, embeddings of 4, packs of 2, bands at 50%, Triton's interpreter) on the CPU, the study in a
-temporary folder rather than ``.gpu/study``, and the modules of :data:`ABSENT_ON_GPU` unimportable.
+``--dry-run`` runs :func:`run` itself with :data:`DRY` sizes (2 trials of 1 epoch of 1 batch of 8 rows, 4 experts
+of 8 units, embeddings of 4, packs of 2, one profiled step, bands at 50%, Triton's interpreter) on the CPU, the
+study in a temporary folder rather than ``.gpu/study``, and the modules of :data:`ABSENT_ON_GPU` unimportable.
 """
 from __future__ import annotations
 
@@ -100,10 +100,10 @@ GPU = Sizes("256", 500, ["--device", "cuda"], ["--trainer.accelerator=gpu", "--m
             {"install": 40, "tests": 150, "bench": 80, "report": 30, "bootstrap": 30})
 # the interpreter's pace: each program of a kernel costs milliseconds, each 1,024 parameters one Adam program
 TINY = "--data.batch_size=8 --model.n_experts=4 --model.embedding_dim=4 --model.expert_units=8 --model.tower_units=8"
-DRY = Sizes("2", 2, ["--limit-batches", "2", f"--trial-args={TINY}"],
-            ["--pack=2", "--trainer.max_epochs=2", "--trainer.limit_train_batches=2", "--trainer.limit_val_batches=2",
-             "--trainer.limit_test_batches=2", *TINY.split()], ["--draws", "20", "--confidence", "0.5"],
-            {"install": 30, "tests": 120, "bench": 80, "report": 60, "bootstrap": 60}, total=700, stop=10)
+DRY = Sizes("2", 2, ["--limit-batches", "1", "--profile-steps", "1", "--adam-repeats", "3", f"--trial-args={TINY}"],
+            ["--pack=2", "--trainer.max_epochs=1", "--trainer.limit_train_batches=1", "--trainer.limit_val_batches=1",
+             "--trainer.limit_test_batches=1", *TINY.split()], ["--draws", "20", "--confidence", "0.5"],
+            {"install": 30, "tests": 120, "bench": 150, "report": 60, "bootstrap": 60}, total=700, stop=10)
 
 
 def fail(message: str) -> None:

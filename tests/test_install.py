@@ -31,8 +31,8 @@ from packaging.utils import canonicalize_name
 from conftest import REAL_DATA
 
 CHECKOUT = Path(__file__).resolve().parents[1]
-TINY = ["--trainer.max_epochs=1", "--trainer.limit_train_batches=20", "--trainer.limit_val_batches=5",
-        "--trainer.limit_test_batches=5"]
+TINY = ["--trainer.max_epochs=1", "--trainer.limit_train_batches=2", "--trainer.limit_val_batches=2",
+        "--trainer.limit_test_batches=2"]  # where the outputs go, not what the model learns: a few batches
 
 
 def test_data_root_defaults_to_mtmoe_data_else_the_user_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
