@@ -15,7 +15,7 @@ from optuna.trial import TrialState
 from mtmoe.tuning.checkpoints import PackCheckpoints, checkpoint_folder
 
 from conftest import run_cli
-from test_tuning import assert_each_config_once, interrupt_while_running, run_tune, trials_of, tune_args
+from test_tuning import assert_each_config_once, interrupt_while_running, trials_of, tune_args
 
 # 2 epochs of 4 steps of 16 rows
 SHORT = ["--trainer.max_epochs=2", "--data.batch_size=16", "--trainer.limit_train_batches=4",
@@ -44,16 +44,20 @@ def sigterm_after_epochs(args: list[str], tmp: Path, root: Path, url: str, epoch
 
 
 @pytest.fixture
-def uninterrupted(monkeypatch):
-    """``tune ARGS`` run to its end in this process, one torch thread as in the tune processes the tests start (the
-    reference the interrupted study must reproduce bitwise); the tests folder on the started processes'
-    ``PYTHONPATH`` for :mod:`sleep_callback`."""
+def tune_here(monkeypatch, capsys):
+    """``tune ARGS`` run to its end in this process, with one torch thread as the tune processes the tests start
+    (the uninterrupted reference and the rerun after a stop need no process of their own): its stderr. The tests
+    folder goes on the started processes' ``PYTHONPATH`` for :mod:`sleep_callback`."""
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
 
-    def run(args: list[str]) -> None:
-        assert run_cli(args) == 0
+    def run(args: list[str]) -> str:
+        capsys.readouterr()
+        code = run_cli(args)
+        err = capsys.readouterr().err
+        assert code == 0, err[-3000:]
+        return err
 
     yield run
     torch.set_num_threads(threads)
@@ -61,7 +65,7 @@ def uninterrupted(monkeypatch):
 
 @pytest.mark.integration
 def test_a_pack_resumed_after_sigterm_computes_what_the_uninterrupted_pack_computes(root_and_tmp,
-                                                                                     uninterrupted) -> None:
+                                                                                     tune_here) -> None:
     """4 configurations in a pack of 3 (one refill), dropout on, ``comet+`` with local search's window of 1 epoch:
     the study SIGTERMed after its first epoch, then run again, gives each configuration the same per-epoch
     metrics (``metrics.csv`` byte for byte), learning curve, objective and test loss as the same study run
@@ -69,7 +73,7 @@ def test_a_pack_resumed_after_sigterm_computes_what_the_uninterrupted_pack_compu
     root, tmp = root_and_tmp
     gate, extra = "comet+", [*SHORT, "--pack", "3", "--model.perm_epochs=1"]
     whole = f"sqlite:///{tmp / 'whole.db'}"
-    uninterrupted(tune_args(whole, root, tmp / "whole", *extra, trials=4, gate=gate, name=NAME))
+    tune_here(tune_args(whole, root, tmp / "whole", *extra, trials=4, gate=gate, name=NAME))
 
     url = f"sqlite:///{tmp / 'cut.db'}"
     args = tune_args(url, root, tmp / "cut", *extra, *SLEEP, trials=4, gate=gate, name=NAME)
@@ -84,8 +88,7 @@ def test_a_pack_resumed_after_sigterm_computes_what_the_uninterrupted_pack_compu
     content = torch.load(checkpoint, weights_only=True)
     assert all(entry["state"]["progress"]["epochs_run"] >= 1 for entry in content["trials"].values())
 
-    code, _, err = run_tune(args, tmp, root, "second")
-    assert code == 0, err[-3000:]
+    err = tune_here(args)
     assert "warning" not in err, err
     assert_each_config_once(trials_of(url, NAME), 4)
     assert results(url) == results(whole)
@@ -94,21 +97,20 @@ def test_a_pack_resumed_after_sigterm_computes_what_the_uninterrupted_pack_compu
 
 
 @pytest.mark.integration
-def test_without_checkpoints_an_interrupted_trial_reruns_from_its_first_epoch(root_and_tmp, uninterrupted) -> None:
+def test_without_checkpoints_an_interrupted_trial_reruns_from_its_first_epoch(root_and_tmp, tune_here) -> None:
     """``--no-checkpoints``: SIGTERM after the first epoch leaves no checkpoint and no ``checkpoint`` attribute; the
     rerun trains the interrupted trials from their first epoch, to the results of the study run without a stop."""
     root, tmp = root_and_tmp
     extra = [*SHORT, "--pack", "2"]
     whole = f"sqlite:///{tmp / 'whole.db'}"
-    uninterrupted(tune_args(whole, root, tmp / "whole", *extra, trials=2, name=NAME))
+    tune_here(tune_args(whole, root, tmp / "whole", *extra, trials=2, name=NAME))
     url = f"sqlite:///{tmp / 'cut.db'}"
     args = tune_args(url, root, tmp / "cut", *extra, *SLEEP, "--no-checkpoints", trials=2, name=NAME)
     assert sigterm_after_epochs(args, tmp, root, url, 1) == 143
     interrupted = [t for t in trials_of(url, NAME) if t.state == TrialState.FAIL]
     assert interrupted and not any("checkpoint" in t.user_attrs for t in interrupted)
     assert not (tmp / "checkpoints").exists()
-    code, _, err = run_tune(args, tmp, root, "second")
-    assert code == 0, err[-3000:]
+    tune_here(args)
     assert results(url) == results(whole)
 
 
