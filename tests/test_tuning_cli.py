@@ -120,11 +120,15 @@ def test_tune_at_a_terminal_shows_a_bar_within_the_first_pack_epoch(tiny_root: P
     created in memory with name: no-name-..." and a coloured "Trial N finished" line per trial, and Lightning's
     LeafSpec deprecation warning once per trial, came between the progress lines; then 4 lines in 665 s."""
     args = tune_args(f"sqlite:///{tmp_path / 's.db'}", tiny_root, tmp_path / "runs", "--trainer.max_epochs=2",
-                     "--trainer.limit_val_batches=2", "--trainer.limit_test_batches=2", "--data.batch_size=8",
-                     "--pack", "2", trials=2)  # epochs of ~60 steps: the bar is redrawn within them
+                     "--trainer.limit_train_batches=8", "--trainer.limit_val_batches=2",
+                     "--trainer.limit_test_batches=2", "--data.batch_size=8", "--pack", "2",
+                     "--trainer.callbacks+=sleep_callback.SleepAfterEachBatch", "--trainer.callbacks.seconds=0.06",
+                     trials=2)  # epochs of 8 steps of 0.06 s or more: the bar (every 0.1 s) is redrawn within them
     leader, follower = pty.openpty()
+    tests = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH")]))
     proc = subprocess.Popen([sys.executable, "-m", "mtmoe", *args], cwd=tmp_path, stdout=follower, stderr=follower,
-                            env=subprocess_env(tmp_path, tiny_root, TERM="xterm-256color", COLUMNS="160"))
+                            env=subprocess_env(tmp_path, tiny_root, TERM="xterm-256color", COLUMNS="160",
+                                               PYTHONPATH=tests))
     os.close(follower)
     output = b""
     while True:

@@ -17,7 +17,7 @@ from optuna.trial import TrialState
 from conftest import run_cli
 from pg import free_port
 from test_docs import code_blocks, shell_words
-from test_tuning import assert_each_config_once, run_tune, trials_of, tune_args
+from test_tuning import TINY, assert_each_config_once, run_tune, trials_of, tune_args
 from test_tuning_packs import FAST
 from mtmoe.tuning import storage as storage_module
 from mtmoe.tuning.objective import suggest
@@ -100,7 +100,7 @@ def test_an_unreachable_grpc_proxy_is_one_error_line(tiny_root: Path, tmp_path: 
 
 
 @pytest.mark.integration
-def test_a_study_runs_through_a_grpc_proxy_in_front_of_a_storage(root_and_tmp) -> None:
+def test_a_study_runs_through_a_grpc_proxy_in_front_of_a_storage(root_and_tmp, capsys) -> None:
     """Two workers of ``tune --storage grpc://`` through a real proxy server (docs/clusters.md's command, a
     subprocess on loopback) in front of a SQLite storage: each configuration evaluated once, read back through
     the storage itself and by ``report`` through the proxy."""
@@ -113,16 +113,16 @@ def test_a_study_runs_through_a_grpc_proxy_in_front_of_a_storage(root_and_tmp) -
     try:
         url = f"grpc://127.0.0.1:{port}"
         storage_module.grpc_proxy("127.0.0.1", port).close()  # up
-        code, out, err = run_tune(tune_args(url, root, tmp / "runs", *FAST, "--pack", "1", "--workers", "2",
+        code, out, err = run_tune(tune_args(url, root, tmp / "runs", *TINY, "--pack", "1", "--workers", "2",
                                             name="proxied"), tmp, root, "proxied")
         assert code == 0 and "Traceback" not in err, err[-3000:]
         trials = trials_of(f"sqlite:///{database}", "proxied")
         assert_each_config_once(trials, 3)
         assert all("heartbeat" in t.user_attrs for t in trials)  # the proxy has no Optuna heartbeats: the attribute
-        report = subprocess.run([sys.executable, "-m", "mtmoe", "report", "--data", "movielens-100k", "--storage",
-                                 url, "--out", str(tmp / "report")], cwd=tmp, capture_output=True, text=True,
-                                timeout=120, env={**os.environ, "MTMOE_DATA": str(root)})
-        assert report.returncode == 0 and "topk" in report.stdout, report.stderr[-2000:]
+        capsys.readouterr()
+        code = run_cli(["report", "--data", "movielens-100k", "--storage", url, "--out", str(tmp / "report")])
+        out, err = capsys.readouterr()
+        assert code == 0 and "topk" in out, err[-2000:]
     finally:
         server.terminate()
         server.wait(timeout=30)

@@ -114,22 +114,30 @@ def test_limit_batches_count_or_fraction_in_tune(tiny_root: Path, tmp_path: Path
 
 @pytest.mark.slow
 @pytest.mark.integration
-def test_fit_config_of_a_trial_retrains_it(tmp_path: Path) -> None:
+def test_fit_config_of_a_trial_retrains_it(tmp_path: Path, monkeypatch) -> None:
     """End to end on the real MovieLens-100K: a packed comet+ study with lr and E_perm given (2 epochs, a few
-    batches), then ``python -m mtmoe fit --config config-NNNN/config.yaml`` for each trial, a process of its own:
-    the same validation objective and test loss, to float32 rounding."""
+    batches), run here with one torch thread, then ``python -m mtmoe fit --config config-NNNN/config.yaml`` for each
+    trial, a process of its own: the same validation objective and test loss, to float32 rounding."""
+    import torch
+
     data = Path(os.environ.get("MTMOE_DATA", REAL_DATA))
     if not (data / "ml-100k" / "u.data").exists():
         pytest.skip(f"needs the real MovieLens-100K (MTMOE_DATA; not under {data})")
     env = {**os.environ, "MTMOE_DATA": str(data), "MTMOE_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1",
            "PYTHONPATH": str(REPO)}
+    for name in ("MTMOE_DATA", "MTMOE_CACHE"):
+        monkeypatch.setenv(name, env[name])
+    monkeypatch.chdir(tmp_path)
     url, log_dir = f"sqlite:///{tmp_path / 'e.db'}", tmp_path / "runs"
     tune = ["tune", "--gate", "comet+", "--data", "movielens-100k", "--trials", "2", "--pack", "2", "--storage", url,
             "--log-dir", str(log_dir), "--trainer.max_epochs=2", "--model.lr=0.001", "--model.perm_epochs=1",
             "--trainer.limit_train_batches=4", "--trainer.limit_val_batches=2", "--trainer.limit_test_batches=2"]
-    done = subprocess.run([sys.executable, "-m", "mtmoe", *tune], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stderr
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the fits' OMP_NUM_THREADS=1
+    try:
+        assert run_cli(tune) == 0
+    finally:
+        torch.set_num_threads(threads)
     trials = trials_of(url, "movielens-100k/comet+")
     assert_each_config_once(trials, 2)
     for trial in trials:

@@ -4,6 +4,7 @@ computes (bitwise on a CPU: per-epoch metrics, objectives, test results); a chec
 another configuration is ignored with a warning."""
 from __future__ import annotations
 
+import os
 import signal
 from pathlib import Path
 
@@ -13,10 +14,15 @@ from optuna.trial import TrialState
 
 from mtmoe.tuning.checkpoints import PackCheckpoints, checkpoint_folder
 
-from test_tuning import assert_each_config_once, interrupt_while_running, run_tune, trials_of, tune_args
+from conftest import run_cli
+from test_tuning import assert_each_config_once, interrupt_while_running, trials_of, tune_args
 
-# 2 epochs of ~70 steps of 16 rows: a pack runs long enough to be caught between epochs
-SLOW = ["--trainer.max_epochs=2", "--data.batch_size=16"]
+# 2 epochs of 4 steps of 16 rows
+SHORT = ["--trainer.max_epochs=2", "--data.batch_size=16", "--trainer.limit_train_batches=4",
+         "--trainer.limit_val_batches=2", "--trainer.limit_test_batches=2"]
+# the study to interrupt: each epoch after the first waits 3 s first, so a pack is caught between its epochs
+SLEEP = ["--trainer.callbacks+=sleep_callback.SleepAfterFirstEpoch", "--trainer.callbacks.seconds=3"]
+TESTS = Path(__file__).resolve().parent
 NAME = "resume"
 
 
@@ -37,21 +43,40 @@ def sigterm_after_epochs(args: list[str], tmp: Path, root: Path, url: str, epoch
     return code
 
 
+@pytest.fixture
+def tune_here(monkeypatch, capsys):
+    """``tune ARGS`` run to its end in this process, with one torch thread as the tune processes the tests start
+    (the uninterrupted reference and the rerun after a stop need no process of their own): its stderr. The tests
+    folder goes on the started processes' ``PYTHONPATH`` for :mod:`sleep_callback`."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+
+    def run(args: list[str]) -> str:
+        capsys.readouterr()
+        code = run_cli(args)
+        err = capsys.readouterr().err
+        assert code == 0, err[-3000:]
+        return err
+
+    yield run
+    torch.set_num_threads(threads)
+
+
 @pytest.mark.integration
-def test_a_pack_resumed_after_sigterm_computes_what_the_uninterrupted_pack_computes(root_and_tmp) -> None:
+def test_a_pack_resumed_after_sigterm_computes_what_the_uninterrupted_pack_computes(root_and_tmp,
+                                                                                     tune_here) -> None:
     """4 configurations in a pack of 3 (one refill), dropout on, ``comet+`` with local search's window of 1 epoch:
     the study SIGTERMed after its first epoch, then run again, gives each configuration the same per-epoch
     metrics (``metrics.csv`` byte for byte), learning curve, objective and test loss as the same study run
     without a stop; the interrupted trials carry their checkpoint, and it is removed once the study is done."""
     root, tmp = root_and_tmp
-    gate, extra = "comet+", [*SLOW, "--pack", "3", "--model.perm_epochs=1"]
+    gate, extra = "comet+", [*SHORT, "--pack", "3", "--model.perm_epochs=1"]
     whole = f"sqlite:///{tmp / 'whole.db'}"
-    code, _, err = run_tune(tune_args(whole, root, tmp / "whole", *extra, trials=4, gate=gate, name=NAME), tmp, root,
-                            "whole")
-    assert code == 0, err[-3000:]
+    tune_here(tune_args(whole, root, tmp / "whole", *extra, trials=4, gate=gate, name=NAME))
 
     url = f"sqlite:///{tmp / 'cut.db'}"
-    args = tune_args(url, root, tmp / "cut", *extra, trials=4, gate=gate, name=NAME)
+    args = tune_args(url, root, tmp / "cut", *extra, *SLEEP, trials=4, gate=gate, name=NAME)
     assert sigterm_after_epochs(args, tmp, root, url, 1) == 143
     interrupted = [t for t in trials_of(url, NAME) if t.state == TrialState.FAIL]
     assert interrupted and all(t.user_attrs.get("interrupted") for t in interrupted)
@@ -63,8 +88,7 @@ def test_a_pack_resumed_after_sigterm_computes_what_the_uninterrupted_pack_compu
     content = torch.load(checkpoint, weights_only=True)
     assert all(entry["state"]["progress"]["epochs_run"] >= 1 for entry in content["trials"].values())
 
-    code, _, err = run_tune(args, tmp, root, "second")
-    assert code == 0, err[-3000:]
+    err = tune_here(args)
     assert "warning" not in err, err
     assert_each_config_once(trials_of(url, NAME), 4)
     assert results(url) == results(whole)
@@ -73,31 +97,29 @@ def test_a_pack_resumed_after_sigterm_computes_what_the_uninterrupted_pack_compu
 
 
 @pytest.mark.integration
-def test_without_checkpoints_an_interrupted_trial_reruns_from_its_first_epoch(root_and_tmp) -> None:
+def test_without_checkpoints_an_interrupted_trial_reruns_from_its_first_epoch(root_and_tmp, tune_here) -> None:
     """``--no-checkpoints``: SIGTERM after the first epoch leaves no checkpoint and no ``checkpoint`` attribute; the
     rerun trains the interrupted trials from their first epoch, to the results of the study run without a stop."""
     root, tmp = root_and_tmp
-    extra = [*SLOW, "--pack", "2"]
+    extra = [*SHORT, "--pack", "2"]
     whole = f"sqlite:///{tmp / 'whole.db'}"
-    code, _, err = run_tune(tune_args(whole, root, tmp / "whole", *extra, trials=2, name=NAME), tmp, root, "whole")
-    assert code == 0, err[-3000:]
+    tune_here(tune_args(whole, root, tmp / "whole", *extra, trials=2, name=NAME))
     url = f"sqlite:///{tmp / 'cut.db'}"
-    args = tune_args(url, root, tmp / "cut", *extra, "--no-checkpoints", trials=2, name=NAME)
+    args = tune_args(url, root, tmp / "cut", *extra, *SLEEP, "--no-checkpoints", trials=2, name=NAME)
     assert sigterm_after_epochs(args, tmp, root, url, 1) == 143
     interrupted = [t for t in trials_of(url, NAME) if t.state == TrialState.FAIL]
     assert interrupted and not any("checkpoint" in t.user_attrs for t in interrupted)
     assert not (tmp / "checkpoints").exists()
-    code, _, err = run_tune(args, tmp, root, "second")
-    assert code == 0, err[-3000:]
+    tune_here(args)
     assert results(url) == results(whole)
 
 
-@pytest.mark.integration
-def test_no_checkpoints_and_checkpoint_every_are_refused_together(root_and_tmp) -> None:
+def test_no_checkpoints_and_checkpoint_every_are_refused_together(root_and_tmp, capsys) -> None:
     root, tmp = root_and_tmp
     url = f"sqlite:///{tmp / 'refused.db'}"
-    code, out, err = run_tune(tune_args(url, root, tmp / "runs", "--no-checkpoints", "--checkpoint-every", "60",
-                                        trials=2, name=NAME), tmp, root, "refused")
+    code = run_cli(tune_args(url, root, tmp / "runs", "--no-checkpoints", "--checkpoint-every", "60", trials=2,
+                             name=NAME))
+    err = capsys.readouterr().err
     assert code == 2 and err.strip().startswith("error: --checkpoint-every and --no-checkpoints"), err
     assert not (tmp / "refused.db").exists()
 
@@ -148,8 +170,7 @@ def test_checkpoints_live_beside_a_file_storage_else_in_the_log_folder(tmp_path:
     assert checkpoint_folder("postgresql://u@h/db", "x", tmp_path / "runs") == tmp_path / "runs" / "checkpoints" / "x"
 
 
-@pytest.mark.integration
-def test_no_checkpoints_is_refused_while_an_earlier_tunes_checkpoints_are_kept(root_and_tmp) -> None:
+def test_no_checkpoints_is_refused_while_an_earlier_tunes_checkpoints_are_kept(root_and_tmp, capsys) -> None:
     """A study's checkpoint folder holds a file that an interrupted ``tune`` wrote: ``--no-checkpoints`` (whose
     trials would rerun from their first epoch, leaving the stale state for a later resume) is refused with one
     error line before the storage is created, and the file is kept; once the folder is deleted it runs."""
@@ -160,8 +181,10 @@ def test_no_checkpoints_is_refused_while_an_earlier_tunes_checkpoints_are_kept(r
     written = PackCheckpoints(folder, IDENTITY)
     written.keep([(0, "structure", "hash0", state(1))])
     written.write()
-    args = tune_args(url, root, tmp / "runs", "--no-checkpoints", "--trainer.max_epochs=1", trials=1, name=NAME)
-    code, out, err = run_tune(args, tmp, root, "refused")
+    args = tune_args(url, root, tmp / "runs", "--no-checkpoints", *SHORT[1:], "--trainer.max_epochs=1", trials=1,
+                     name=NAME)
+    code = run_cli(args)
+    err = capsys.readouterr().err
     assert code == 2, err
     assert err.splitlines() == [f"error: --no-checkpoints: {folder} holds 1 checkpoint file(s) of trials an earlier "
                                 "tune left interrupted; run without --no-checkpoints to continue them from their "
@@ -169,6 +192,5 @@ def test_no_checkpoints_is_refused_while_an_earlier_tunes_checkpoints_are_kept(r
     assert not (tmp / "refused.db").exists() and [written.path] == list(folder.glob("*.pt"))
 
     written.path.unlink()
-    code, _, err = run_tune(args, tmp, root, "after")
-    assert code == 0, err[-3000:]
+    assert run_cli(args) == 0
     assert_each_config_once(trials_of(url, NAME), 1)

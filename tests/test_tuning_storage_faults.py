@@ -43,7 +43,7 @@ def one_error_line(capsys, code: int) -> str:
 
 
 @pytest.mark.integration
-def test_a_disk_full_under_the_logs_is_one_line_and_the_study_resumes(root_and_tmp) -> None:
+def test_a_disk_full_under_the_logs_is_one_line_and_the_study_resumes(root_and_tmp, capsys) -> None:
     """The trials' logs go to an 8 KiB tmpfs, full after a few files. Before: ``OSError: No space left on device``
     in ``_write_log``, a traceback, exit 1, the trial left RUNNING. Now: one line saying what to do, exit 2, no trial
     RUNNING; once there is room the same command resumes and completes every configuration once."""
@@ -55,38 +55,38 @@ def test_a_disk_full_under_the_logs_is_one_line_and_the_study_resumes(root_and_t
     try:
         url = f"sqlite:///{tmp / 'full.db'}"
         args = tune_args(url, root, logs, *TINY, trials=3, name="full")
-        code, out, err = run_tune(args, tmp, root, "full")
-        assert code == 2 and "Traceback" not in err, err[-3000:]
-        assert err.strip().splitlines() == [err.strip()] and "No space left on device" in err, err
-        assert "free some space there" in err
+        err = one_error_line(capsys, run_cli(args))
+        assert "No space left on device" in err and "free some space there" in err
         trials = trials_of(url, "full")
         assert not [t for t in trials if t.state == TrialState.RUNNING]
         assert len([t for t in trials if t.state == TrialState.COMPLETE]) < 3
         subprocess.run(["mount", "-o", "remount,size=16m", str(logs)], check=True)
-        code, out, err = run_tune(args, tmp, root, "resumed")
-        assert code == 0, err[-3000:]
+        assert run_cli(args) == 0
         assert_each_config_once(trials_of(url, "full"), 3)
     finally:
-        subprocess.run(["umount", str(logs)])
+        subprocess.run(["umount", "--lazy", str(logs)])  # detached even where this process still holds a log open
 
 
 # ------------------------------------------------------------------------------------ 5: a torn journal record
 
 
 @pytest.mark.integration
-def test_a_torn_last_journal_record_is_cut_off_with_one_warning_and_the_study_resumes(root_and_tmp) -> None:
+def test_a_torn_last_journal_record_is_cut_off_with_one_warning_and_the_study_resumes(root_and_tmp, capsys) -> None:
     """A crash mid-append leaves the journal's last record torn (here: its last 9 bytes gone). Before: the resumed
     study appended after it, and the file could no longer be read (``JSONDecodeError``). Now the torn record is cut
     off with one ``warning:`` line, the records before it are kept, and the study completes every configuration."""
     root, tmp = root_and_tmp
     journal = tmp / "j.log"
     url = f"journal:{journal}"
+    # a process of its own: the trial its torn record leaves RUNNING is of a worker that is gone, as after a crash
     code, out, err = run_tune(tune_args(url, root, tmp / "runs", *TINY, trials=1, name="torn"), tmp, root, "first")
     assert code == 0, err[-3000:]
     whole = journal.read_bytes()
     journal.write_bytes(whole[:-9])
-    code, out, err = run_tune(tune_args(url, root, tmp / "runs", *TINY, trials=2, name="torn"), tmp, root, "again")
-    assert code == 0 and "Traceback" not in err, err[-3000:]
+    capsys.readouterr()
+    code = run_cli(tune_args(url, root, tmp / "runs", *TINY, trials=2, name="torn"))
+    err = capsys.readouterr().err
+    assert code == 0, err[-3000:]
     warnings = [line for line in err.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and "last record is torn" in warnings[0], err
     kept = whole[:whole.rindex(b"\n", 0, len(whole) - 1) + 1]
