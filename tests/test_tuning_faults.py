@@ -26,9 +26,10 @@ from mtmoe.tuning.storage import display_url, storage_for
 from mtmoe.tuning.objective import config_hash, plan_configurations
 
 from conftest import run_cli
+from hold_callback import hold_args, pythonpath_with_tests
 from pg import create_database, find_bin_dir, postgres_server
+from test_tuning_packs import SHORT, wait_until
 from test_tuning import (
-    SLOW,
     TINY,
     assert_each_config_once,
     one_torch_thread,  # noqa: F401  (the autouse fixture)
@@ -41,7 +42,6 @@ from test_tuning import (
     wait_for_running,
 )
 
-TESTS = Path(__file__).resolve().parent
 FAST_HEARTBEAT = {"MTMOE_HEARTBEAT_INTERVAL": "1", "MTMOE_HEARTBEAT_GRACE": "4"}
 PASSWORD = "Secret-pw-7"
 
@@ -142,11 +142,13 @@ def test_a_configuration_that_kills_its_worker_is_failed_after_bounded_attempts(
     space = load_space("movielens-100k", "topk", space_path)
     killer = next(i for i, c in enumerate(plan_configurations(space, 3, seed)) if c["model.lr"] == 2e-3)
     url = create_database(postgres_url, "killed_configuration")
-    args = tune_args(url, root, tmp / "runs", *TINY, "--space", str(space_path), "--seed", str(seed), "--workers",
-                     "2", "--trainer.callbacks+=kill_callback.KillAtLearningRate", "--trainer.callbacks.lr=0.002",
-                     name="oom")
-    env = {**FAST_HEARTBEAT, "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))}
-    code, out, err = run_tune(args, tmp, root, "oom", timeout=500, **env)
+    def args(workers: int) -> list[str]:
+        return tune_args(url, root, tmp / "runs", *TINY, "--space", str(space_path), "--seed", str(seed),
+                         "--workers", str(workers), "--trainer.callbacks+=kill_callback.KillAtLearningRate",
+                         "--trainer.callbacks.lr=0.002", name="oom")
+
+    code, out, err = run_tune(args(2), tmp, root, "oom", timeout=500, **FAST_HEARTBEAT,
+                              PYTHONPATH=pythonpath_with_tests())
     assert code == 0, err[-3000:]
     trials = trials_of(storage_for(url), "oom")
     assert sorted(t.user_attrs["config_id"] for t in trials if t.state == TrialState.COMPLETE) == \
@@ -159,11 +161,11 @@ def test_a_configuration_that_kills_its_worker_is_failed_after_bounded_attempts(
     assert not [t for t in trials if t.state in (TrialState.WAITING, TrialState.RUNNING)]
     assert "study 'oom': 2 complete, 1 failed, 0 waiting" in out
 
-    code, out, err = run_tune(args, tmp, root, "again", **env)  # finished: the rerun tries nothing
-    assert code == 0, err[-3000:]
+    capsys.readouterr()  # finished: the rerun tries nothing (in this process: the parent decides what runs)
+    assert run_cli(args(1)) == 0
+    assert "study 'oom': 2 complete, 1 failed, 0 waiting" in capsys.readouterr().out
     assert len(trials_of(storage_for(url), "oom")) == len(trials)
 
-    capsys.readouterr()
     assert run_cli(["report", "--data", "movielens-100k", "--storage", url, "--out", str(tmp / "rep")]) == 0
     table = pd.read_csv(tmp / "rep" / "table_2_3.csv").set_index("study")
     assert table.loc["oom", "trials"] == 3 and table.loc["oom", "failed"] == 1
@@ -181,8 +183,7 @@ def test_journal_trials_of_workers_dead_before_recording_or_on_another_host_are_
     silent for the grace period is failed and its configuration runs again."""
     root, tmp = root_and_tmp
     url = f"journal:{tmp / 'j.log'}"
-    code, out, err = run_tune(tune_args(url, root, tmp / "runs", *TINY, trials=1, name="j"), tmp, root, "first")
-    assert code == 0, err[-3000:]
+    assert run_cli(tune_args(url, root, tmp / "runs", *TINY, trials=1, name="j")) == 0
     space = load_space("movielens-100k", "topk")
     space = SearchSpace(space.data, space.gate, 3, space.fixed, space.distributions)
     storage = storage_for(url)
@@ -221,15 +222,21 @@ def test_a_journal_trial_with_a_recent_heartbeat_elsewhere_is_kept(tmp_path: Pat
 @pytest.mark.integration
 def test_a_journal_tune_whose_own_worker_dies_reruns_its_trial(root_and_tmp) -> None:
     """Before: the parent said the dead worker's trial was RUNNING "in other workers" and exited 1. Now it fails
-    its own dead worker's trial at once and runs the configuration again."""
+    its own dead worker's trial at once and runs the configuration again. (The workers' trials are held, sleeping,
+    until the killed one is failed: ``tests/hold_callback.py``.)"""
     root, tmp = root_and_tmp
     url = f"journal:{tmp / 'j.log'}"
     storage = storage_for(url)
-    args = tune_args(url, root, tmp / "runs", *SLOW, "--workers", "2", trials=2, name="own")
-    proc = start_tune(args, tmp, root, "own", **FAST_HEARTBEAT)
+    hold = tmp / "hold"
+    hold.touch()
+    args = tune_args(url, root, tmp / "runs", *SHORT, *hold_args(hold), "--workers", "2", trials=2, name="own")
+    proc = start_tune(args, tmp, root, "own", **FAST_HEARTBEAT, PYTHONPATH=pythonpath_with_tests())
     try:
         target = wait_for_running(storage, "own", proc, tmp, "own")
         os.kill(int(target.user_attrs["worker"].rpartition(":")[2]), signal.SIGKILL)
+        wait_until(lambda: trials_of(storage, "own")[target.number].state == TrialState.FAIL, [proc],
+                   "the killed worker's trial is failed", timeout=60)
+        hold.unlink()
         code = proc.wait(timeout=300)
     finally:
         if proc.poll() is None:
@@ -257,10 +264,12 @@ def password_url() -> str:
 
 
 @pytest.mark.integration
-def test_the_password_is_never_shown_and_may_come_from_the_environment(password_url: str, root_and_tmp, capsys,
+def test_the_password_is_never_shown_and_may_come_from_the_environment(password_url: str, root_and_tmp, capfd,
                                                                        monkeypatch) -> None:
     """Before: ``tune``'s output, storage errors, report.md, bootstrap.md and bootstrap.html showed the password.
-    Now they show ``***``; ``PGPASSWORD`` or a passfile may hold it instead of the URL, as for PostgreSQL's tools."""
+    Now they show ``***``; ``PGPASSWORD`` or a passfile may hold it instead of the URL, as for PostgreSQL's tools.
+    (After the first ``tune``, commands run in this process: ``capfd`` reads what they write to its stdout and
+    stderr, Python's or not.)"""
     root, tmp = root_and_tmp
     assert PASSWORD in password_url
     code, out, err = run_tune(tune_args(password_url, root, tmp / "runs", *TINY, trials=2, name="pw"), tmp, root, "pw")
@@ -268,9 +277,12 @@ def test_the_password_is_never_shown_and_may_come_from_the_environment(password_
     assert PASSWORD not in out + err and "mtmoe:***@127.0.0.1" in out
 
     bare = password_url.replace(f":{PASSWORD}@", "@")
-    code, out, err = run_tune(tune_args(bare, root, tmp / "runs", *TINY, trials=2, name="pw"), tmp, root, "env",
-                              PGPASSWORD=PASSWORD)  # resumes the finished study: nothing to run
-    assert code == 0 and "2 complete" in out, err[-3000:]
+    capfd.readouterr()
+    monkeypatch.setenv("PGPASSWORD", PASSWORD)
+    assert run_cli(tune_args(bare, root, tmp / "runs", *TINY, trials=2, name="pw")) == 0  # resumes: nothing to run
+    monkeypatch.delenv("PGPASSWORD")
+    printed = capfd.readouterr()
+    assert "2 complete" in printed.out and PASSWORD not in printed.out + printed.err, printed
     passfile = tmp / "pgpass"
     passfile.write_text(f"127.0.0.1:*:*:mtmoe:{PASSWORD}\n")
     passfile.chmod(0o600)
@@ -278,11 +290,11 @@ def test_the_password_is_never_shown_and_may_come_from_the_environment(password_
     assert run_cli(["report", "--data", "movielens-100k", "--storage", bare, "--out", str(tmp / "passfile")]) == 0
     monkeypatch.delenv("PGPASSFILE")
 
-    capsys.readouterr()
+    capfd.readouterr()
     for command, *extra in (("report",), ("bootstrap", "--confidence", "0.2")):  # 2 trials: bands at 20% (95%: 8)
         assert run_cli([command, "--data", "movielens-100k", "--storage", password_url, "--out",
                         str(tmp / "rep"), *extra]) == 0
-    printed = capsys.readouterr()
+    printed = capfd.readouterr()
     assert PASSWORD not in printed.out + printed.err and "mtmoe:***@127.0.0.1" in printed.out
     written = sorted(path.name for path in (tmp / "rep").iterdir())
     assert {"report.md", "bootstrap.md", "bootstrap.html"} <= set(written)
@@ -294,7 +306,7 @@ def test_the_password_is_never_shown_and_may_come_from_the_environment(password_
         for argv in (["tune", "--gate", "topk", "--data", "movielens-100k", "--storage", url, f"--data.root={root}",
                       *TINY], ["report", "--data", "movielens-100k", "--storage", url]):
             assert run_cli(argv) == 2
-            printed = capsys.readouterr()
+            printed = capfd.readouterr()
             lines = printed.err.strip().splitlines()
             expected = "error: cannot open the study storage" if ":1/" in url else "error: --storage "  # no port
             assert len(lines) == 1 and lines[0].startswith(expected), lines

@@ -16,6 +16,7 @@ import sys
 import time
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import optuna
 import pandas as pd
@@ -23,12 +24,14 @@ import pytest
 from optuna.trial import TrialState
 
 from conftest import run_cli
+from hold_callback import hold_args, pythonpath_with_tests
 from test_tuning import (assert_each_config_once, interrupt_while_running, run_tune, start_tune, subprocess_env,
                          trials_of, tune_args, wait_for_running)
 
 FAST = ["--trainer.max_epochs=3", "--data.batch_size=64"]
-# a pack that stays RUNNING for a while: 3 epochs of ~140 steps of 8 rows
-SLOW = ["--trainer.max_epochs=3", "--data.batch_size=8"]
+# 2 epochs of 3 steps (a pack held by tests/hold_callback.py stays RUNNING, sleeping, until the test lets it go)
+SHORT = ["--trainer.max_epochs=2", "--trainer.limit_train_batches=3", "--trainer.limit_val_batches=2",
+        "--trainer.limit_test_batches=2", "--data.batch_size=64"]
 
 
 @pytest.fixture(autouse=True)
@@ -93,15 +96,19 @@ def test_bad_pack_input_is_one_line(tiny_root: Path, tmp_path: Path, capsys, pac
 
 @pytest.mark.integration
 @pytest.mark.parametrize("signum, exit_code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["ctrl-c", "sigterm"])
-def test_ctrl_c_or_sigterm_fails_the_packs_trials_and_the_rerun_resumes(root_and_tmp, signum: int,
+def test_ctrl_c_or_sigterm_fails_the_packs_trials_and_the_rerun_resumes(root_and_tmp, monkeypatch, signum: int,
                                                                         exit_code: int) -> None:
     """SIGTERM (a scheduler's stop, issue 22.3) is handled as Ctrl-C: the pack's trials are failed as interrupted,
     the exit code says which signal (128 + its number); the rerun evaluates every configuration once."""
     root, tmp = root_and_tmp
     url = f"sqlite:///{tmp / 'int.db'}"
-    optuna.storages.RDBStorage(url)
-    args = tune_args(url, root, tmp / "runs", *SLOW, "--pack", "3", trials=4, name="int")
-    code, err, _ = interrupt_while_running(args, tmp, root, url, "int", min_age=3, signum=signum)
+    storage = optuna.storages.RDBStorage(url)
+    hold = tmp / "hold"  # the pack sleeps until the signal comes
+    hold.touch()
+    monkeypatch.setenv("PYTHONPATH", pythonpath_with_tests())
+    args = tune_args(url, root, tmp / "runs", *SHORT, *hold_args(hold), "--pack", "3", trials=4, name="int")
+    code, err, _ = interrupt_while_running(args, tmp, root, storage, "int", signum=signum, ready=lambda trial: count(
+        storage, "int", TrialState.RUNNING) == 3)  # the pack is full
     assert code == exit_code and "Traceback" not in err, err
     assert err.strip().splitlines()[-1].startswith("error: interrupted"), err
     trials = trials_of(url, "int")
@@ -111,8 +118,8 @@ def test_ctrl_c_or_sigterm_fails_the_packs_trials_and_the_rerun_resumes(root_and
     assert not [t for t in trials if t.state == TrialState.RUNNING]
     if signum == signal.SIGTERM:
         return  # from here on both signals are one KeyboardInterrupt (mtmoe.interrupts): the rerun is tested once
-    code, out, err = run_tune(args, tmp, root, "second")
-    assert code == 0, err[-3000:]
+    hold.unlink()
+    assert run_cli(args) == 0  # the rerun, in this process
     assert_each_config_once(trials_of(url, "int"), 4)
 
 
@@ -129,18 +136,42 @@ def start_in(host: str, args: list[str], tmp: Path, root: Path, log: str, **env:
                             stderr=open(tmp / f"{log}.err", "w"))
 
 
-def pack_of_six_running(url: str, name: str, first: str, second: str, root: Path, tmp: Path, args: list[str],
-                        heartbeat: dict[str, str], host: str = "this host"):
-    """Two ``tune --pack 3`` commands, ``first`` (on ``host``) and then ``second``, until six trials are RUNNING:
-    (first's process, second's process, the trials then)."""
-    one = start_in(host, args, tmp, root, first, **heartbeat)
-    wait_for_running(url, name, one, tmp, first, min_age=0.5)
-    two = start_tune(args, tmp, root, second, **heartbeat)
-    deadline = time.monotonic() + 300  # a loaded host takes minutes to start a tune
-    while len([t for t in trials_of(url, name) if t.state == TrialState.RUNNING]) < 6:
-        assert time.monotonic() < deadline and one.poll() is None and two.poll() is None
-        time.sleep(0.2)
-    return one, two, trials_of(url, name)
+def wait_until(condition, procs, what: str, timeout: float = 300) -> None:
+    """Poll ``condition()`` until it holds, while none of ``procs`` failed (a loaded host takes minutes to start a
+    tune)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        assert all(proc.poll() in (None, 0) for proc in procs), f"a tune ended early, waiting until {what}"
+        time.sleep(0.5)
+
+
+def count(storage, name: str, state: TrialState) -> int:
+    """How many of the study's trials are in ``state`` (``storage``: one object for all polls, not a URL, whose
+    every use would connect again)."""
+    return sum(t.state == state for t in trials_of(storage, name))
+
+
+def pack_of_six_running(storage, name: str, first: str, second: str, root: Path, tmp: Path, args: list[str],
+                        env: dict[str, str], host: str = "this host"):
+    """Two ``tune --pack 3`` commands, ``first`` (on ``host``) and then ``second``, held (``hold_args``) until six
+    trials are RUNNING: (first's process, second's process, the trials then)."""
+    one = start_in(host, args, tmp, root, first, **env)
+    wait_for_running(storage, name, one, tmp, first, min_age=0.5)
+    two = start_tune(args, tmp, root, second, **env)
+    wait_until(lambda: count(storage, name, TrialState.RUNNING) == 6, [one, two], "six run")
+    return one, two, trials_of(storage, name)
+
+
+def held_tune(postgres_url: str, root: Path, tmp: Path, name: str, trials: int) -> tuple[list[str], dict, Path, Any]:
+    """A ``tune --pack 3`` held until its hold file is deleted, heartbeats every second and a grace of 3 s: (its
+    arguments, its environment, the hold file, the storage to read)."""
+    hold = tmp / "hold"
+    hold.touch()
+    env = {"MTMOE_HEARTBEAT_INTERVAL": "1", "MTMOE_HEARTBEAT_GRACE": "3", "PYTHONPATH": pythonpath_with_tests()}
+    args = tune_args(postgres_url, root, tmp / "runs", *SHORT, *hold_args(hold), "--pack", "3", trials=trials,
+                     name=name)
+    return args, env, hold, optuna.storages.RDBStorage(postgres_url)
 
 
 @pytest.mark.integration
@@ -148,29 +179,33 @@ def pack_of_six_running(url: str, name: str, first: str, second: str, root: Path
 def test_a_dead_packing_workers_trials_are_failed_within_grace_and_interval_and_rerun_before_the_plan(
         postgres_url: str, root_and_tmp, host: str) -> None:
     """Two packing workers (``--pack 3``, two ``tune`` commands) on the real PostgreSQL server, 8 configurations;
-    one is SIGKILLed holding three RUNNING trials while the survivor's pack is full and two configurations wait.
-    Before: they were failed only when a survivor's slot freed (122-139 s after the kill against a 30 s grace) and
-    re-ran behind the waiting plan. Now the survivor fails them within grace + one heartbeat interval of the kill
-    (on this host: at once, its process is gone; on another host: when its heartbeats stop), runs their
-    configurations in its next free slots before the two waiting ones, and every configuration completes once."""
+    one is SIGKILLed holding three RUNNING trials while the survivor's pack is full (held, sleeping:
+    ``tests/hold_callback.py``) and two configurations wait. Before: they were failed only when a survivor's slot
+    freed (122-139 s after the kill against a 30 s grace) and re-ran behind the waiting plan. Now the survivor fails
+    them within grace + one heartbeat interval of the kill (on this host: at once, its process is gone; on another
+    host: when its heartbeats stop) with its pack still held, runs their configurations in its next free slots
+    before the two waiting ones once let go, and every configuration completes once."""
     root, tmp = root_and_tmp
-    name, interval, grace = f"dead-{host.split()[0]}", 1, 3
-    heartbeat = {"MTMOE_HEARTBEAT_INTERVAL": str(interval), "MTMOE_HEARTBEAT_GRACE": str(grace)}
-    args = tune_args(postgres_url, root, tmp / "runs", *SLOW, "--pack", "3", trials=8, name=name)
+    name = f"dead-{host.split()[0]}"
+    args, env, hold, storage = held_tune(postgres_url, root, tmp, name, trials=8)
+    interval, grace = int(env["MTMOE_HEARTBEAT_INTERVAL"]), int(env["MTMOE_HEARTBEAT_GRACE"])
     doomed, survivor = None, None
     try:
-        doomed, survivor, before = pack_of_six_running(postgres_url, name, "doomed", "survivor", root, tmp, args,
-                                                       heartbeat, host)
+        doomed, survivor, before = pack_of_six_running(storage, name, "doomed", "survivor", root, tmp, args,
+                                                       env, host)
         os.kill(doomed.pid, signal.SIGKILL)
         doomed.wait(timeout=30)
         killed_at = datetime.now()
+        wait_until(lambda: count(storage, name, TrialState.FAIL) == 3, [survivor],
+                   "the dead worker's trials are failed", timeout=60)
+        hold.unlink()
         code = survivor.wait(timeout=300)
     finally:
         for proc in (doomed, survivor):
             if proc is not None and proc.poll() is None:
                 proc.kill()
     assert code == 0, (tmp / "survivor.err").read_text()[-3000:]
-    trials = trials_of(postgres_url, name)
+    trials = trials_of(storage, name)
     assert_each_config_once(trials, 8)
     dead = [t for t in trials if t.state == TrialState.FAIL]
     assert len(dead) == 3 and not any("fail_reason" in t.user_attrs for t in dead)
@@ -192,23 +227,23 @@ def test_a_worker_frozen_past_the_grace_drops_its_taken_over_trials_and_carries_
     """A packing worker is frozen (SIGSTOP) holding three RUNNING trials until the other worker has failed them
     and completed their configurations, then thawed (SIGCONT). Before: it trained them on, rewrote their
     ``config-NNNN/`` logs and died with a 58-line ``UpdateFinishedTrialError`` traceback. Now it drops them at its
-    next epoch with one ``warning:`` line, leaves their logs alone and finishes the study with exit 0."""
+    next epoch with one ``warning:`` line, leaves their logs alone and finishes the study with exit 0. (Both packs
+    are held, sleeping, until the frozen one's trials are failed: ``tests/hold_callback.py``.)"""
     root, tmp = root_and_tmp
     name = "frozen"
-    heartbeat = {"MTMOE_HEARTBEAT_INTERVAL": "1", "MTMOE_HEARTBEAT_GRACE": "3"}
-    args = tune_args(postgres_url, root, tmp / "runs", *SLOW, "--pack", "3", trials=6, name=name)
+    args, env, hold, storage = held_tune(postgres_url, root, tmp, name, trials=6)
     frozen, other = None, None
     try:
-        frozen, other, before = pack_of_six_running(postgres_url, name, "frozen", "other", root, tmp, args, heartbeat)
+        frozen, other, before = pack_of_six_running(storage, name, "frozen", "other", root, tmp, args, env)
         os.kill(frozen.pid, signal.SIGSTOP)
         held = {t.user_attrs["config_id"] for t in before
                 if t.state == TrialState.RUNNING and t.user_attrs.get("worker", "").endswith(f":{frozen.pid}")}
         assert len(held) == 3
-        deadline = time.monotonic() + 240
-        while not held <= {t.user_attrs["config_id"] for t in trials_of(postgres_url, name)
-                           if t.state == TrialState.COMPLETE}:
-            assert time.monotonic() < deadline and other.poll() in (None, 0)
-            time.sleep(0.5)
+        wait_until(lambda: count(storage, name, TrialState.FAIL) == 3, [other],
+                   "the frozen worker's trials are failed", timeout=60)
+        hold.unlink()
+        wait_until(lambda: held <= {t.user_attrs["config_id"] for t in trials_of(storage, name)
+                                    if t.state == TrialState.COMPLETE}, [other], "their configurations complete")
         logs = {path: path.stat() for c in held for path in (tmp / "runs" / name / f"config-{c:04d}").iterdir()}
         os.kill(frozen.pid, signal.SIGCONT)
         codes = frozen.wait(timeout=120), other.wait(timeout=120)
@@ -224,7 +259,7 @@ def test_a_worker_frozen_past_the_grace_drops_its_taken_over_trials_and_carries_
     assert sorted(p.name for p in logs) == ["config.yaml"] * 3 + ["metrics.csv"] * 3 + ["results.json"] * 3
     for path, stat in logs.items():  # not rewritten: same file (atomic writes replace it), same time
         assert (path.stat().st_ino, path.stat().st_mtime_ns) == (stat.st_ino, stat.st_mtime_ns), path
-    trials = trials_of(postgres_url, name)
+    trials = trials_of(storage, name)
     assert_each_config_once(trials, 6)
     frozen_trials = [t for t in trials if t.user_attrs.get("worker", "").endswith(f":{frozen.pid}")]
     taken = [t for t in frozen_trials if t.user_attrs["config_id"] in held]
@@ -235,7 +270,7 @@ def test_a_worker_frozen_past_the_grace_drops_its_taken_over_trials_and_carries_
 def test_two_packing_workers_on_postgres_evaluate_each_configuration_once(postgres_url: str, root_and_tmp) -> None:
     root, tmp = root_and_tmp
     name = "two-packs"
-    args = tune_args(postgres_url, root, tmp / "runs", *FAST, "--pack", "2", "--workers", "2", trials=6, name=name)
+    args = tune_args(postgres_url, root, tmp / "runs", *SHORT, "--pack", "2", "--workers", "2", trials=6, name=name)
     code, out, err = run_tune(args, tmp, root, "workers")
     assert code == 0 and "Traceback" not in err, err[-3000:]
     trials = trials_of(postgres_url, name)
