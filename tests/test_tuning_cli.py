@@ -20,6 +20,7 @@ import pytest
 
 from conftest import run_cli
 from pg import create_database
+from sleep_callback import pythonpath_with_tests
 from test_tuning import TINY, one_torch_thread, subprocess_env, trials_of, tune_args  # noqa: F401
 
 
@@ -125,10 +126,9 @@ def test_tune_at_a_terminal_shows_a_bar_within_the_first_pack_epoch(tiny_root: P
                      "--trainer.callbacks+=sleep_callback.SleepAfterEachBatch", "--trainer.callbacks.seconds=0.06",
                      trials=2)  # epochs of 8 steps of 0.06 s or more: the bar (every 0.1 s) is redrawn within them
     leader, follower = pty.openpty()
-    tests = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH")]))
     proc = subprocess.Popen([sys.executable, "-m", "mtmoe", *args], cwd=tmp_path, stdout=follower, stderr=follower,
                             env=subprocess_env(tmp_path, tiny_root, TERM="xterm-256color", COLUMNS="160",
-                                               PYTHONPATH=tests))
+                                               PYTHONPATH=pythonpath_with_tests()))
     os.close(follower)
     output = b""
     while True:

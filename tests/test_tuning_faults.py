@@ -26,7 +26,7 @@ from mtmoe.tuning.storage import display_url, storage_for
 from mtmoe.tuning.objective import config_hash, plan_configurations
 
 from conftest import run_cli
-from hold_callback import hold_args, pythonpath_with_tests
+from sleep_callback import hold_args, pythonpath_with_tests
 from pg import create_database, find_bin_dir, postgres_server
 from test_tuning_packs import SHORT
 from test_tuning import (
@@ -223,7 +223,7 @@ def test_a_journal_trial_with_a_recent_heartbeat_elsewhere_is_kept(tmp_path: Pat
 def test_a_journal_tune_whose_own_worker_dies_reruns_its_trial(root_and_tmp) -> None:
     """Before: the parent said the dead worker's trial was RUNNING "in other workers" and exited 1. Now it fails
     its own dead worker's trial at once and runs the configuration again. (The workers' trials are held, sleeping,
-    until one is killed: ``tests/hold_callback.py``.)"""
+    until one is killed: ``tests/sleep_callback.py``.)"""
     root, tmp = root_and_tmp
     url = f"journal:{tmp / 'j.log'}"
     storage = storage_for(url)

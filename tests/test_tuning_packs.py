@@ -24,12 +24,12 @@ import pytest
 from optuna.trial import TrialState
 
 from conftest import run_cli
-from hold_callback import hold_args, pythonpath_with_tests
+from sleep_callback import hold_args, pythonpath_with_tests
 from test_tuning import (assert_each_config_once, interrupt_while_running, run_tune, start_tune, subprocess_env,
                          trials_of, tune_args, wait_for_running)
 
 FAST = ["--trainer.max_epochs=3", "--trainer.limit_train_batches=3", "--data.batch_size=64"]
-# 2 epochs of 3 steps (a pack held by tests/hold_callback.py stays RUNNING, sleeping, until the test lets it go)
+# 2 epochs of 3 steps (a pack held by tests/sleep_callback.py stays RUNNING, sleeping, until the test lets it go)
 SHORT = ["--trainer.max_epochs=2", "--trainer.limit_train_batches=3", "--trainer.limit_val_batches=2",
         "--trainer.limit_test_batches=2", "--data.batch_size=64"]
 
@@ -180,7 +180,7 @@ def test_a_dead_packing_workers_trials_are_failed_within_grace_and_interval_and_
         postgres_url: str, root_and_tmp, host: str) -> None:
     """Two packing workers (``--pack 3``, two ``tune`` commands) on the real PostgreSQL server, 8 configurations;
     one is SIGKILLed holding three RUNNING trials while the survivor's pack is full (held, sleeping:
-    ``tests/hold_callback.py``) and two configurations wait. Before: they were failed only when a survivor's slot
+    ``tests/sleep_callback.py``) and two configurations wait. Before: they were failed only when a survivor's slot
     freed (122-139 s after the kill against a 30 s grace) and re-ran behind the waiting plan. Now the survivor fails
     them within grace + one heartbeat interval of the kill (on this host: at once, its process is gone; on another
     host: when its heartbeats stop) with its pack still held, runs their configurations in its next free slots
@@ -228,7 +228,7 @@ def test_a_worker_frozen_past_the_grace_drops_its_taken_over_trials_and_carries_
     and completed their configurations, then thawed (SIGCONT). Before: it trained them on, rewrote their
     ``config-NNNN/`` logs and died with a 58-line ``UpdateFinishedTrialError`` traceback. Now it drops them at its
     next epoch with one ``warning:`` line, leaves their logs alone and finishes the study with exit 0. (Both packs
-    are held, sleeping, until the frozen one's trials are failed: ``tests/hold_callback.py``.)"""
+    are held, sleeping, until the frozen one's trials are failed: ``tests/sleep_callback.py``.)"""
     root, tmp = root_and_tmp
     name = "frozen"
     args, env, hold, storage = held_tune(postgres_url, root, tmp, name, trials=6)

@@ -4,7 +4,6 @@ computes (bitwise on a CPU: per-epoch metrics, objectives, test results); a chec
 another configuration is ignored with a warning."""
 from __future__ import annotations
 
-import os
 import signal
 from pathlib import Path
 
@@ -15,6 +14,7 @@ from optuna.trial import TrialState
 from mtmoe.tuning.checkpoints import PackCheckpoints, checkpoint_folder
 
 from conftest import run_cli
+from sleep_callback import pythonpath_with_tests
 from test_tuning import assert_each_config_once, interrupt_while_running, trials_of, tune_args
 
 # 2 epochs of 4 steps of 16 rows
@@ -22,7 +22,6 @@ SHORT = ["--trainer.max_epochs=2", "--data.batch_size=16", "--trainer.limit_trai
          "--trainer.limit_val_batches=2", "--trainer.limit_test_batches=2"]
 # the study to interrupt: each epoch after the first waits 3 s first, so a pack is caught between its epochs
 SLEEP = ["--trainer.callbacks+=sleep_callback.SleepAfterFirstEpoch", "--trainer.callbacks.seconds=3"]
-TESTS = Path(__file__).resolve().parent
 NAME = "resume"
 
 
@@ -48,7 +47,7 @@ def tune_here(monkeypatch, capsys):
     """``tune ARGS`` run to its end in this process, with one torch thread as the tune processes the tests start
     (the uninterrupted reference and the rerun after a stop need no process of their own): its stderr. The tests
     folder goes on the started processes' ``PYTHONPATH`` for :mod:`sleep_callback`."""
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("PYTHONPATH", pythonpath_with_tests())
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
 
