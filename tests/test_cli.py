@@ -575,7 +575,9 @@ def test_run_help_lists_what_a_run_honours_shortcuts_first(command: str, capsys)
         assert f"--trainer.{key}" not in out, key
     assert "--model.info" not in out and "registry:model-name" not in out and "--trainer.max_epochs" in out
     assert out.startswith(f"usage: python -m mtmoe {command} ") and len(out.splitlines()[0]) < 100
-    assert len(out.splitlines()) < 450
+    # jsonargparse lists the Callback subclasses imported in this process: the tests' own do not count
+    own_callbacks = {path.stem for path in Path(__file__).parent.glob("*.py")}
+    assert len([line for line in out.splitlines() if line.strip().split(".")[0] not in own_callbacks]) < 450
 
 
 def test_fit_help_lists_the_shortcuts_with_their_choices(capsys) -> None:

@@ -144,8 +144,10 @@ def test_a_configuration_that_kills_its_worker_is_failed_after_bounded_attempts(
     url = create_database(postgres_url, "killed_configuration")
     def args(workers: int) -> list[str]:
         return tune_args(url, root, tmp / "runs", *TINY, "--space", str(space_path), "--seed", str(seed),
-                         "--workers", str(workers), "--trainer.callbacks+=kill_callback.KillAtLearningRate",
-                         "--trainer.callbacks.lr=0.002", name="oom")
+                         "--workers", str(workers), "--pack", "1",  # --pack auto measures the CPU: a
+                         # configuration packed with the killer would share its lost attempts
+                         "--trainer.callbacks+=kill_callback.KillAtLearningRate", "--trainer.callbacks.lr=0.002",
+                         name="oom")
 
     code, out, err = run_tune(args(2), tmp, root, "oom", timeout=500, **FAST_HEARTBEAT,
                               PYTHONPATH=pythonpath_with_tests())
