@@ -12,6 +12,8 @@ from pathlib import Path
 
 from lightning.pytorch.callbacks import Callback
 
+TESTS = Path(__file__).resolve().parent
+
 
 class SleepAfterFirstEpoch(Callback):
     """``seconds`` as each epoch but the first starts."""
@@ -32,9 +34,6 @@ class SleepAfterEachBatch(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         time.sleep(self.seconds)
-
-
-TESTS = Path(__file__).resolve().parent
 
 
 class HoldWhileFileExists(Callback):

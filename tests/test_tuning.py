@@ -42,9 +42,9 @@ from pg import free_port
 
 TINY = ["--trainer.max_epochs=1", "--trainer.limit_train_batches=5", "--trainer.limit_val_batches=2",
         "--trainer.limit_test_batches=2", "--data.batch_size=64"]
-# A trial of a few seconds (3 epochs of ~60 steps of 8 rows), long enough to be caught RUNNING and signalled.
-SLOW = ["--trainer.max_epochs=3", "--trainer.limit_val_batches=2", "--trainer.limit_test_batches=2",
-        "--data.batch_size=8"]
+# 2 epochs of 3 steps (a pack held by tests/sleep_callback.py stays RUNNING, sleeping, until the test lets it go)
+SHORT = ["--trainer.max_epochs=2", "--trainer.limit_train_batches=3", "--trainer.limit_val_batches=2",
+         "--trainer.limit_test_batches=2", "--data.batch_size=64"]
 SPACE_FILES = sorted(SPACES_DIR.glob("*.yaml"))
 # The other papers' routers (not in the COMET paper): their own hyperparameters are the same in every file.
 ROUTERS = ("competesmoe", "competesmoe-v2", "sparsemixer", "expertchoice", "usmoe")

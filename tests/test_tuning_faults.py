@@ -28,8 +28,8 @@ from mtmoe.tuning.objective import config_hash, plan_configurations
 from conftest import run_cli
 from sleep_callback import hold_args, pythonpath_with_tests
 from pg import create_database, find_bin_dir, postgres_server
-from test_tuning_packs import SHORT
 from test_tuning import (
+    SHORT,
     TINY,
     assert_each_config_once,
     one_torch_thread,  # noqa: F401  (the autouse fixture)

@@ -16,7 +16,7 @@ import yaml
 from optuna.trial import TrialState
 
 from conftest import REAL_DATA, run_cli
-from test_tuning import assert_each_config_once, trials_of, tune_args
+from test_tuning import assert_each_config_once, one_torch_thread, trials_of, tune_args  # noqa: F401 (autouse)
 
 REPO = Path(__file__).resolve().parents[1]
 LIMITS = ("train", "val", "test")
@@ -118,8 +118,6 @@ def test_fit_config_of_a_trial_retrains_it(tmp_path: Path, monkeypatch) -> None:
     """End to end on the real MovieLens-100K: a packed comet+ study with lr and E_perm given (2 epochs, a few
     batches), run here with one torch thread, then ``python -m mtmoe fit --config config-NNNN/config.yaml`` for each
     trial, a process of its own: the same validation objective and test loss, to float32 rounding."""
-    import torch
-
     data = Path(os.environ.get("MTMOE_DATA", REAL_DATA))
     if not (data / "ml-100k" / "u.data").exists():
         pytest.skip(f"needs the real MovieLens-100K (MTMOE_DATA; not under {data})")
@@ -132,12 +130,7 @@ def test_fit_config_of_a_trial_retrains_it(tmp_path: Path, monkeypatch) -> None:
     tune = ["tune", "--gate", "comet+", "--data", "movielens-100k", "--trials", "2", "--pack", "2", "--storage", url,
             "--log-dir", str(log_dir), "--trainer.max_epochs=2", "--model.lr=0.001", "--model.perm_epochs=1",
             "--trainer.limit_train_batches=4", "--trainer.limit_val_batches=2", "--trainer.limit_test_batches=2"]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the fits' OMP_NUM_THREADS=1
-    try:
-        assert run_cli(tune) == 0
-    finally:
-        torch.set_num_threads(threads)
+    assert run_cli(tune) == 0  # one torch thread (one_torch_thread), as the fits' OMP_NUM_THREADS=1
     trials = trials_of(url, "movielens-100k/comet+")
     assert_each_config_once(trials, 2)
     for trial in trials:

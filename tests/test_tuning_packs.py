@@ -25,13 +25,10 @@ from optuna.trial import TrialState
 
 from conftest import run_cli
 from sleep_callback import hold_args, pythonpath_with_tests
-from test_tuning import (assert_each_config_once, interrupt_while_running, run_tune, start_tune, subprocess_env,
+from test_tuning import (SHORT, assert_each_config_once, interrupt_while_running, run_tune, start_tune, subprocess_env,
                          trials_of, tune_args, wait_for_running)
 
 FAST = ["--trainer.max_epochs=3", "--trainer.limit_train_batches=3", "--data.batch_size=64"]
-# 2 epochs of 3 steps (a pack held by tests/sleep_callback.py stays RUNNING, sleeping, until the test lets it go)
-SHORT = ["--trainer.max_epochs=2", "--trainer.limit_train_batches=3", "--trainer.limit_val_batches=2",
-        "--trainer.limit_test_batches=2", "--data.batch_size=64"]
 
 
 @pytest.fixture(autouse=True)

@@ -15,7 +15,8 @@ from mtmoe.tuning.checkpoints import PackCheckpoints, checkpoint_folder
 
 from conftest import run_cli
 from sleep_callback import pythonpath_with_tests
-from test_tuning import assert_each_config_once, interrupt_while_running, trials_of, tune_args
+from test_tuning import (assert_each_config_once, interrupt_while_running, one_torch_thread,  # noqa: F401 (autouse)
+                         trials_of, tune_args)
 
 # 2 epochs of 4 steps of 16 rows
 SHORT = ["--trainer.max_epochs=2", "--data.batch_size=16", "--trainer.limit_train_batches=4",
@@ -44,12 +45,10 @@ def sigterm_after_epochs(args: list[str], tmp: Path, root: Path, url: str, epoch
 
 @pytest.fixture
 def tune_here(monkeypatch, capsys):
-    """``tune ARGS`` run to its end in this process, with one torch thread as the tune processes the tests start
-    (the uninterrupted reference and the rerun after a stop need no process of their own): its stderr. The tests
-    folder goes on the started processes' ``PYTHONPATH`` for :mod:`sleep_callback`."""
+    """``tune ARGS`` run to its end in this process, with one torch thread (the autouse ``one_torch_thread``) as the
+    tune processes the tests start (the uninterrupted reference and the rerun after a stop need no process of their
+    own): its stderr. The tests folder goes on the started processes' ``PYTHONPATH`` for :mod:`sleep_callback`."""
     monkeypatch.setenv("PYTHONPATH", pythonpath_with_tests())
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
 
     def run(args: list[str]) -> str:
         capsys.readouterr()
@@ -58,8 +57,7 @@ def tune_here(monkeypatch, capsys):
         assert code == 0, err[-3000:]
         return err
 
-    yield run
-    torch.set_num_threads(threads)
+    return run
 
 
 @pytest.mark.integration
