@@ -44,8 +44,8 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     yield
     own_after, children_after = _cpu_seconds()
     Path(folder).mkdir(parents=True, exist_ok=True)
-    worker = getattr(item.config, "workerinput", {}).get("workerid", "main")  # not the environment: a pytest a
-    # test starts inherits its worker's PYTEST_XDIST_WORKER
+    # xdist's worker id, not PYTEST_XDIST_WORKER: a pytest that a test starts inherits its worker's environment
+    worker = getattr(item.config, "workerinput", {}).get("workerid", "main")
     with open(Path(folder) / f"cpu-{worker}.jsonl", "a") as out:
         out.write(json.dumps({"id": item.nodeid, "own": own_after - own, "children": children_after - children,
                               "wall": time.monotonic() - start}) + "\n")
