@@ -205,9 +205,10 @@ if triton is not None:
     @triton.jit(do_not_specialize=["columns", "units", "n", "tasks"])
     def _mix_backward_cuda(grad_ptr, weights_ptr, h_ptr, out_ptr, columns, units, n, tasks, scale,
                            BLOCK: tl.constexpr, FLOAT64: tl.constexpr, BFLOAT16: tl.constexpr):
-        """Program ``(block, row)``: :func:`_mix_backward_cpu` on ``BLOCK`` columns of row ``row``."""
-        row = tl.program_id(1).to(tl.int64)
-        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        """Program ``(row, block)``: :func:`_mix_backward_cpu` on ``BLOCK`` columns of row ``row``. The rows are
+        the grid's first dimension, the only one that may exceed 65,535 (a pack's ``P * B`` rows do)."""
+        row = tl.program_id(0).to(tl.int64)
+        offsets = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         inside = offsets < columns
         expert, unit = offsets // units, offsets % units
         w_row, g_row = weights_ptr + row * tasks * n + expert, grad_ptr + row * tasks * units + unit
@@ -283,7 +284,7 @@ def mix_backward(grad: Tensor, weights: Tensor, h: Tensor, p: float) -> Tensor:
     flops = 2 * rows * tasks * n * units  # the product bmm(weights^T, grad) in it
     if use_triton(h.device):
         fused_kernel("mix backward (triton)", read, out.nbytes, flops)
-        _mix_backward_cuda[(triton.cdiv(columns, _BLOCK), rows)](
+        _mix_backward_cuda[(rows, triton.cdiv(columns, _BLOCK))](
             grad, weights, h, out, columns, units, n, tasks, scale, BLOCK=_BLOCK,
             FLOAT64=h.dtype == torch.float64, BFLOAT16=h.dtype == torch.bfloat16)
         return out

@@ -43,7 +43,8 @@ def forward_backward(function, t: torch.Tensor, gamma, paths: torch.Tensor, seed
     (the same for each trial)."""
     t = t.detach().clone().requires_grad_()
     v = function(t, gamma, paths).transpose(-1, -2)
-    v.backward(torch.randn(v.shape[-3:], generator=torch.Generator().manual_seed(seed)).to(v.dtype).expand(v.shape))
+    v.backward(torch.randn(v.shape[-3:], generator=torch.Generator().manual_seed(seed)).to(v.device, v.dtype).expand(
+        v.shape))
     return v.detach(), t.grad
 
 
