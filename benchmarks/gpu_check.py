@@ -97,7 +97,7 @@ class Sizes:
 # pack ``--pack auto`` finds fastest (all 500 at once, measured on an H200: none finished in a lease).
 GPU = Sizes("256", 500, ["--device", "cuda"], ["--trainer.accelerator=gpu", "--model.matmul_precision=high",
                                                "--pack=128", "--no-checkpoints"], ["--device", "cuda"],
-            {"install": 40, "tests": 150, "bench": 80, "report": 30, "bootstrap": 30})
+            {"install": 40, "tests": 180, "bench": 80, "report": 30, "bootstrap": 30})
 # the interpreter's pace: each program of a kernel costs milliseconds, each 1,024 parameters one Adam program
 TINY = "--data.batch_size=8 --model.n_experts=4 --model.embedding_dim=4 --model.expert_units=8 --model.tower_units=8"
 DRY = Sizes("2", 2, ["--limit-batches", "1", "--profile-steps", "1", "--adam-repeats", "3", f"--trial-args={TINY}"],
@@ -319,7 +319,7 @@ def run(out: Path, sizes: Sizes, study_dir: Path, dry_run: bool = False, chosen:
     # addopts emptied: the CUDA tests in this one process, not pyproject's worker per core (each its own CUDA
     # context), and without pytest-xdist, which the GPU image lacks
     tests = step("tests", [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "-rfE",
-                           *CUDA_TESTS],
+                           "--durations=10", *CUDA_TESTS],
                  budgets["tests"])
     summary["tests"] = tests_summary(tests.output)
     rows, profiles = [], []
