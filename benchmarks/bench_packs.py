@@ -15,7 +15,9 @@ one trial, operation counts, per-trial set-up, a whole study.
    permutation window (E_perm >= the epochs timed), the costlier phase. ``--graphs on,off`` on a GPU: with the
    training step captured in CUDA graphs and without; ``--adam fused,elementwise``: Adam in one kernel for all
    trials and in element-wise torch operations (:class:`mtmoe.pack.adam.PackedAdam`). Device memory per trial
-   (GPU) from :func:`mtmoe.pack.memory.memory_per_trial`.
+   (GPU) from :func:`mtmoe.pack.memory.memory_per_trial`. After the table, one line per row, ``phases gate=G P=P
+   graphs=X adam=Y between_s=... train_s=... val_s=... end_s=...``: where that epoch's seconds went
+   (:data:`EPOCH_PHASES`).
 2. **Operations** (``--ops``): for each gate and P, one line per phase, ``ops gate=G P=P phase=X ops=N
    host_reads=R``: the ATen operations one training step (``train``; ``window`` and ``after`` for "+": inside the
    permutation window and after it) or one evaluation batch (``eval``) dispatches after warm-up, and how many of them
@@ -92,10 +94,18 @@ def factory(gate: str, params: dict, device: str, precision: str, extra: tuple[s
     return TrialFactory(build_run(args))
 
 
+#: The parts of a pack epoch ``pack_epoch_seconds`` times, in their order: from the previous epoch's end to this
+#: one's first batch (Lightning's loop, the batches' order), the training steps, the validation of every slot,
+#: and the epoch's end (early stopping, best weights, finished trials' tests, the free slots refilled).
+EPOCH_PHASES = ("between", "train", "val", "end")
+
+
 def pack_epoch_seconds(gate: str, pack: int, device: str, precision: str, graphs: bool, fused_adam: bool = True,
-                       limit_batches: int | None = None, trial_args: tuple[str, ...] = ()) -> float:
-    """The second pack epoch (training and validation of every slot) of P planned configurations; ``limit_batches``
-    and ``trial_args`` (``fit`` options) shrink them (``gpu_check.py --dry-run``)."""
+                       limit_batches: int | None = None,
+                       trial_args: tuple[str, ...] = ()) -> tuple[float, dict[str, float]]:
+    """The third pack epoch (training and validation of every slot) of P planned configurations, in seconds, and
+    its :data:`EPOCH_PHASES` (seconds each, summing to it); ``limit_batches`` and ``trial_args`` (``fit`` options)
+    shrink them (``gpu_check.py --dry-run``)."""
     import lightning.pytorch as pl
 
     from mtmoe.lit.module import PackModule
@@ -106,12 +116,25 @@ def pack_epoch_seconds(gate: str, pack: int, device: str, precision: str, graphs
     data = trials.run.datamodule
     data.prepare_data()
     data.setup("fit")
-    stamps = []
+    stamps: list[list[float]] = []  # per epoch: its first batch, its validation's start and end, its end
 
-    def on_epoch(module: PackModule) -> None:
+    def now() -> float:
         if device == "cuda":
             torch.cuda.synchronize()
-        stamps.append(time.perf_counter())
+        return time.perf_counter()
+
+    class Stamps(pl.Callback):
+        def on_train_epoch_start(self, trainer, module) -> None:
+            stamps.append([now()])
+
+        def on_validation_epoch_start(self, trainer, module) -> None:
+            stamps[-1].append(now())
+
+        def on_validation_epoch_end(self, trainer, module) -> None:
+            stamps[-1].append(now())
+
+    def on_epoch(module: PackModule) -> None:
+        stamps[-1].append(now())
         if len(stamps) == 3:
             module.trainer.should_stop = True
 
@@ -119,11 +142,13 @@ def pack_epoch_seconds(gate: str, pack: int, device: str, precision: str, graphs
                         lambda: queue.pop(0) if queue else None, lambda result: None, on_epoch, graphs, fused_adam)
     trainer = pl.Trainer(accelerator="gpu" if device == "cuda" else "cpu", devices=1, precision=precision,
                          max_epochs=-1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, num_sanity_val_steps=0,
+                         enable_model_summary=False, num_sanity_val_steps=0, callbacks=[Stamps()],
                          limit_train_batches=limit_batches, limit_val_batches=limit_batches,
                          limit_test_batches=limit_batches)
     trainer.fit(module)
-    return stamps[2] - stamps[1]
+    previous_end, (start, val_start, val_end, end) = stamps[1][-1], stamps[2]
+    phases = dict(zip(EPOCH_PHASES, (start - previous_end, val_start - start, val_end - val_start, end - val_end)))
+    return end - previous_end, phases
 
 
 def loaded_engine(gate: str, pack: int, steps_per_epoch: int, device: str = "cpu", trial_args: tuple[str, ...] = ()):
@@ -359,9 +384,9 @@ def main() -> None:
             for graphs, adam in itertools.product(args.graphs.split(","), args.adam.split(",")):
                 for pack in (int(p) for p in args.packs.split(",")):
                     with matmul_precision(args.matmul_precision):  # as tune's packs train
-                        seconds = pack_epoch_seconds(gate, pack, args.device, args.precision, graphs == "on",
-                                                     adam == "fused", args.limit_batches,
-                                                     tuple(args.trial_args.split()))
+                        seconds, phases = pack_epoch_seconds(gate, pack, args.device, args.precision,
+                                                             graphs == "on", adam == "fused", args.limit_batches,
+                                                             tuple(args.trial_args.split()))
                     rate = pack * 3600 / seconds
                     base = base or rate / pack if pack == 1 else base
                     memory = ""
@@ -375,11 +400,15 @@ def main() -> None:
                                                      args.precision, adam == "fused")
                         memory = f"{per_trial / 2**20:.0f}"
                     rows.append({"gate": gate, "P": pack, "graphs": graphs, "adam": adam, "epoch_s": seconds,
-                                 "per_hour": rate})
+                                 "per_hour": rate, "phases_s": phases})
                     lines.append(f"| {gate} | {pack} | {graphs} | {adam} | {seconds:.2f} | {rate:,.0f} | "
                                  f"{'' if base is None else f'{rate / base:.2f}'} | {memory} |")
                     print(lines[-1], flush=True)
-        tables += lines
+        phase_lines = ["", *(f"phases gate={r['gate']} P={r['P']} graphs={r['graphs']} adam={r['adam']} "
+                             + " ".join(f"{name}_s={r['phases_s'][name]:.3f}" for name in EPOCH_PHASES)
+                             for r in rows)]
+        print(*phase_lines, sep="\n", flush=True)
+        tables += lines + phase_lines
     if args.ops:
         for gate in gates:
             for pack in (int(p) for p in (args.packs or "1,16").split(",")):

@@ -233,7 +233,8 @@ def tests_summary(output: str) -> dict:
 
 
 def throughput(output: str, precision: str) -> list[dict]:
-    """bench_packs.py's table rows (``| gate | P | graphs | Adam | epoch (s) | trial-epochs / hour | ...``)."""
+    """bench_packs.py's table rows (``| gate | P | graphs | Adam | epoch (s) | trial-epochs / hour | ...``), each
+    with ``phases_s``, where its epoch's seconds went (its ``phases`` line, in the order of the rows)."""
     rows = []
     for cells in (line.strip("|").split("|") for line in output.splitlines() if line.startswith("| ")):
         cells = [c.strip() for c in cells]
@@ -241,14 +242,17 @@ def throughput(output: str, precision: str) -> list[dict]:
             rows.append({"precision": precision, "gate": cells[0], "P": int(cells[1]), "graphs": cells[2],
                          "epoch_s": float(cells[4]), "trial_epochs_per_hour": int(cells[5].replace(",", "")),
                          "memory_per_trial_mib": cells[7] if len(cells) > 7 else ""})
+    for row, phases in zip(rows, key_value_lines(output, "phases")):
+        row["phases_s"] = {key.removesuffix("_s"): value for key, value in phases.items() if key.endswith("_s")}
     return rows
 
 
-def profile_lines(output: str) -> list[dict]:
-    """bench_packs.py's ``profile key=value ...`` lines (``--profile``), numbers as numbers."""
+def key_value_lines(output: str, kind: str) -> list[dict]:
+    """bench_packs.py's ``KIND key=value ...`` lines (``profile``: ``--profile``'s; ``phases``: where a pack epoch's
+    time went), numbers as numbers."""
     found = []
     for line in output.splitlines():
-        if line.startswith("profile "):
+        if line.startswith(f"{kind} "):
             pairs = dict(field.split("=", 1) for field in line.split()[1:])
             found.append({key: float(value) if re.fullmatch(r"[\d.]+", value) else value
                           for key, value in pairs.items()})
@@ -329,7 +333,7 @@ def run(out: Path, sizes: Sizes, study_dir: Path, dry_run: bool = False, chosen:
                                             "--out", str(scratch / f"bench-{precision}"),
                                             *PRECISIONS[precision], *sizes.bench_args], budgets["bench"])
         rows += throughput(bench.output, precision)
-        profiles += profile_lines(bench.output)
+        profiles += key_value_lines(bench.output, "profile")
     summary["throughput"], summary["profile"] = rows, profiles
     study_dir.mkdir(parents=True, exist_ok=True)
     journal = study_dir / f"{DATASET}-{GATE}.journal"
@@ -394,8 +398,10 @@ def short_table(summary: dict) -> str:
     lines += [f"| {name} | {s['status']} | {s['seconds']:.0f} / {s['budget_s']} |"
               for name, s in summary["steps"].items()]
     lines += ["", f"tests: {tests.get('line') or 'no summary line'}", "",
-              "| precision | gate | P | epoch (s) | trial-epochs / hour |", "|---|---|---|---|---|"]
-    lines += [f"| {r['precision']} | {r['gate']} | {r['P']} | {r['epoch_s']:.2f} | {r['trial_epochs_per_hour']:,} |"
+              "| precision | gate | P | epoch (s) | trial-epochs / hour | between / train / val / end (s) |",
+              "|---|---|---|---|---|---|"]
+    lines += [f"| {r['precision']} | {r['gate']} | {r['P']} | {r['epoch_s']:.2f} | {r['trial_epochs_per_hour']:,} | "
+              + " / ".join(f"{seconds:.2f}" for seconds in r.get("phases_s", {}).values()) + " |"
               for r in summary["throughput"]]
     lines += ["", "| precision | P | eager step (ms) | kernels' time (ms) | kernels |", "|---|---|---|---|---|"]
     lines += [f"| {r['precision']} | {r['P']:.0f} | {r['step_ms']:.2f} | {r.get('kernel_ms', 'n/a')} | "
