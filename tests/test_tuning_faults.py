@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from urllib.parse import unquote
@@ -23,6 +25,7 @@ from sqlalchemy.engine import make_url
 
 from mtmoe.tuning.space import SearchSpace, load_space
 from mtmoe.tuning.storage import display_url, storage_for
+from mtmoe.tuning.study import pid_alive
 from mtmoe.tuning.objective import config_hash, plan_configurations
 
 from conftest import run_cli
@@ -416,3 +419,20 @@ def test_report_shows_no_test_results_for_diverged_trials(tmp_path: Path, capsys
     assert math.isnan(table.n_s_mean) and math.isnan(table.test_loss_x100_mean)
     assert all(math.isnan(table7[c]) for c in table7.index if c.endswith(" mean"))
     assert "| movielens-100k/topk | topk | 0.9 | 3 | 3 | 1 | n/a | n/a | - | n/a |" in capsys.readouterr().out
+
+
+@pytest.mark.integration  # a child process
+@pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="reads a process's state in /proc")
+def test_a_worker_that_exited_unreaped_is_not_alive() -> None:
+    """A ``tune --workers`` child that died stays a zombie until its parent waits for it, and ``os.kill(pid, 0)``
+    still finds it: ``pid_alive`` (which decides whether a local worker's trials are failed at once) does not count
+    it alive."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert pid_alive(child.pid)
+        child.kill()
+        os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)  # it has exited; left unreaped
+        os.kill(child.pid, 0)  # still found by kill
+        assert not pid_alive(child.pid)
+    finally:
+        child.wait()

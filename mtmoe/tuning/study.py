@@ -115,14 +115,21 @@ class _QuietTrialLog(logging.Filter):
         return True
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host still runs. A process that has exited but that its parent has not yet
+    waited for (a zombie: a dead ``tune --workers`` child, until the parent reaps it) is not: ``os.kill(pid, 0)``
+    still finds it, its state in ``/proc`` says it exited (where there is no ``/proc``, ``kill``'s answer)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
+        pass  # another user's process: it exists
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
         return True
-    return True
+    return stat[stat.rfind(b")") + 2:][:1] not in (b"Z", b"X")  # the state follows the command's name
 
 
 def local_worker(trial: optuna.trial.FrozenTrial) -> int | None:
@@ -139,7 +146,7 @@ def fail_orphaned_trials(study: optuna.Study, storage: Any) -> int:
     failed = 0
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         pid = local_worker(trial)
-        if pid is not None and not _pid_alive(pid):
+        if pid is not None and not pid_alive(pid):
             try:
                 lost = trial_id(storage, study, trial.number)
                 storage.set_trial_user_attr(lost, "lost", f"worker {trial.user_attrs['worker']} exited mid-trial")
@@ -154,7 +161,7 @@ def reclaim_lost_trials(study: optuna.Study, storage: Any) -> None:
     """Fail the trials whose worker is gone: dead processes on this host at once, silent ones anywhere after the
     heartbeat grace period (a live local worker's trial is never failed)."""
     fail_orphaned_trials(study, storage)
-    fail_stale_trials(study, storage, alive=lambda trial: (pid := local_worker(trial)) is not None and _pid_alive(pid))
+    fail_stale_trials(study, storage, alive=lambda trial: (pid := local_worker(trial)) is not None and pid_alive(pid))
 
 
 def quiet_libraries() -> None:
