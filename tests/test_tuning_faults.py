@@ -137,7 +137,9 @@ def test_a_configuration_that_kills_its_worker_is_failed_after_bounded_attempts(
                                                                                 capsys) -> None:
     """Every attempt at one configuration SIGKILLs its worker (as an out-of-memory kill would). Before: it was
     re-enqueued forever and ``tune`` ended unfinished. Now it is failed with a reason after MAX_LOST_ATTEMPTS lost
-    attempts, the study finishes with all N accounted for, a rerun adds nothing, and ``report`` shows why."""
+    attempts, the configurations packed with it complete (each lost at most ALONE_AFTER_LOST_ATTEMPTS times), the
+    study finishes with all N accounted for, a rerun adds nothing, and ``report`` shows why."""
+    from mtmoe.tuning.objective import ALONE_AFTER_LOST_ATTEMPTS
     from mtmoe.tuning.study import MAX_LOST_ATTEMPTS
 
     root, tmp = root_and_tmp
@@ -147,8 +149,8 @@ def test_a_configuration_that_kills_its_worker_is_failed_after_bounded_attempts(
     url = create_database(postgres_url, "killed_configuration")
     def args(workers: int) -> list[str]:
         return tune_args(url, root, tmp / "runs", *TINY, "--space", str(space_path), "--seed", str(seed),
-                         "--workers", str(workers), "--pack", "1",  # --pack auto measures the CPU: a
-                         # configuration packed with the killer would share its lost attempts
+                         "--workers", str(workers), "--pack", "3",  # packed with the killer, the others are
+                         # lost with it until it trains alone (ALONE_AFTER_LOST_ATTEMPTS): then it alone is charged
                          "--trainer.callbacks+=kill_callback.KillAtLearningRate", "--trainer.callbacks.lr=0.002",
                          name="oom")
 
@@ -162,6 +164,9 @@ def test_a_configuration_that_kills_its_worker_is_failed_after_bounded_attempts(
     lost = [t for t in attempts if "fail_reason" not in t.user_attrs]
     (failed,) = [t for t in attempts if "fail_reason" in t.user_attrs]
     assert len(lost) == MAX_LOST_ATTEMPTS
+    bystanders = [t for t in trials if t.user_attrs.get("config_id") != killer and t.state == TrialState.FAIL]
+    assert all("fail_reason" not in t.user_attrs for t in bystanders)  # lost with the killer, never failed
+    assert all(sum(t.user_attrs["config_id"] == c for t in bystanders) <= ALONE_AFTER_LOST_ATTEMPTS for c in range(3))
     assert failed.user_attrs["fail_reason"].startswith(f"lost: {MAX_LOST_ATTEMPTS} attempts ended without a result")
     assert not [t for t in trials if t.state in (TrialState.WAITING, TrialState.RUNNING)]
     assert "study 'oom': 2 complete, 1 failed, 0 waiting" in out
@@ -176,6 +181,34 @@ def test_a_configuration_that_kills_its_worker_is_failed_after_bounded_attempts(
     assert table.loc["oom", "trials"] == 3 and table.loc["oom", "failed"] == 1
     assert f"lost ×1 (config {killer}: {MAX_LOST_ATTEMPTS} attempts ended without a result" in \
         (tmp / "rep" / "report.md").read_text()
+
+
+def test_a_configuration_lost_twice_trains_alone_and_once_lost_still_packed(tiny_root: Path, tmp_path: Path,
+                                                                            capsys) -> None:
+    """The trials of a pack are lost together when one of them kills the worker; were the configuration that does
+    always packed with the same others, its lost attempts would be theirs too, and they would be failed with it. A
+    configuration lost ``ALONE_AFTER_LOST_ATTEMPTS`` times trains in a pack of its own (first: lost configurations
+    come before the plan); those lost once are packed as before. The lost attempts are added to a study extended
+    from 3 to 6 configurations, as a killed worker would leave them (FAIL, no reason)."""
+    from mtmoe.tuning.objective import ALONE_AFTER_LOST_ATTEMPTS
+
+    url = f"sqlite:///{tmp_path / 'alone.db'}"
+    assert run_cli(tune_args(url, tiny_root, tmp_path / "runs", *TINY, "--pack", "3")) == 0
+    study = optuna.load_study(study_name="movielens-100k/topk", storage=url)
+    space = load_space("movielens-100k", "topk")
+    planned = plan_configurations(space, 6, 0)
+    for config_id, times in ((3, ALONE_AFTER_LOST_ATTEMPTS), (4, 1), (5, 1)):
+        for _ in range(times):
+            study.add_trial(optuna.trial.create_trial(
+                state=TrialState.FAIL, params=planned[config_id], distributions=space.distributions,
+                user_attrs={"config_id": config_id, "config_hash": config_hash(space, planned[config_id])}))
+    capsys.readouterr()
+    assert run_cli(tune_args(url, tiny_root, tmp_path / "runs", *TINY, "--pack", "3", trials=6)) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if "running in a pack of" in line]
+    packs = [int(line.rsplit("running in a pack of ", 1)[1].split(",")[0]) for line in lines]
+    # 3 alone first, then 4 and 5 together (a pack of 3 shrunk to its 2 trials): without the rule, one pack of 3
+    assert packs[0] == 1 and max(packs) == 2 and min(packs[packs.index(2):]) == 2, lines
+    assert_each_config_once(trials_of(url, "movielens-100k/topk"), 6)
 
 
 # --------------------------------------------------------------------- 7 and 12: dead and remote journal workers

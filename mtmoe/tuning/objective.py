@@ -22,6 +22,11 @@ from mtmoe.tuning.space import SearchSpace
 
 #: User attribute of a configuration enqueued again after lost attempts (their number): workers claim it first.
 LOST_ATTEMPTS = "lost_attempts"
+#: A configuration lost this many times trains in a pack of its own: the trials of a pack are lost together when one
+#: of them kills its worker (out of memory, a crash), and only alone is the one that does charged alone. Once lost,
+#: a configuration still trains packed (a worker killed from outside, a preempted machine, loses every trial of its
+#: pack once; those reruns stay packed).
+ALONE_AFTER_LOST_ATTEMPTS = 2
 
 
 class TrialInterrupted(KeyboardInterrupt):

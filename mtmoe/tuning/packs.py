@@ -18,6 +18,9 @@ tells each trial its own result. ``--pack 1`` trains one at a time, with the sam
   epsilon, alpha, E_perm, zeta, epochs, early stopping and a gate's ``scalar_names``): :func:`pack_key`. A worker
   packs the structure of the first waiting trial, then the next structure, and so on.
 * **Refill.** A finished trial's slot takes the next waiting trial of the structure at the end of that epoch.
+* **Alone after lost attempts.** A configuration lost :data:`~mtmoe.tuning.objective.ALONE_AFTER_LOST_ATTEMPTS`
+  times trains in a pack of its own, and no pack takes it in a refill: one that kills its worker then uses up its
+  own attempts (:data:`~mtmoe.tuning.study.MAX_LOST_ATTEMPTS`), not those of the configurations packed with it.
 * **Dead workers.** Every heartbeat interval, however long a pack epoch is, a thread of the worker
   (:class:`~mtmoe.tuning.storage.Periodic`) fails the trials of workers that died (on this host: at once) or went
   silent for the grace period (anywhere) and enqueues their configurations again: a dead worker's trial is failed
@@ -71,6 +74,7 @@ from mtmoe.run import Run, build_run
 from mtmoe.run_settings import model_settings, set_values
 from mtmoe.tuning.checkpoints import PackCheckpoints
 from mtmoe.tuning.objective import (
+    ALONE_AFTER_LOST_ATTEMPTS,
     LOST_ATTEMPTS,
     TrialInterrupted,
     cli_args,
@@ -177,22 +181,23 @@ class PackWorker:
             while (claimed := self._claim(None)) is not None:
                 trial, params, config_id = claimed
                 key = self.keys[config_id]
+                alone = trial.user_attrs.get(LOST_ATTEMPTS, 0) >= ALONE_AFTER_LOST_ATTEMPTS
                 seed = self.seed + config_id
                 run = build_run(cli_args(self.space, {}, self.overrides, seed, self.log_dir / "pack"), params)
                 factory = TrialFactory(run)
                 first = self._start(factory, trial, params, config_id)
 
-                def next_trial(key: str = key, factory: TrialFactory = factory) -> Trial | None:
+                def next_trial(key: str = key, factory: TrialFactory = factory, alone: bool = alone) -> Trial | None:
                     nonlocal first
                     if first is not None:
                         trial, first = first, None
                         return trial
-                    claimed = self._claim(key)
+                    claimed = None if alone else self._claim(key)
                     if claimed is None:
                         return None
                     return self._start(factory, *claimed)
 
-                self._train(run, key, next_trial)
+                self._train(run, key, next_trial, alone)
             if self.checkpoints is not None:
                 self.checkpoints.clear()
         except (KeyboardInterrupt, SystemExit) as interrupt:  # Lightning answers Ctrl-C with sys.exit(1), SIGTERM
@@ -231,14 +236,15 @@ class PackWorker:
                 self._report(trial, record)  # the learning curve so far, on the trial that continues it
         return built
 
-    def _train(self, run: Run, key: str, next_trial) -> None:
+    def _train(self, run: Run, key: str, next_trial, alone: bool = False) -> None:
+        """Train the pack of structure ``key`` that ``next_trial`` fills, of one slot if ``alone``."""
         datamodule = run.datamodule
         datamodule.prepare_data()
         datamodule.setup("fit")
         waiting = sum(1 for t in self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
                       if self.keys.get(t.user_attrs.get("config_id")) == key)
         with matmul_precision(run.config.model.matmul_precision):  # the pack size is measured as it will train
-            capacity = resolve_capacity(self.capacity, run, waiting + 1)
+            capacity = 1 if alone else resolve_capacity(self.capacity, run, waiting + 1)
             module = PackModule(datamodule.info, datamodule.splits, datamodule.batch_size,
                                 datamodule.eval_batch_size, capacity, next_trial, self._finished, self._epoch,
                                 run.config.model.cuda_graphs, run.config.model.fused_adam,
@@ -262,7 +268,8 @@ class PackWorker:
 
     def _claim(self, key: str | None) -> tuple[optuna.Trial, dict[str, Any], int] | None:
         """The next waiting planned trial of structure ``key`` (any, for ``None``), RUNNING, with its planned values
-        and config_id: the configurations of dead workers' trials first, then the plan in order."""
+        and config_id: the configurations of dead workers' trials first, then the plan in order. A refill (``key``
+        given) takes none lost :data:`~mtmoe.tuning.objective.ALONE_AFTER_LOST_ATTEMPTS` times: it trains alone."""
         waiting_trials = self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
         saved = self.checkpoints.saved if self.checkpoints is not None else {}
 
@@ -272,7 +279,8 @@ class PackWorker:
 
         for waiting in sorted(waiting_trials, key=order):
             config_id = waiting.user_attrs.get("config_id")
-            if config_id is None or (key is not None and self.keys.get(config_id) != key):
+            if config_id is None or (key is not None and (self.keys.get(config_id) != key or waiting.user_attrs.get(
+                    LOST_ATTEMPTS, 0) >= ALONE_AFTER_LOST_ATTEMPTS)):
                 continue
             waiting_id = trial_id(self.storage, self.study, waiting.number)
             try:  # as Study.ask claims a waiting trial, but this one: ask takes the first of any structure
