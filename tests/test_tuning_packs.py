@@ -81,6 +81,7 @@ def test_a_packed_study_is_the_unpacked_study(tiny_root: Path, tmp_path: Path, c
     ("100000000", [], "a pack of 100000000 trials does not fit in the memory of cpu"),
     ("1", ["--trainer.max_steps=10"], "--trainer.max_steps 10 is not supported by mtmoe's training engine"),
     ("2", ["--checkpoint-every=0"], "--checkpoint-every must be a positive number of seconds, got 0.0"),
+    ("2", ["--timeout=-5"], "--timeout must be a positive number of seconds, got -5.0"),
 ])
 def test_bad_pack_input_is_one_line(tiny_root: Path, tmp_path: Path, capsys, pack: str, extra: list[str],
                                     message: str) -> None:

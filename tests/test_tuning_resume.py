@@ -5,6 +5,7 @@ another configuration is ignored with a warning."""
 from __future__ import annotations
 
 import signal
+import threading
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from optuna.trial import TrialState
 from mtmoe.tuning.checkpoints import PackCheckpoints, checkpoint_folder
 
 from conftest import run_cli
-from sleep_callback import pythonpath_with_tests
+from sleep_callback import hold_args, pythonpath_with_tests
 from test_tuning import (assert_each_config_once, interrupt_while_running, one_torch_thread,  # noqa: F401 (autouse)
                          trials_of, tune_args)
 
@@ -191,3 +192,28 @@ def test_no_checkpoints_is_refused_while_an_earlier_tunes_checkpoints_are_kept(r
     written.path.unlink()
     assert run_cli(args) == 0
     assert_each_config_once(trials_of(url, NAME), 1)
+
+
+def test_timeout_claims_no_trial_after_it_and_the_running_ones_finish(tiny_root: Path, tmp_path: Path,
+                                                                       capsys) -> None:
+    """``tune --timeout 8``: the first pack's trials are claimed at once and held at their first batch until a
+    second after the timeout (a file a timer deletes), so when they finish no slot is refilled and ``tune`` ends,
+    exit 0, saying what waits; every trial it started finished, none failed. The same command without the timeout
+    (the file gone, nothing held) resumes the study to its end."""
+    url = f"sqlite:///{tmp_path / 'timeout.db'}"
+    hold = tmp_path / "hold"
+    hold.touch()
+    args = tune_args(url, tiny_root, tmp_path / "runs", *SHORT, *hold_args(hold), "--pack", "2", trials=4, name=NAME)
+    capsys.readouterr()
+    timer = threading.Timer(9, hold.unlink)
+    timer.start()
+    try:
+        assert run_cli([*args, "--timeout", "8"]) == 0
+    finally:
+        timer.cancel()
+    out = capsys.readouterr().out
+    assert f"study {NAME!r}: --timeout reached, no trial claimed since; 2 waiting" in out, out
+    trials = trials_of(url, NAME)
+    assert sorted(t.state for t in trials if t.state != TrialState.WAITING) == [TrialState.COMPLETE] * 2
+    assert run_cli(args) == 0
+    assert_each_config_once(trials_of(url, NAME), 4)

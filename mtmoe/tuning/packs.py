@@ -17,7 +17,8 @@ tells each trial its own result. ``--pack 1`` trains one at a time, with the sam
 * **Structure.** Trials share a pack only if they agree on everything but per-trial settings (learning rate, Adam's
   epsilon, alpha, E_perm, zeta, epochs, early stopping and a gate's ``scalar_names``): :func:`pack_key`. A worker
   packs the structure of the first waiting trial, then the next structure, and so on.
-* **Refill.** A finished trial's slot takes the next waiting trial of the structure at the end of that epoch.
+* **Refill.** A finished trial's slot takes the next waiting trial of the structure at the end of that epoch; past
+  ``tune --timeout`` none does, and the pack shrinks as its trials end (its epochs quicken) until none is left.
 * **Alone after lost attempts.** A configuration lost :data:`~mtmoe.tuning.objective.ALONE_AFTER_LOST_ATTEMPTS`
   times trains in a pack of its own, and no pack takes it in a refill: one that kills its worker then uses up its
   own attempts (:data:`~mtmoe.tuning.study.MAX_LOST_ATTEMPTS`), not those of the configurations packed with it.
@@ -157,11 +158,12 @@ class PackWorker:
 
     def __init__(self, study: optuna.Study, storage: Any, space: SearchSpace, overrides: list[str], seed: int,
                  log_dir: Path, capacity: int | str, configurations: list[dict[str, Any]], reclaim=None,
-                 bar: bool = False, checkpoints: PackCheckpoints | None = None) -> None:
+                 bar: bool = False, checkpoints: PackCheckpoints | None = None, deadline: float | None = None) -> None:
         self.study, self.space, self.overrides, self.seed, self.log_dir = study, space, overrides, seed, log_dir
         self.storage = storage  # the study's (mtmoe.tuning.storage.storage_for): trials are claimed and failed there
         self.checkpoints = checkpoints
         self.capacity = capacity
+        self.deadline = deadline  # a time.time(): no trial is claimed after it (tune --timeout)
         self.progress = PackProgress(study, space.trials, bar)
         self.keys = {config_id: pack_key(space, params) for config_id, params in enumerate(configurations)}
         self.heartbeats = Heartbeats(storage)
@@ -270,6 +272,8 @@ class PackWorker:
         """The next waiting planned trial of structure ``key`` (any, for ``None``), RUNNING, with its planned values
         and config_id: the configurations of dead workers' trials first, then the plan in order. A refill (``key``
         given) takes none lost :data:`~mtmoe.tuning.objective.ALONE_AFTER_LOST_ATTEMPTS` times: it trains alone."""
+        if self.deadline is not None and time.time() >= self.deadline:
+            return None
         waiting_trials = self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
         saved = self.checkpoints.saved if self.checkpoints is not None else {}
 

@@ -192,8 +192,9 @@ def study_log_folder(log_dir: Path | None, study_name: str) -> Path:
 
 def run_worker(url: str, study_name: str, space: SearchSpace, overrides: list[str], seed: int, workers: int,
                log_dir: Path | None = None, pack: int | str = 1, checkpoint_every: float | None = None,
-               keep_checkpoints: bool = True) -> None:
-    """One worker: pops enqueued configurations until none is left, ``pack`` at a time (:mod:`mtmoe.tuning.packs`);
+               keep_checkpoints: bool = True, deadline: float | None = None) -> None:
+    """One worker: pops enqueued configurations until none is left (or, past ``deadline``, a ``time.time()``, until
+    its running trials end), ``pack`` at a time (:mod:`mtmoe.tuning.packs`);
     every heartbeat interval it also takes back the trials of workers that died (:func:`reclaim_lost_trials`).
     Interrupted, it saves its trials' state for the next one (:mod:`mtmoe.tuning.checkpoints`), unless
     ``keep_checkpoints`` is false: then it neither keeps, writes nor resumes any."""
@@ -216,7 +217,8 @@ def run_worker(url: str, study_name: str, space: SearchSpace, overrides: list[st
     identity = {key: study.user_attrs.get(key) for key in ("space_fingerprint", "seed", "settings")}
     checkpoints = PackCheckpoints(checkpoint_folder(url, study_name, log_dir), identity, checkpoint_every) \
         if keep_checkpoints else None
-    PackWorker(study, storage, space, overrides, seed, log_dir, pack, configurations, reclaim, bar, checkpoints).run()
+    PackWorker(study, storage, space, overrides, seed, log_dir, pack, configurations, reclaim, bar, checkpoints,
+               deadline).run()
 
 
 def gpu_names(count: int, visible: str | None) -> list[str]:
@@ -424,6 +426,9 @@ def parse_tune_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--checkpoint-every", type=float, default=None, metavar="SECONDS",
                         help="also save the running trials' state at the first epoch end this long after the last "
                              "save (always saved on Ctrl-C or SIGTERM; a rerun continues them)")
+    parser.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                        help="claim no trial this long after the start: the running ones finish, the same tune "
+                             "resumes the study (Optuna's study.optimize(timeout=...); a job's time limit)")
     parser.add_argument("--no-checkpoints", action="store_true",
                         help="keep no state of the running trials (an interrupted trial reruns from its first "
                              "epoch): spares the copy of the pack's state to the host at every epoch end and its "
@@ -589,6 +594,7 @@ def check_study_name(name: str) -> None:
 def _tune(argv: list[str], touched: list[str]) -> None:
     """:func:`tune`; the storage's URL is appended to ``touched`` before it is first opened."""
     args, overrides = parse_tune_args(argv)
+    deadline = None if args.timeout is None else time.time() + args.timeout
     if args.study_name is not None:
         check_study_name(args.study_name)
     if args.storage is not None:
@@ -600,6 +606,8 @@ def _tune(argv: list[str], touched: list[str]) -> None:
         raise UsageError(f"--workers must be >= 1, got {args.workers}")
     if args.checkpoint_every is not None and not args.checkpoint_every > 0:
         raise UsageError(f"--checkpoint-every must be a positive number of seconds, got {args.checkpoint_every}")
+    if args.timeout is not None and not args.timeout > 0:
+        raise UsageError(f"--timeout must be a positive number of seconds, got {args.timeout}")
     if args.checkpoint_every is not None and args.no_checkpoints:
         raise UsageError("--checkpoint-every and --no-checkpoints contradict each other: give one of them")
     pack = pack_size(args.pack)
@@ -638,14 +646,15 @@ def _tune(argv: list[str], touched: list[str]) -> None:
           f"{display_url(url)}, {args.workers} worker(s)", flush=True)
     run_until_accounted(url, study_name, space, configurations,
                         (url, study_name, space, overrides, args.seed, args.workers, log_dir, pack,
-                         args.checkpoint_every, not args.no_checkpoints))
+                         args.checkpoint_every, not args.no_checkpoints, deadline), deadline)
 
 
 def run_until_accounted(url: str, study_name: str, space: SearchSpace, configurations: list[dict],
-                        worker_args: tuple) -> None:
+                        worker_args: tuple, deadline: float | None = None) -> None:
     """Run the workers until every configuration is complete or failed: a lost trial's configuration runs again
-    (or is failed after :data:`MAX_LOST_ATTEMPTS`), other workers' running trials are waited for. Exit 1 if the
-    study is left unfinished (nothing moved while trials still wait)."""
+    (or is failed after :data:`MAX_LOST_ATTEMPTS`), other workers' running trials are waited for. Past
+    ``deadline`` (``--timeout``), once this tune's running trials have ended: stop, and say what waits. Exit 1 if
+    the study is left unfinished otherwise (nothing moved while trials still wait)."""
     storage = storage_for(url)
     announced, progress = False, None
     while True:
@@ -655,6 +664,9 @@ def run_until_accounted(url: str, study_name: str, space: SearchSpace, configura
         enqueue_missing(study, space, configurations)
         counts = study_counts(study)
         state = (len(counts["complete"]) + len(counts["failed"]), counts["lost"])
+        timed_out = deadline is not None and time.time() >= deadline
+        if timed_out:
+            break
         if counts["waiting"] and state != progress:  # lost trials re-enqueued, or more work: run the workers again
             progress = state
             continue
@@ -673,6 +685,10 @@ def run_until_accounted(url: str, study_name: str, space: SearchSpace, configura
         progress = None
     print(f"study {study_name!r}: {len(counts['complete'])} complete, {len(counts['failed'])} failed, "
           f"{counts['waiting']} waiting", flush=True)
+    if timed_out and (counts["waiting"] or counts["running"]):
+        print(f"study {study_name!r}: --timeout reached, no trial claimed since; {counts['waiting']} waiting, "
+              f"{counts['running']} running in other workers: the same tune command resumes the study", flush=True)
+        return
     if counts["waiting"] or counts["running"]:
         others = sorted({str(t.user_attrs.get("worker", "?")) for t in counts["trials"]
                          if t.state == TrialState.RUNNING and "config_id" in t.user_attrs})
