@@ -88,6 +88,7 @@ class Sizes:
     budgets: dict[str, int] = field(default_factory=dict)  # seconds; "bench": each precision's
     total: int = 540
     stop: int = 30  # the study's SIGTERM comes this long before its budget ends
+    drain: int = 10  # tune --timeout: no trial is claimed this long before the SIGTERM (one could not finish)
 
 
 # The study: TF32 (the official code's precision on Ampere and later GPUs), packs of 128, no checkpoints. A trial
@@ -97,7 +98,8 @@ class Sizes:
 # pack ``--pack auto`` finds fastest (all 500 at once, measured on an H200: none finished in a lease).
 GPU = Sizes("256", 500, ["--device", "cuda"], ["--trainer.accelerator=gpu", "--model.matmul_precision=high",
                                                "--pack=128", "--no-checkpoints"], ["--device", "cuda"],
-            {"install": 40, "tests": 180, "bench": 80, "report": 30, "bootstrap": 30})
+            {"install": 40, "tests": 180, "bench": 80, "report": 30, "bootstrap": 30},
+            drain=120)  # a trial's 26 epochs at least, in packs of 128: about 2 minutes on the H200
 # the interpreter's pace: each program of a kernel costs milliseconds, each 1,024 parameters one Adam program
 TINY = "--data.batch_size=8 --model.n_experts=4 --model.embedding_dim=4 --model.expert_units=8 --model.tower_units=8"
 DRY = Sizes("2", 2, ["--limit-batches", "1", "--profile-steps", "1", "--adam-repeats", "3", f"--trial-args={TINY}"],
@@ -341,13 +343,15 @@ def run(out: Path, sizes: Sizes, study_dir: Path, dry_run: bool = False, chosen:
     before = study_state(journal, env)
     later = sum(budgets[name] + KILL_GRACE for name in ("report", "bootstrap") if name in chosen)
     study_budget = int(sizes.total - (time.perf_counter() - start) - later - 10)  # 10: the summary, the archives
+    timeout = max(1, study_budget - sizes.stop - sizes.drain)  # the trials claimed later could not finish
     tune = step("study", [python, "-m", "mtmoe", "tune", "--gate", GATE, "--data", DATASET, "--trials",
                           str(sizes.trials), "--storage", storage, "--log-dir", str(scratch / "runs"),
-                          *sizes.tune_args], study_budget, sizes.stop, stop_early=sizes.stop)
+                          "--timeout", str(timeout), *sizes.tune_args], study_budget, sizes.stop,
+                stop_early=sizes.stop)
     after = study_state(journal, env)
     trained = (after.get("trial_epochs") or 0) - (before.get("trial_epochs") or 0)  # interrupted trials' included
     summary["study"] = {"journal": str(journal), "before": before, **after, "wall_s": tune.seconds,
-                        "status": tune.status,
+                        "status": tune.status, "timeout_s": timeout,
                         "trial_epochs_per_hour": round(trained / tune.seconds * 3600) if tune.seconds else None}
     summary["trials_complete"], summary["wall_s"] = after.get("trials_complete"), tune.seconds
     summary["study"]["checkpoints"] = return_checkpoints(study_dir, out)
