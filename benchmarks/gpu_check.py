@@ -99,7 +99,7 @@ class Sizes:
 GPU = Sizes("256", 500, ["--device", "cuda"], ["--trainer.accelerator=gpu", "--model.matmul_precision=high",
                                                "--pack=128", "--no-checkpoints"], ["--device", "cuda"],
             {"install": 40, "tests": 180, "bench": 80, "report": 30, "bootstrap": 30},
-            drain=120)  # a trial's 26 epochs at least, in packs of 128: about 2 minutes on the H200
+            drain=120)  # a trial's 26 epochs at least (33 the fewest seen), a pack of 128's about 4 s each (H200)
 # the interpreter's pace: each program of a kernel costs milliseconds, each 1,024 parameters one Adam program
 TINY = "--data.batch_size=8 --model.n_experts=4 --model.embedding_dim=4 --model.expert_units=8 --model.tower_units=8"
 DRY = Sizes("2", 2, ["--limit-batches", "1", "--profile-steps", "1", "--adam-repeats", "3", f"--trial-args={TINY}"],
