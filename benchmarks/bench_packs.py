@@ -39,8 +39,10 @@ one trial, operation counts, per-trial set-up, a whole study.
    512-row batches, inside the permutation window for "+"; ``eval``: an evaluation batch) and precision (``fp32``,
    ``tf32``: the same operations, another matrix rate; ``bf16``: under bf16 autocast), one line ``roofline gate=G
    P=P phase=X precision=Y flops=F bytes=N launches=L projected_ms=T floor_ms=T0``, counted on this CPU by
-   :mod:`mtmoe.pack.roofline` and projected on an H100; then the bytes of each training step by kernel. The
-   definitions (what is counted, the rates, the floor) are in ``benchmarks/README.md``.
+   :mod:`mtmoe.pack.roofline` and projected on an H100; per gate, P and precision, ``trial-epoch gate=G P=P data=D
+   precision=Y projected_ms=T``: an epoch's training steps and validation batches projected, per trial (a study's
+   cost per trial-epoch, to set against another dataset's, ``--data``); then the bytes of each training step by
+   kernel. The definitions (what is counted, the rates, the floor) are in ``benchmarks/README.md``.
 
 Prints the tables and writes them with a JSON copy to ``benchmarks/out/packs.{md,json}``.
 """
@@ -233,7 +235,8 @@ def profile_step(gate: str, pack: int, device: str = "cpu", bf16: bool = False, 
 
 def roofline(gate: str, pack: int, bf16: bool, trial_args: tuple[str, ...] = ()) -> dict[str, tuple]:
     """Per phase (``train``, ``eval``): the :class:`mtmoe.pack.roofline.Cost` of a pack of P's training step on
-    512-row batches (inside the permutation window for "+") or evaluation batch, and its floor's bytes, on this CPU
+    the dataset's batches (inside the permutation window for "+") or evaluation batch, its floor's bytes, and the
+    phase's batches in an epoch (the training split's, the validation split's), on this CPU
     under bf16 autocast or none. Every tensor of a step is a trial's own (linear in P) or shared (constant), so the
     cost at P is measured at P = 1 and 2 and extrapolated (``Cost.extrapolated``; tests/test_roofline.py checks it
     against a direct count)."""
@@ -262,10 +265,12 @@ def roofline(gate: str, pack: int, bf16: bool, trial_args: tuple[str, ...] = ())
     activations = data.batch_size * (experts.in_features + experts.n_experts * experts.units) * (2 if bf16 else 4)
     batch_bytes = sum(tensor_bytes(t[0]) for t in batch.values())
     eval_bytes = sum(map(tensor_bytes, eval_batch.values()))
+    batches = {name: -(-len(next(iter(data.splits[split].values()))) // size)
+               for name, split, size in (("train", "train", data.batch_size), ("eval", "val", data.eval_batch_size))}
     return {"train": (costs[1]["train"].extrapolated(costs[2]["train"], pack - 1),
-                      floor_bytes(pack * parameters, pack * batch_bytes, pack * activations, True)),
+                      floor_bytes(pack * parameters, pack * batch_bytes, pack * activations, True), batches["train"]),
             "eval": (costs[1]["eval"].extrapolated(costs[2]["eval"], pack - 1),
-                     floor_bytes(pack * parameters, eval_bytes, 0, False))}
+                     floor_bytes(pack * parameters, eval_bytes, 0, False), batches["eval"])}
 
 
 def setup_milliseconds(gate: str, n: int) -> float:
@@ -365,11 +370,15 @@ def main() -> None:
     parser.add_argument("--limit-batches", type=int, default=None, help="--packs: batches per epoch (default all)")
     parser.add_argument("--trial-args", default="", help="--packs, --ops, --roofline, --profile: `fit` options of "
                         "every trial, space-separated (--trial-args='--data.batch_size=8 --model.n_experts=4')")
+    parser.add_argument("--data", default=DATA, help="--roofline: the dataset (the other modes time MovieLens-100K)")
     parser.add_argument("--out", type=Path, default=OUT, help="folder of packs.md and packs.json")
     args = parser.parse_args()
+    if args.data != DATA and not args.roofline:
+        parser.error("--data is for --roofline")
+    globals()["DATA"] = args.data
     where = (torch.cuda.get_device_name() if args.device == "cuda"
              else f"CPU {platform.machine()} {platform.processor() or ''}, {torch.get_num_threads()} threads")
-    header = (f"MovieLens-100K, batch 512, 16 experts; {where}, torch {torch.__version__}; {args.precision}, "
+    header = (f"{DATA if args.roofline else 'MovieLens-100K, batch 512, 16 experts'}; {where}, torch {torch.__version__}; {args.precision}, "
               f"matmul precision {args.matmul_precision}")
     print(header, flush=True)
     rows, tables = [], [header, ""]
@@ -425,9 +434,12 @@ def main() -> None:
         for gate in gates:
             for pack in (int(p) for p in (args.packs or "1,256").split(",")):
                 for bf16 in (False, True):
-                    for phase, (cost, floor) in roofline(gate, pack, bf16, tuple(args.trial_args.split())).items():
+                    epoch_ms: dict[str, float] = {}
+                    for phase, (cost, floor, batches) in roofline(gate, pack, bf16,
+                                                                  tuple(args.trial_args.split())).items():
                         for precision in (("bf16",) if bf16 else ("fp32", "tf32")):
                             projected = projected_ms(cost.flops, cost.bytes, precision)
+                            epoch_ms[precision] = epoch_ms.get(precision, 0.0) + projected * batches
                             bottom = projected_ms(cost.flops, floor, precision)
                             line = (f"roofline gate={gate} P={pack} phase={phase} precision={precision} "
                                     f"flops={cost.flops} bytes={cost.bytes} launches={cost.launches} "
@@ -443,6 +455,13 @@ def main() -> None:
                             breakdown.append(f"bytes by kernel, gate={gate} P={pack} phase=train "
                                              f"{'bf16' if bf16 else 'fp32/tf32'}: floor {floor / 1e9:.3f} GB, "
                                              + ", ".join(f"{name} {value / 1e9:.3f} GB" for name, value in top))
+                    for precision, milliseconds in epoch_ms.items():
+                        line = (f"trial-epoch gate={gate} P={pack} data={DATA} precision={precision} "
+                                f"projected_ms={milliseconds / pack:.3f}")
+                        rows.append({"gate": gate, "P": pack, "data": DATA, "precision": precision,
+                                     "trial_epoch_projected_ms": milliseconds / pack})
+                        tables.append(line)
+                        print(line, flush=True)
         tables += ["", *breakdown]
         print(*breakdown, sep="\n", flush=True)
     if args.setup:

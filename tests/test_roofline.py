@@ -83,3 +83,36 @@ def test_the_projection_is_the_slower_of_arithmetic_and_traffic() -> None:
     # written and read once; evaluation: parameters and batch read once
     assert floor_bytes(10, 7, 5, True) == 32 * 10 + 7 + 2 * 5
     assert floor_bytes(10, 7, 5, False) == 4 * 10 + 7
+
+
+@pytest.mark.slow  # the real Book-Crossing files
+@pytest.mark.integration  # the benchmark's own process
+def test_the_benchmark_projects_a_trial_epoch_of_another_dataset(tmp_path) -> None:
+    """``bench_packs.py --roofline --data books``: per precision, the trial-epoch line is the training step's
+    projection times the training split's batches plus the evaluation batch's times the validation split's, over P;
+    ``--data`` without ``--roofline`` is one error line, exit 2."""
+    import math
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from mtmoe.data.layout import data_root, files_status
+
+    if files_status("books", data_root())[0] != "present":
+        pytest.skip("needs Book-Crossing under $MTMOE_DATA")
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_packs.py"
+    run = subprocess.run([sys.executable, str(script), "--roofline", "--gates", "topk", "--packs", "2", "--data",
+                          "books", "--trial-args=--data.batch_size=4096", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    fields = [dict(pair.split("=", 1) for pair in line.split()[1:]) for line in run.stdout.splitlines()
+              if line.startswith(("roofline ", "trial-epoch "))]
+    projected = {(f.get("phase", "epoch"), f["precision"]): float(f["projected_ms"]) for f in fields}
+    rows = {"train": 389_706, "val": 83_509}  # Book-Crossing's training and validation rows, as the loader splits them
+    train_batches, eval_batches = math.ceil(rows["train"] / 4096), math.ceil(rows["val"] / 4096)
+    for precision in ("fp32", "tf32", "bf16"):
+        expected = (projected["train", precision] * train_batches + projected["eval", precision] * eval_batches) / 2
+        assert projected["epoch", precision] == pytest.approx(expected, rel=1e-3), precision
+    refused = subprocess.run([sys.executable, str(script), "--data", "books"], capture_output=True, text=True,
+                             timeout=120)
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines()[-1].endswith("--data is for --roofline")
