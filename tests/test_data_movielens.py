@@ -302,3 +302,22 @@ def test_real_movielens_100k(tmp_path: Path) -> None:
     keys = rows["user"][positive] * 1682 + rows["item"][positive]
     assert len(expected) == 100_000
     np.testing.assert_array_equal(rows["rating"][positive], [expected[key] for key in keys.tolist()])
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_packs_epoch_orders_are_its_trials_orders_on_any_number_of_threads(threads: int) -> None:
+    """``epoch_orders`` (a pack's training orders, drawn in place over torch's threads): row p is the order its
+    trial's seed and epoch give alone (``shuffled_order``, as ``fit`` draws it), an empty slot's the rows in order."""
+    from mtmoe.data.base import epoch_orders, shuffled_order
+
+    draws = [(7, 0), None, (7, 1), (123, 5), (0, 0)]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        orders = epoch_orders(1000, draws)
+    finally:
+        torch.set_num_threads(before)
+    assert orders.dtype == torch.int64 and orders.shape == (5, 1000)
+    for row, draw in zip(orders, draws):
+        assert torch.equal(row, torch.arange(1000) if draw is None else shuffled_order(1000, *draw))
+    assert not torch.equal(orders[0], orders[2])  # another epoch, another order

@@ -22,13 +22,32 @@ from torch import Tensor
 from mtmoe.data.layout import data_root
 from mtmoe.dataset_info import DatasetInfo, TaskSpec  # noqa: F401  (re-exported: the model's view of a dataset)
 from mtmoe.errors import SettingError
+from mtmoe.host_threads import run_split
 
 Splits = dict[str, dict[str, Tensor]]  # {"train"|"val"|"test": {name: tensor}}
 
-def shuffled_order(n_rows: int, seed: int, epoch: int) -> Tensor:
+def shuffled_order(n_rows: int, seed: int, epoch: int, out: Tensor | None = None) -> Tensor:
     """The training order of an epoch: a permutation drawn on the CPU from ``torch.Generator(seed + epoch)``, so it
-    is reproducible, differs between epochs, and is the same on every device (trial packs draw theirs with it)."""
-    return torch.randperm(n_rows, generator=torch.Generator().manual_seed(seed + epoch))
+    is reproducible, differs between epochs, and is the same on every device (trial packs draw theirs with it);
+    into ``out`` (int64, ``[n_rows]``) where given."""
+    return torch.randperm(n_rows, generator=torch.Generator().manual_seed(seed + epoch), out=out)
+
+
+def epoch_orders(n_rows: int, draws: list[tuple[int, int] | None]) -> Tensor:
+    """``[len(draws), n_rows]``: row p the :func:`shuffled_order` of ``draws[p]`` (a seed and an epoch), or the rows
+    in order for ``None``. The rows are drawn in place, split over torch's threads (each row from its own
+    generator: any split draws the same), as a pack's trials need theirs at every epoch's start."""
+    orders = torch.empty(len(draws), n_rows, dtype=torch.int64)
+
+    def draw(lo: int, hi: int) -> None:
+        for row in range(lo, hi):
+            if draws[row] is None:
+                torch.arange(n_rows, out=orders[row])
+            else:
+                shuffled_order(n_rows, *draws[row], out=orders[row])
+
+    run_split(draw, len(draws), min_part=1)
+    return orders
 
 
 class IndexBatches:

@@ -30,7 +30,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 
-from mtmoe.data.base import shuffled_order
+from mtmoe.data.base import epoch_orders
 from mtmoe.dataset_info import DatasetInfo
 from mtmoe.errors import UsageError
 from mtmoe.mmoe import MMoE, build_net
@@ -291,8 +291,8 @@ class PackBatches:
     def __iter__(self) -> Iterator[dict[str, Tensor]]:
         module = self.module
         split, n = module.splits["train"], module.n_train
-        orders = torch.stack([shuffled_order(n, trial.data_seed, trial.epochs_run) if trial is not None
-                              else torch.arange(n) for trial in module.engine.slots]).to(module.device)
+        orders = epoch_orders(n, [None if trial is None else (trial.data_seed, trial.epochs_run)
+                                  for trial in module.engine.slots]).to(module.device)
         for start in range(0, n, module.batch_size):
             index = orders[:, start:start + module.batch_size]
             yield {key: tensor[index] for key, tensor in split.items()}
