@@ -33,7 +33,7 @@ from mtmoe.random import (
     _CHUNK, _bfloat16_bits, _chunks, _narrow, _scale_chunk, _scratch, _unit_words, _widen, dropout_reference,
     dropout_scale, dropout_threshold, stream_arguments, triton_lanes,
 )
-from mtmoe.triton_support import tl, triton, use_triton
+from mtmoe.triton_support import grid, tl, triton, use_triton
 
 _KERNEL_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 
@@ -196,7 +196,7 @@ def _epilogue_kernel(y: Tensor, bias: Tensor, seed: Tensor | None, step: Tensor 
     read = y.nbytes + bias.nbytes + (16 * count if dropout else 0)
     if use_triton(y.device):
         fused_kernel("epilogue (triton)", read, out.nbytes)
-        _epilogue_cuda[(triton.cdiv(n, _BLOCK), count)](
+        _epilogue_cuda[grid(triton.cdiv(n, _BLOCK), count)](
             y, bias, out, seeds, steps, n, columns, *triton_lanes(iv0, iv1), threshold, scale, BLOCK=_BLOCK,
             DROPOUT=dropout, FLOAT64=y.dtype == torch.float64, BFLOAT16=y.dtype == torch.bfloat16)
         return out
@@ -223,7 +223,7 @@ def epilogue_backward(grad: Tensor, h: Tensor, p: float) -> Tensor:
     out = torch.empty_like(grad)
     if use_triton(grad.device):
         fused_kernel("epilogue backward (triton)", grad.nbytes + h.nbytes, out.nbytes)
-        _epilogue_backward_cuda[(triton.cdiv(grad.numel(), _BLOCK),)](
+        _epilogue_backward_cuda[grid(triton.cdiv(grad.numel(), _BLOCK))](
             grad, h, out, grad.numel(), scale, BLOCK=_BLOCK, FLOAT64=grad.dtype == torch.float64,
             BFLOAT16=grad.dtype == torch.bfloat16)
         return out

@@ -39,7 +39,7 @@ from mtmoe.epilogue import _epilogue_kernel, _fused, epilogue_backward, leading
 from mtmoe.host_threads import run_split
 from mtmoe.kernel_traffic import fused_kernel
 from mtmoe.random import _bfloat16_bits, _fma, dropout_scale, dropout_threshold
-from mtmoe.triton_support import tl, triton, use_triton
+from mtmoe.triton_support import grid, tl, triton, use_triton
 
 
 def mix(weights: Tensor, h: Tensor) -> Tensor:
@@ -284,7 +284,7 @@ def mix_backward(grad: Tensor, weights: Tensor, h: Tensor, p: float) -> Tensor:
     flops = 2 * rows * tasks * n * units  # the product bmm(weights^T, grad) in it
     if use_triton(h.device):
         fused_kernel("mix backward (triton)", read, out.nbytes, flops)
-        _mix_backward_cuda[(rows, triton.cdiv(columns, _BLOCK))](
+        _mix_backward_cuda[grid(rows, triton.cdiv(columns, _BLOCK))](
             grad, weights, h, out, columns, units, n, tasks, scale, BLOCK=_BLOCK,
             FLOAT64=h.dtype == torch.float64, BFLOAT16=h.dtype == torch.bfloat16)
         return out
@@ -330,7 +330,7 @@ def mix_backward_sums(grad: Tensor, weights: Tensor, h: Tensor, p: float,
         fused_kernel("mix backward (triton)", read, written, flops)
         units_p2 = triton.next_power_of_2(units)
         experts = min(triton.next_power_of_2(n), max(1, _BLOCK // units_p2))
-        _mix_backward_sums_cuda[(triton.cdiv(n, experts), groups)](
+        _mix_backward_sums_cuda[grid(triton.cdiv(n, experts), groups)](
             grad, weights, h, out, bias_grad, weights_grad, rows // groups, n, tasks, scale, UNITS=units,
             UNITS_P2=units_p2, EXPERTS=experts, BFLOAT16=h.dtype == torch.bfloat16)
         return out, bias_grad, weights_grad

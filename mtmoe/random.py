@@ -47,7 +47,7 @@ from torch import Tensor
 
 from mtmoe.host_threads import run_split
 from mtmoe.kernel_traffic import fused_kernel
-from mtmoe.triton_support import tl, triton, use_triton
+from mtmoe.triton_support import grid, tl, triton, use_triton
 
 _LOW32 = 0xFFFFFFFF
 _M1, _M2 = 0x7FEB352D, 0x846CA68B  # lowbias32's multipliers
@@ -427,9 +427,9 @@ def _dropout_kernel(h: Tensor, seed: Tensor, step: Tensor, site: int, p: float) 
         fused_kernel("dropout (triton)", h.nbytes + 16 * count, h.nbytes)
         out = torch.empty_like(h)
         iv0, iv1 = triton_lanes(iv0, iv1)
-        _dropout_cuda[(triton.cdiv(n, _BLOCK), count)](h, out, seeds, steps, n, iv0, iv1, threshold, scale,
-                                                       BLOCK=_BLOCK, FLOAT64=h.dtype == torch.float64,
-                                                       BFLOAT16=h.dtype == torch.bfloat16)
+        _dropout_cuda[grid(triton.cdiv(n, _BLOCK), count)](h, out, seeds, steps, n, iv0, iv1, threshold, scale,
+                                                           BLOCK=_BLOCK, FLOAT64=h.dtype == torch.float64,
+                                                           BFLOAT16=h.dtype == torch.bfloat16)
         return out
     arguments = (seeds.numpy(), steps.numpy(), iv0, iv1, np.uint32(threshold), np.float32(scale))
     units = count * _chunks(n)  # the kernels' work units, split over torch's threads

@@ -23,7 +23,7 @@ from torch.autograd.function import once_differentiable
 from mtmoe.host_threads import run_split
 from mtmoe.kernel_traffic import fused_kernel
 from mtmoe.random import _widen
-from mtmoe.triton_support import tl, triton, use_triton
+from mtmoe.triton_support import grid, tl, triton, use_triton
 
 #: The most gradients one launch of the Triton kernel sums (its pointer arguments); more go to torch operations.
 MAX_KERNEL_READERS = 8
@@ -119,8 +119,8 @@ def summed(grads: list[Tensor], dtype: torch.dtype) -> Tensor:
     if use_triton(device):
         fused_kernel("shared input backward (triton)", read, out.nbytes)
         pointers = grads + [grads[0]] * (MAX_KERNEL_READERS - len(grads))  # the unused ones are not read
-        _sum_cuda[(triton.cdiv(numel, _CHUNK),)](out, *pointers, numel, COUNT=len(grads), BLOCK=_CHUNK,
-                                                  BFLOAT16=dtype == torch.bfloat16)
+        _sum_cuda[grid(triton.cdiv(numel, _CHUNK))](out, *pointers, numel, COUNT=len(grads), BLOCK=_CHUNK,
+                                                     BFLOAT16=dtype == torch.bfloat16)
         return out
     fused_kernel("shared input backward (numba)", read, out.nbytes)
     if dtype == torch.bfloat16:

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from mtmoe.triton_support import tl, triton, use_triton
+from mtmoe.triton_support import grid, tl, triton, use_triton
 
 ENTROPY_EPS = 1e-6  # inside the entropy penalty's logs, log(x + 1e-6) (the official code's)
 MAX_ITERATIONS = 150  # the schedule's last R (§4.3): the saved softmaxes have room for this many rounds
@@ -257,8 +257,8 @@ class LogSinkhorn(torch.autograd.Function):
             cols, p = torch.empty_like(rows), torch.empty_like(u)
             d_penalty = torch.empty(m, n, n, dtype=torch.float64, device=u.device)
             penalty = u.new_empty(m)
-            _forward_cuda[(m,)](u, tau, iterations, entropy_scale, p, penalty, rows, cols, d_penalty,
-                                _floor(u.dtype), n, max_iterations, BLOCK=_block(n), EPS=ENTROPY_EPS)
+            _forward_cuda[grid(m)](u, tau, iterations, entropy_scale, p, penalty, rows, cols, d_penalty,
+                                   _floor(u.dtype), n, max_iterations, BLOCK=_block(n), EPS=ENTROPY_EPS)
             return p, penalty, rows, cols, d_penalty
         iterations = iterations.cpu()
         _check_iterations(iterations, max_iterations)
@@ -289,8 +289,8 @@ class LogSinkhorn(torch.autograd.Function):
             grad_penalty = torch.zeros(m, dtype=ctx.dtype, device=ctx.device)
         if use_triton(grad.device):
             out = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
-            _backward_cuda[(m,)](grad.contiguous(), grad_penalty.contiguous(), d_penalty, rows, cols, tau, iterations,
-                                 out, n, max_iterations, BLOCK=_block(n))
+            _backward_cuda[grid(m)](grad.contiguous(), grad_penalty.contiguous(), d_penalty, rows, cols, tau,
+                                    iterations, out, n, max_iterations, BLOCK=_block(n))
             return out, None, None, None, None
         g = grad.detach().to("cpu", torch.float64, copy=True, memory_format=torch.contiguous_format)
         g_penalty = grad_penalty.detach().to("cpu", torch.float64).contiguous()

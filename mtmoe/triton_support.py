@@ -28,3 +28,17 @@ def use_triton(device: torch.device) -> bool:
     """Whether tensors on ``device`` go to the Triton kernels: CUDA tensors, and every tensor under the
     interpreter."""
     return triton is not None and (device.type == "cuda" or INTERPRET)
+
+
+#: CUDA's limits on a launch grid's dimensions x, y and z. Triton's interpreter does not check them.
+GRID_LIMITS = (2**31 - 1, 65_535, 65_535)
+
+
+def grid(*dims: int) -> tuple[int, ...]:
+    """A kernel's launch grid, checked against :data:`GRID_LIMITS` wherever it runs, the interpreter included: a
+    dimension past its limit is a ``ValueError`` naming it, where the GPU answers "invalid argument". Put what can
+    grow with a pack's rows in x."""
+    for axis, size, limit in zip("xyz", dims, GRID_LIMITS):
+        if size > limit:
+            raise ValueError(f"a kernel's launch grid has {size} programs along {axis}, past CUDA's limit of {limit}")
+    return dims

@@ -209,3 +209,22 @@ def test_every_kernel_compiles_for_sm90_and_sm80_in_every_launched_signature() -
     per_kernel = {name: sum(k[0] == name for k in compiled) for name in sorted(launched_names())}
     print(f"compiled {len(compiled)} cubins (sm_90 and sm_80) of {len(per_kernel)} kernels: {per_kernel}")
     assert all(per_kernel.values())
+
+
+def test_every_launch_grid_is_checked_against_cudas_limits() -> None:
+    """Triton's interpreter runs a grid of any size, a GPU refuses one past CUDA's limits ("invalid argument", as a
+    pack's rows did on the second dimension in a lease): every launch in ``mtmoe`` goes through
+    :func:`mtmoe.triton_support.grid`, which raises on this CPU too, naming the dimension."""
+    from mtmoe.triton_support import GRID_LIMITS, grid
+
+    unchecked = []
+    for name in launched_names():
+        module, kernel = name.rsplit(".", 1)
+        source = importlib.import_module(module).__loader__.get_source(module)
+        unchecked += [f"{name}[{m.group(1)}" for m in re.finditer(rf"\b{re.escape(kernel)}\[(.{{0,5}})", source)
+                      if not m.group(1).startswith("grid(")]
+    assert launched_names() and not unchecked, unchecked
+    assert grid(GRID_LIMITS[0], 65_535, 1) == (GRID_LIMITS[0], 65_535, 1)
+    for dims, axis in (((2, 65_536), "y"), ((1, 1, 70_000), "z"), ((2**31, 1), "x")):
+        with pytest.raises(ValueError, match=f"programs along {axis}, past CUDA's limit"):
+            grid(*dims)

@@ -37,7 +37,7 @@ from mtmoe.gates.smooth_step import coefficients, smooth_step
 from mtmoe.host_threads import run_split
 from mtmoe.kernel_traffic import fused_kernel
 from mtmoe.random import _bfloat16_bits
-from mtmoe.triton_support import tl, triton, use_triton
+from mtmoe.triton_support import grid, tl, triton, use_triton
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -344,7 +344,7 @@ def _reach_kernel(t: Tensor, coefficients: Tensor, paths: Tensor) -> Tensor:
     if use_triton(t.device):
         fused_kernel("comet reach (triton)", read, v.nbytes)
         columns, paths = t.numel() // (n - 1), _trial_paths(paths, coefficients)
-        _reach_cuda[(triton.cdiv(columns, _BLOCK),)](
+        _reach_cuda[grid(triton.cdiv(columns, _BLOCK))](
             t, coefficients.float(), paths, v, paths.stride(0), columns, columns // coefficients[..., 0].numel(), k,
             N=n, DEPTH=depth, NP=triton.next_power_of_2(n), BLOCK=_BLOCK, BFLOAT16=t.dtype == torch.bfloat16,
             enable_fp_fusion=False)
@@ -367,7 +367,7 @@ def _reach_backward(t: Tensor, coefficients: Tensor, paths: Tensor, grad: Tensor
     if use_triton(t.device):
         fused_kernel("comet reach backward (triton)", read, out.nbytes)
         columns, paths = t.numel() // (n - 1), _trial_paths(paths, coefficients)
-        _reach_backward_cuda[(triton.cdiv(columns, _BLOCK),)](
+        _reach_backward_cuda[grid(triton.cdiv(columns, _BLOCK))](
             t, coefficients.float(), paths, grad, out, paths.stride(0), columns,
             columns // coefficients[..., 0].numel(), *grad.stride(), k, N=n, DEPTH=depth,
             NP=triton.next_power_of_2(n), QP=triton.next_power_of_2(n - 1), BLOCK=_BLOCK,

@@ -40,7 +40,7 @@ from mtmoe.host_threads import MIN_PART, run_split
 from mtmoe.kernel_traffic import fused_kernel
 from mtmoe.pack.stack import TrialStack
 from mtmoe.random import _bfloat16_bits, _fma, _widen
-from mtmoe.triton_support import tl, triton, use_triton
+from mtmoe.triton_support import grid, tl, triton, use_triton
 
 BETAS = (0.9, 0.999)  # torch.optim.Adam's defaults, which the unpacked runs use
 
@@ -512,10 +512,10 @@ class PackedAdam:
         self._report("adam (triton)", in_flat, halves, halves & gradients)
         half, flags = (self.half, self._on_device("halves", halves)) if copies else (self.stack.flat, self._skipped)
         half_grad = self.half_grad if gradients else self.stack.flat  # unread without gradients
-        _adam_cuda[(len(self._units[0]),)](*self._flats(), half, half_grad, flags, *self._units, self._skipped,
-                                          self._on_device("kept", ~in_flat), step_size, bias_correction2_sqrt, eps,
-                                          capacity, lerp_weight, beta2, one_minus_beta2, UNIT=_UNIT, HALF=copies,
-                                          HALF_GRAD=gradients, enable_fp_fusion=False)
+        _adam_cuda[grid(len(self._units[0]))](*self._flats(), half, half_grad, flags, *self._units, self._skipped,
+                                             self._on_device("kept", ~in_flat), step_size, bias_correction2_sqrt, eps,
+                                             capacity, lerp_weight, beta2, one_minus_beta2, UNIT=_UNIT, HALF=copies,
+                                             HALF_GRAD=gradients, enable_fp_fusion=False)
         for row, name, gradient, rows, cols, strides in self._kept_blocks(kept):
             tile_rows = 1 if rows == 1 else _TILE_ROWS
             tile_cols = _UNIT // tile_rows
@@ -523,7 +523,7 @@ class PackedAdam:
             self._report("adam (triton)", np.arange(len(self.names)) == row, halves, np.full(len(self.names), bfloat16))
             views = self._block_views(name, self.half if halves[row] else None)
             param, exp_avg, exp_avg_sq, block_half, skipped = views
-            _adam_kept_cuda[(-(-rows // tile_rows) * -(-cols // tile_cols), capacity)](
+            _adam_kept_cuda[grid(-(-rows // tile_rows) * -(-cols // tile_cols), capacity)](
                 param, gradient, exp_avg, exp_avg_sq, block_half, skipped,
                 step_size, bias_correction2_sqrt, eps, rows, cols, *strides, lerp_weight, beta2,
                 one_minus_beta2, BLOCK_R=tile_rows, BLOCK_C=tile_cols, HALF=bool(halves[row]), HALF_GRAD=bfloat16,
