@@ -69,12 +69,13 @@ OUT = Path(__file__).resolve().parent / "out"
 DATA = "movielens-100k"
 
 
-def plan(gate: str, n: int, epochs: int) -> list[dict]:
-    """The study's first n planned configurations of ``gate`` (seed 0), each trained ``epochs`` epochs."""
+def plan(gate: str, n: int, epochs: int, dataset: str = DATA) -> list[dict]:
+    """The study's first n planned configurations of ``gate`` on ``dataset`` (seed 0), each trained ``epochs``
+    epochs."""
     from mtmoe.tuning.objective import plan_configurations
     from mtmoe.tuning.space import load_space
 
-    space = load_space(DATA, gate)
+    space = load_space(dataset, gate)
     configurations = []
     for params in plan_configurations(space, n, 0):
         if split_gate_name(gate)[1]:
@@ -83,13 +84,14 @@ def plan(gate: str, n: int, epochs: int) -> list[dict]:
     return configurations
 
 
-def factory(gate: str, params: dict, device: str, precision: str, extra: tuple[str, ...] = ()):
+def factory(gate: str, params: dict, device: str, precision: str, extra: tuple[str, ...] = (),
+            dataset: str = DATA):
     from mtmoe.run import build_run
     from mtmoe.tuning.objective import cli_args
     from mtmoe.tuning.packs import TrialFactory
     from mtmoe.tuning.space import load_space
 
-    space = load_space(DATA, gate)
+    space = load_space(dataset, gate)
     accelerator = "gpu" if device == "cuda" else "cpu"
     args = cli_args(space, params, [f"--trainer.accelerator={accelerator}", f"--trainer.precision={precision}",
                                     "--early_stopping.patience=1000", *extra], 0, Path(tempfile.mkdtemp()))
@@ -153,13 +155,14 @@ def pack_epoch_seconds(gate: str, pack: int, device: str, precision: str, graphs
     return end - previous_end, phases
 
 
-def loaded_engine(gate: str, pack: int, steps_per_epoch: int, device: str = "cpu", trial_args: tuple[str, ...] = ()):
-    """An eager engine with P planned configurations loaded (``trial_args``: ``fit`` options of every trial), and
-    the dataset's DataModule (set up)."""
+def loaded_engine(gate: str, pack: int, steps_per_epoch: int, device: str = "cpu", trial_args: tuple[str, ...] = (),
+                  dataset: str = DATA):
+    """An eager engine with P planned configurations of ``dataset`` loaded (``trial_args``: ``fit`` options of every
+    trial), and the dataset's DataModule (set up)."""
     from mtmoe.pack.engine import PackEngine
 
-    configurations = plan(gate, pack, 1)
-    trials = factory(gate, configurations[0], device, "32", trial_args)
+    configurations = plan(gate, pack, 1, dataset)
+    trials = factory(gate, configurations[0], device, "32", trial_args, dataset)
     pack_trials = [trials.build(i, params, i) for i, params in enumerate(configurations)]
     data = trials.run.datamodule
     data.prepare_data()
@@ -233,7 +236,8 @@ def profile_step(gate: str, pack: int, device: str = "cpu", bf16: bool = False, 
     return result, profiler.key_averages().table(sort_by=order, row_limit=20)
 
 
-def roofline(gate: str, pack: int, bf16: bool, trial_args: tuple[str, ...] = ()) -> dict[str, tuple]:
+def roofline(gate: str, pack: int, bf16: bool, trial_args: tuple[str, ...] = (),
+             dataset: str = DATA) -> dict[str, tuple]:
     """Per phase (``train``, ``eval``): the :class:`mtmoe.pack.roofline.Cost` of a pack of P's training step on
     the dataset's batches (inside the permutation window for "+") or evaluation batch, its floor's bytes, and the
     phase's batches in an epoch (the training split's, the validation split's), on this CPU
@@ -245,10 +249,11 @@ def roofline(gate: str, pack: int, bf16: bool, trial_args: tuple[str, ...] = ())
 
     costs = {}
     for size in (1, 2):
-        engine, data = loaded_engine(gate, size, 10**6, trial_args=trial_args)
+        engine, data = loaded_engine(gate, size, 10**6, trial_args=trial_args, dataset=dataset)
         experts = engine.template.experts
         if not isinstance(experts, DenseExperts):
-            sys.exit(f"error: --roofline's floor counts dense experts, {gate} on {DATA} has {type(experts).__name__}")
+            sys.exit(f"error: --roofline's floor counts dense experts, {gate} on {dataset} has "
+                     f"{type(experts).__name__}")
         split = data.splits["train"]
         rows = len(next(iter(split.values())))
         index = torch.randint(rows, (size, data.batch_size), generator=torch.Generator().manual_seed(0))
@@ -375,10 +380,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.data != DATA and not args.roofline:
         parser.error("--data is for --roofline")
-    globals()["DATA"] = args.data
     where = (torch.cuda.get_device_name() if args.device == "cuda"
              else f"CPU {platform.machine()} {platform.processor() or ''}, {torch.get_num_threads()} threads")
-    header = (f"{DATA if args.roofline else 'MovieLens-100K, batch 512, 16 experts'}; {where}, torch {torch.__version__}; {args.precision}, "
+    data_name = args.data if args.roofline else "MovieLens-100K, batch 512, 16 experts"
+    header = (f"{data_name}; {where}, torch {torch.__version__}; {args.precision}, "
               f"matmul precision {args.matmul_precision}")
     print(header, flush=True)
     rows, tables = [], [header, ""]
@@ -435,8 +440,8 @@ def main() -> None:
             for pack in (int(p) for p in (args.packs or "1,256").split(",")):
                 for bf16 in (False, True):
                     epoch_ms: dict[str, float] = {}
-                    for phase, (cost, floor, batches) in roofline(gate, pack, bf16,
-                                                                  tuple(args.trial_args.split())).items():
+                    for phase, (cost, floor, batches) in roofline(gate, pack, bf16, tuple(args.trial_args.split()),
+                                                                  args.data).items():
                         for precision in (("bf16",) if bf16 else ("fp32", "tf32")):
                             projected = projected_ms(cost.flops, cost.bytes, precision)
                             epoch_ms[precision] = epoch_ms.get(precision, 0.0) + projected * batches
@@ -456,9 +461,9 @@ def main() -> None:
                                              f"{'bf16' if bf16 else 'fp32/tf32'}: floor {floor / 1e9:.3f} GB, "
                                              + ", ".join(f"{name} {value / 1e9:.3f} GB" for name, value in top))
                     for precision, milliseconds in epoch_ms.items():
-                        line = (f"trial-epoch gate={gate} P={pack} data={DATA} precision={precision} "
+                        line = (f"trial-epoch gate={gate} P={pack} data={args.data} precision={precision} "
                                 f"projected_ms={milliseconds / pack:.3f}")
-                        rows.append({"gate": gate, "P": pack, "data": DATA, "precision": precision,
+                        rows.append({"gate": gate, "P": pack, "data": args.data, "precision": precision,
                                      "trial_epoch_projected_ms": milliseconds / pack})
                         tables.append(line)
                         print(line, flush=True)
