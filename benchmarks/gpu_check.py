@@ -123,9 +123,26 @@ def tree_bytes() -> int:
     return sum(p.stat().st_size for p in files if p.is_file())
 
 
+def restore_study(study_dir: Path, results: Path) -> Path | None:
+    """The study's storage as the last lease left it: where ``study_dir`` holds no journal, the newest committed
+    ``results/gpu-<date>[-...]/study.journal.gz`` unpacked there (a lease resumes the study, it does not start it
+    again); the journal restored, or ``None``."""
+    import gzip
+
+    journal = study_dir / f"{DATASET}-{GATE}.journal"
+    saved = sorted(results.glob("gpu-*/study.journal.gz"), key=lambda path: path.parent.name)
+    if journal.exists() or not saved:
+        return None
+    study_dir.mkdir(parents=True, exist_ok=True)
+    with gzip.open(saved[-1]) as source:
+        journal.write_bytes(source.read())
+    return saved[-1]
+
+
 def gather() -> None:
     """The wheels (Python 3.12, manylinux x86-64, no dependencies resolved: :data:`WHEELS` names them all, at the
-    versions installed here) and the MovieLens-100K files into ``.gpu/``; the commit; the size that travels."""
+    versions installed here) and the MovieLens-100K files into ``.gpu/``; the study's storage restored from the last
+    lease's (:func:`restore_study`); the commit; the size that travels."""
     from importlib.metadata import version
 
     from mtmoe.data.download import ensure_files, manifest_entry
@@ -149,6 +166,9 @@ def gather() -> None:
                             text=True).stdout.strip()
     (CARRIED / "commit").write_text(commit + "\n")
     STUDY_DIR.mkdir(exist_ok=True)
+    restored = restore_study(STUDY_DIR, ROOT / "docs" / "results")
+    if restored is not None:
+        print(f"the study resumes from {restored.relative_to(ROOT)}")
     size = tree_bytes()
     print(f"gathered {len(list(WHEELS_DIR.glob('*.whl')))} wheels ({', '.join(pinned)}) and {SOURCE} into "
           f"{CARRIED}; commit {commit}; the working tree with .gpu/ is {size / 2**20:.1f} MiB of the "

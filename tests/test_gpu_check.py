@@ -104,3 +104,20 @@ def test_the_studys_checkpoints_come_back_only_within_the_returned_file_limit(tm
     monkeypatch.setattr(gpu_check, "RETURN_LIMIT", 999)
     assert gpu_check.return_checkpoints(study, out)["returned"] is False
     assert not list(out.iterdir())
+
+
+def test_gather_restores_the_newest_committed_study_unless_one_is_there(tmp_path: Path) -> None:
+    """A lease resumes the study the last one left: ``restore_study`` unpacks the newest ``gpu-<date>`` folder's
+    journal where ``.gpu/study`` has none, and leaves a journal that is there as it is."""
+    import gzip
+
+    results, study = tmp_path / "results", tmp_path / "study"
+    for folder, text in (("gpu-2026-11-26", b"older"), ("gpu-2026-11-27", b"newer")):
+        (results / folder).mkdir(parents=True)
+        (results / folder / "study.journal.gz").write_bytes(gzip.compress(text))
+    assert gpu_check.restore_study(study, results) == results / "gpu-2026-11-27" / "study.journal.gz"
+    journal = study / f"{gpu_check.DATASET}-{gpu_check.GATE}.journal"
+    assert journal.read_bytes() == b"newer"
+    journal.write_bytes(b"a lease's own, returned")
+    assert gpu_check.restore_study(study, results) is None and journal.read_bytes() == b"a lease's own, returned"
+    assert gpu_check.restore_study(tmp_path / "empty", tmp_path / "none") is None
