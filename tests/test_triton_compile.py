@@ -51,11 +51,16 @@ def kernels() -> dict[str, object]:
     return found
 
 
+def launches(name: str) -> list[str]:
+    """What follows ``kernel[`` at each launch of kernel ``name`` (``module.kernel``) in its module's source."""
+    module, kernel = name.rsplit(".", 1)
+    source = importlib.import_module(module).__loader__.get_source(module)
+    return [match.group(1) for match in re.finditer(rf"\b{re.escape(kernel)}\[(.{{0,5}})", source)]
+
+
 def launched_names() -> set[str]:
     """The kernels some code of ``mtmoe`` launches: ``name[grid](...)`` in their module's source."""
-    return {name for name in kernels()
-            if re.search(rf"\b{re.escape(name.rsplit('.', 1)[1])}\[", importlib.import_module(
-                name.rsplit(".", 1)[0]).__loader__.get_source(name.rsplit(".", 1)[0]))}
+    return {name for name in kernels() if launches(name)}
 
 
 def _note(value):
@@ -217,13 +222,9 @@ def test_every_launch_grid_is_checked_against_cudas_limits() -> None:
     :func:`mtmoe.triton_support.grid`, which raises on this CPU too, naming the dimension."""
     from mtmoe.triton_support import GRID_LIMITS, grid
 
-    unchecked = []
-    for name in launched_names():
-        module, kernel = name.rsplit(".", 1)
-        source = importlib.import_module(module).__loader__.get_source(module)
-        unchecked += [f"{name}[{m.group(1)}" for m in re.finditer(rf"\b{re.escape(kernel)}\[(.{{0,5}})", source)
-                      if not m.group(1).startswith("grid(")]
-    assert launched_names() and not unchecked, unchecked
+    launched = launched_names()
+    unchecked = [f"{name}[{start}" for name in launched for start in launches(name) if not start.startswith("grid(")]
+    assert launched and not unchecked, unchecked
     assert grid(GRID_LIMITS[0], 65_535, 1) == (GRID_LIMITS[0], 65_535, 1)
     for dims, axis in (((2, 65_536), "y"), ((1, 1, 70_000), "z"), ((2**31, 1), "x")):
         with pytest.raises(ValueError, match=f"programs along {axis}, past CUDA's limit"):
