@@ -3,9 +3,15 @@ FLOPs, bytes and launches on cases small enough to count by hand, the kernels th
 their own report, and the pack-size extrapolation the benchmark uses equal to a direct count."""
 from __future__ import annotations
 
+import math
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
+from mtmoe.data.layout import data_root, files_status
 from mtmoe.pack.adam import PackedAdam
 from mtmoe.pack.roofline import BANDWIDTH, H100_FLOPS, Cost, floor_bytes, measure, projected_ms, tensor_bytes
 from mtmoe.pack.stack import TrialStack
@@ -91,13 +97,6 @@ def test_the_benchmark_projects_a_trial_epoch_of_another_dataset(tmp_path) -> No
     """``bench_packs.py --roofline --data books``: per precision, the trial-epoch line is the training step's
     projection times the training split's batches plus the evaluation batch's times the validation split's, over P;
     ``--data`` without ``--roofline`` is one error line, exit 2."""
-    import math
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from mtmoe.data.layout import data_root, files_status
-
     if files_status("books", data_root())[0] != "present":
         pytest.skip("needs Book-Crossing under $MTMOE_DATA")
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_packs.py"
