@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import platform
 import subprocess
@@ -270,8 +271,9 @@ def roofline(gate: str, pack: int, bf16: bool, trial_args: tuple[str, ...] = (),
     activations = data.batch_size * (experts.in_features + experts.n_experts * experts.units) * (2 if bf16 else 4)
     batch_bytes = sum(tensor_bytes(t[0]) for t in batch.values())
     eval_bytes = sum(map(tensor_bytes, eval_batch.values()))
-    batches = {name: -(-len(next(iter(data.splits[split].values()))) // size)
-               for name, split, size in (("train", "train", data.batch_size), ("eval", "val", data.eval_batch_size))}
+    batches = {phase: math.ceil(len(next(iter(data.splits[split_name].values()))) / batch_size)
+               for phase, split_name, batch_size in (("train", "train", data.batch_size),
+                                                     ("eval", "val", data.eval_batch_size))}
     return {"train": (costs[1]["train"].extrapolated(costs[2]["train"], pack - 1),
                       floor_bytes(pack * parameters, pack * batch_bytes, pack * activations, True), batches["train"]),
             "eval": (costs[1]["eval"].extrapolated(costs[2]["eval"], pack - 1),

@@ -123,13 +123,18 @@ def tree_bytes() -> int:
     return sum(p.stat().st_size for p in files if p.is_file())
 
 
+def study_journal(study_dir: Path) -> Path:
+    """The study's journal storage in ``study_dir`` (``.gpu/study`` on a lease)."""
+    return study_dir / f"{DATASET}-{GATE}.journal"
+
+
 def restore_study(study_dir: Path, results: Path) -> Path | None:
     """The study's storage as the last lease left it: where ``study_dir`` holds no journal, the newest committed
     ``results/gpu-<date>[-...]/study.journal.gz`` unpacked there (a lease resumes the study, it does not start it
     again); the journal restored, or ``None``."""
     import gzip
 
-    journal = study_dir / f"{DATASET}-{GATE}.journal"
+    journal = study_journal(study_dir)
     saved = sorted(results.glob("gpu-*/study.journal.gz"), key=lambda path: path.parent.name)
     if journal.exists() or not saved:
         return None
@@ -358,7 +363,7 @@ def run(out: Path, sizes: Sizes, study_dir: Path, dry_run: bool = False, chosen:
         profiles += key_value_lines(bench.output, "profile")
     summary["throughput"], summary["profile"] = rows, profiles
     study_dir.mkdir(parents=True, exist_ok=True)
-    journal = study_dir / f"{DATASET}-{GATE}.journal"
+    journal = study_journal(study_dir)
     storage = f"journal:{journal}"
     before = study_state(journal, env)
     later = sum(budgets[name] + KILL_GRACE for name in ("report", "bootstrap") if name in chosen)

@@ -116,7 +116,7 @@ def test_gather_restores_the_newest_committed_study_unless_one_is_there(tmp_path
         (results / folder).mkdir(parents=True)
         (results / folder / "study.journal.gz").write_bytes(gzip.compress(text))
     assert gpu_check.restore_study(study, results) == results / "gpu-2026-11-27" / "study.journal.gz"
-    journal = study / f"{gpu_check.DATASET}-{gpu_check.GATE}.journal"
+    journal = gpu_check.study_journal(study)
     assert journal.read_bytes() == b"newer"
     journal.write_bytes(b"a lease's own, returned")
     assert gpu_check.restore_study(study, results) is None and journal.read_bytes() == b"a lease's own, returned"
