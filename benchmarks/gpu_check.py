@@ -292,8 +292,9 @@ storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBack
 trials = [t for name in optuna.get_all_study_names(storage)
           for t in optuna.load_study(study_name=name, storage=storage).get_trials(deepcopy=False)]
 complete = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
+failed = [t for t in trials if t.state == optuna.trial.TrialState.FAIL]
 epochs = [t.user_attrs["epochs_run"] for t in complete if t.user_attrs.get("epochs_run") is not None]
-print(json.dumps({"trials": len(trials), "trials_complete": len(complete),
+print(json.dumps({"trials": len(trials), "trials_complete": len(complete), "trials_failed": len(failed),
                   "mean_epochs": sum(epochs) / len(epochs) if epochs else None,
                   "trial_epochs": sum(len(t.intermediate_values) for t in trials)}))
 """
@@ -301,7 +302,7 @@ print(json.dumps({"trials": len(trials), "trials_complete": len(complete),
 
 def study_state(journal: Path, env: dict) -> dict:
     if not journal.exists():
-        return {"trials": 0, "trials_complete": 0, "mean_epochs": None, "trial_epochs": 0}
+        return {"trials": 0, "trials_complete": 0, "trials_failed": 0, "mean_epochs": None, "trial_epochs": 0}
     result = subprocess.run([sys.executable, "-c", STUDY_STATE, str(journal)], capture_output=True, text=True,
                             env=env, timeout=120)
     return json.loads(result.stdout) if result.returncode == 0 else {"error": result.stderr.strip()[-500:]}
@@ -375,7 +376,8 @@ def run(out: Path, sizes: Sizes, study_dir: Path, dry_run: bool = False, chosen:
                 stop_early=sizes.stop)
     after = study_state(journal, env)
     trained = (after.get("trial_epochs") or 0) - (before.get("trial_epochs") or 0)  # interrupted trials' included
-    summary["study"] = {"journal": str(journal), "before": before, **after, "wall_s": tune.seconds,
+    summary["study"] = {"journal": str(journal), "target": sizes.trials, "before": before, **after,
+                        "wall_s": tune.seconds,
                         "status": tune.status, "timeout_s": timeout,
                         "trial_epochs_per_hour": round(trained / tune.seconds * 3600) if tune.seconds else None}
     summary["trials_complete"], summary["wall_s"] = after.get("trials_complete"), tune.seconds
@@ -435,9 +437,12 @@ def short_table(summary: dict) -> str:
     lines += ["", "| precision | P | eager step (ms) | kernels' time (ms) | kernels |", "|---|---|---|---|---|"]
     lines += [f"| {r['precision']} | {r['P']:.0f} | {r['step_ms']:.2f} | {r.get('kernel_ms', 'n/a')} | "
               f"{r.get('kernels', 'n/a')} |" for r in summary["profile"]]
-    lines += ["", f"study: {study.get('trials_complete')} of {study.get('trials')} trials complete "
-                  f"({study['before'].get('trials_complete')} before this run), mean epochs "
-                  f"{study.get('mean_epochs')}, {study['wall_s']:.0f} s this run ({study['status']}), "
+    mean_epochs = study.get("mean_epochs")
+    lines += ["", f"study: {study.get('trials_complete')} of its {study.get('target')} trials complete "
+                  f"({study['before'].get('trials_complete')} before this run; {study.get('trials_failed')} "
+                  f"attempts failed or interrupted, run again by the next run), mean epochs "
+                  f"{'n/a' if mean_epochs is None else f'{mean_epochs:.1f}'}, {study['wall_s']:.0f} s this run "
+                  f"({study['status']}), "
                   f"{study.get('trial_epochs_per_hour')} trial-epochs per hour (set-up included)"]
     saved = study.get("checkpoints", {})
     if saved.get("files"):

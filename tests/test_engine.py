@@ -594,3 +594,45 @@ def test_gradients_written_in_place_equal_zeroed_and_accumulated_ones(name: str,
                 assert torch.equal(written.stack.block(written.adam.half, name),
                                    written.stack.params[name].to(torch.bfloat16)), (i, name)
             assert written.adam._half_version == written.stack.flat._version
+
+
+def test_the_collector_is_paused_during_a_capture_and_restored_after() -> None:
+    """``collector_paused`` (around each CUDA graph capture): dead reference cycles survive allocations that would
+    trigger a collection (so none finalises a dead engine's graph mid-capture), the collector is on again after,
+    also when the capture raises, and stays off where it was off."""
+    import gc
+
+    from mtmoe.pack.graphs import collector_paused
+
+    finalised = []
+
+    class Cycle:
+        def __init__(self) -> None:
+            self.me = self
+
+        def __del__(self) -> None:
+            finalised.append(True)
+
+    threshold = gc.get_threshold()
+    gc.collect()
+    gc.set_threshold(1)  # a collection at (nearly) every allocation while the collector is on
+    try:
+        with collector_paused():
+            assert not gc.isenabled()
+            Cycle()
+            _ = [[i] for i in range(10_000)]
+            assert not finalised
+        assert gc.isenabled()
+        _ = [[i] for i in range(10_000)]
+        gc.collect()
+        assert finalised
+        with pytest.raises(RuntimeError), collector_paused():
+            raise RuntimeError("capture failed")
+        assert gc.isenabled()
+        gc.disable()
+        with collector_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+        gc.set_threshold(*threshold)

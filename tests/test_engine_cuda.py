@@ -99,3 +99,54 @@ def test_the_triton_adam_reads_gradients_where_they_lie_bit_for_bit() -> None:
     assert torch.equal(adam_states("cuda", fused=True, kept=True)[0], adam_states("cuda", fused=True)[0])
     assert torch.equal(adam_states("cuda", fused=True, copies=True, gradients=True, kept=True)[0],
                        adam_states("cuda", fused=True, rounded=True)[0])
+
+
+def test_a_capture_survives_a_graph_dying_during_it() -> None:
+    """A CUDA graph that becomes cyclic garbage during another capture (as a dead engine's: an engine and its
+    ``CapturedStep`` form a cycle) is not destroyed there: with a collection due at nearly every allocation,
+    ``CapturedStep`` captures and replays, and the graph is collected after. Destroying a graph while a stream
+    captures fails the capture; seen on an H200 (remoe+'s capture, a previous test's engine collected during it)
+    before the collector was paused."""
+    import gc
+    import weakref
+
+    from mtmoe.pack.graphs import EAGER_CALLS, CapturedStep
+
+    class Holder:
+        pass
+
+    spare = Holder()
+    spare.x = torch.zeros(4, device="cuda")
+    spare.graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(spare.graph):
+        spare.x.add_(1)
+    spare.graph.replay()
+    spares, dying = [spare], []
+    del spare
+    out = torch.zeros(64, device="cuda")
+
+    def step(inputs: dict[str, torch.Tensor]) -> None:
+        if torch.cuda.is_current_stream_capturing() and spares:
+            holder = spares.pop()
+            holder.me = holder  # garbage from here on: only a collection frees it
+            dying.append(weakref.ref(holder))
+            del holder
+        for _ in range(50):  # Python allocations inside the capture
+            out.copy_(torch.relu(inputs["x"] * 2 + 1))
+
+    captured = CapturedStep(step)
+    x = torch.arange(64.0, device="cuda")
+    threshold = gc.get_threshold()
+    gc.set_threshold(1)
+    try:
+        for _ in range(EAGER_CALLS):
+            captured("key", {"x": x})
+        captured("key", {"x": x - 5})  # the capture, then its replay
+        captured("key", {"x": x})  # a replay
+        torch.cuda.synchronize()
+    finally:
+        gc.set_threshold(*threshold)
+    assert "key" in captured.graphs and len(dying) == 1
+    assert torch.equal(out, torch.relu(x * 2 + 1))
+    gc.collect()
+    assert dying[0]() is None

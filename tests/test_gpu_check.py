@@ -53,6 +53,9 @@ def test_the_dry_run_runs_every_step_and_writes_the_summary(tmp_path: Path) -> N
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["trials_complete"] == gpu_check.DRY.trials and summary["wall_s"] > 0
     assert summary["study"]["trial_epochs_per_hour"] > 0  # from the trial-epochs the journal gained
+    trials = gpu_check.DRY.trials  # of the study's target, not of every attempt in the storage
+    assert f"study: {trials} of its {trials} trials complete (0 before this run; 0 attempts failed" in \
+        (tmp_path / "summary.md").read_text()
     assert summary["device"] and summary["commit"] and summary["tests"]["line"]
     assert {row["precision"] for row in summary["throughput"]} == set(gpu_check.GPU_PRECISIONS)
     assert {row["precision"] for row in summary["profile"]} == set(gpu_check.GPU_PRECISIONS)

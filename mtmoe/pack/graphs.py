@@ -6,15 +6,34 @@ initialisation (cuBLAS handles, Triton's compilation, the allocator) happens out
 one call and replays the graph from then on, with the inputs copied into the captured call's static buffers.
 Every call, eager, captured or replayed, is a real step: capturing records the kernels without running them, so the
 captured call is replayed at once. The graphs of one step share a memory pool (they never run concurrently).
+Python's cyclic garbage collector is paused during a capture (:func:`collector_paused`).
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+import gc
+from collections.abc import Callable, Hashable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor
 
 EAGER_CALLS = 3  # per key, before capture (PyTorch's documented warm-up)
+
+
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's automatic cyclic garbage collection off inside, as it was after (``gc.disable``). A collection during
+    a capture, in this thread or another, can finalise a dead engine's CUDA graph (an engine and its
+    :class:`CapturedStep` form a reference cycle), and destroying a graph is a call a capturing stream forbids: the
+    capture fails ("operation not permitted when stream is capturing"). torch no longer collects before a capture
+    (``torch.compiler.config.force_cudagraph_gc``); the garbage waits for the next collection after it."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class CapturedStep:
@@ -46,7 +65,7 @@ class CapturedStep:
         graph = torch.cuda.CUDAGraph()
         # thread_local: a CUDA call of another thread (a tune worker's heartbeats, Python's collector freeing a
         # tensor) does not invalidate the capture; this thread's own unsafe calls still fail it
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+        with collector_paused(), torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             self.step(static)
         self.graphs[key] = (graph, static)
         graph.replay()
