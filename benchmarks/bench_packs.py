@@ -10,14 +10,17 @@ one trial, operation counts, per-trial set-up, a whole study.
 
 1. **Trial-epochs per hour** (``--packs``): P configurations of the gate's search space (the study's plan, seed 0)
    trained as a pack through the engine inside Lightning, exactly as ``tune --pack P`` trains them
-   (:class:`mtmoe.lit.module.PackModule`); the rate is P x 3600 / (the second pack epoch's time, training and
-   validation of all P). P = 1 is ``fit``'s engine (``tune --pack 1``). "+" gates are timed inside their
+   (:class:`mtmoe.lit.module.PackModule`); the rate is P x 3600 / (the third pack epoch's time, training and
+   validation of all P, and the epoch's end; no trial ends in it, as in most epochs of a study, where each trial's
+   test pass comes once in its tens of epochs). P = 1 is ``fit``'s engine (``tune --pack 1``). "+" gates are timed inside their
    permutation window (E_perm >= the epochs timed), the costlier phase. ``--graphs on,off`` on a GPU: with the
    training step captured in CUDA graphs and without; ``--adam fused,elementwise``: Adam in one kernel for all
    trials and in element-wise torch operations (:class:`mtmoe.pack.adam.PackedAdam`). Device memory per trial
    (GPU) from :func:`mtmoe.pack.memory.memory_per_trial`. After the table, one line per row, ``phases gate=G P=P
-   graphs=X adam=Y between_s=... train_s=... val_s=... end_s=...``: where that epoch's seconds went
-   (:data:`EPOCH_PHASES`).
+   graphs=X adam=Y between_s=... train_s=... val_s=... end_s=... train_steps=N val_batches=M``: where that epoch's
+   seconds went (:data:`EPOCH_PHASES`). ``--profile-epoch``: the host's time in the fourth epoch, by Python function
+   (``cProfile``; on a GPU, waiting for the device shows in the function that reads a device value): the
+   functions with the most cumulative and own time after the table, every function in ``epoch-profile-*.txt``.
 2. **Operations** (``--ops``): for each gate and P, one line per phase, ``ops gate=G P=P phase=X ops=N
    host_reads=R``: the ATen operations one training step (``train``; ``window`` and ``after`` for "+": inside the
    permutation window and after it) or one evaluation batch (``eval``) dispatches after warm-up, and how many of them
@@ -106,22 +109,29 @@ EPOCH_PHASES = ("between", "train", "val", "end")
 
 
 def pack_epoch_seconds(gate: str, pack: int, device: str, precision: str, graphs: bool, fused_adam: bool = True,
-                       limit_batches: int | None = None,
-                       trial_args: tuple[str, ...] = ()) -> tuple[float, dict[str, float]]:
-    """The third pack epoch (training and validation of every slot) of P planned configurations, in seconds, and
-    its :data:`EPOCH_PHASES` (seconds each, summing to it); ``limit_batches`` and ``trial_args`` (``fit`` options)
-    shrink them (``gpu_check.py --dry-run``)."""
+                       limit_batches: int | None = None, trial_args: tuple[str, ...] = (),
+                       profile: Path | None = None) -> tuple[float, dict[str, float], dict[str, int]]:
+    """The third pack epoch (training and validation of every slot, and the epoch's end) of P planned
+    configurations, in seconds, its :data:`EPOCH_PHASES` (seconds each, summing to it) and its batch counts
+    (``train_steps``, ``val_batches``); no trial ends in it (they are planned for more epochs). ``limit_batches``
+    and ``trial_args`` (``fit`` options) shrink them (``gpu_check.py --dry-run``); ``profile``: a fourth epoch runs
+    under ``cProfile``, its statistics written there."""
+    import cProfile
+
     import lightning.pytorch as pl
 
     from mtmoe.lit.module import PackModule
 
-    configurations = plan(gate, pack, 3)
+    timed, last = 3, 4 if profile is not None else 3
+    configurations = plan(gate, pack, last + 1)
     trials = factory(gate, configurations[0], device, precision, trial_args)
     queue = [trials.build(i, params, i) for i, params in enumerate(configurations)]
     data = trials.run.datamodule
     data.prepare_data()
     data.setup("fit")
     stamps: list[list[float]] = []  # per epoch: its first batch, its validation's start and end, its end
+    counts = {"train_steps": 0, "val_batches": 0}
+    profiler = cProfile.Profile()
 
     def now() -> float:
         if device == "cuda":
@@ -131,6 +141,14 @@ def pack_epoch_seconds(gate: str, pack: int, device: str, precision: str, graphs
     class Stamps(pl.Callback):
         def on_train_epoch_start(self, trainer, module) -> None:
             stamps.append([now()])
+            if len(stamps) == timed + 1 and profile is not None:
+                profiler.enable()
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+            counts["train_steps"] += len(stamps) == timed
+
+        def on_validation_batch_end(self, trainer, module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+            counts["val_batches"] += len(stamps) == timed
 
         def on_validation_epoch_start(self, trainer, module) -> None:
             stamps[-1].append(now())
@@ -140,7 +158,8 @@ def pack_epoch_seconds(gate: str, pack: int, device: str, precision: str, graphs
 
     def on_epoch(module: PackModule) -> None:
         stamps[-1].append(now())
-        if len(stamps) == 3:
+        if len(stamps) == last:
+            profiler.disable()
             module.trainer.should_stop = True
 
     module = PackModule(data.info, data.splits, data.batch_size, data.eval_batch_size, pack,
@@ -151,9 +170,24 @@ def pack_epoch_seconds(gate: str, pack: int, device: str, precision: str, graphs
                          limit_train_batches=limit_batches, limit_val_batches=limit_batches,
                          limit_test_batches=limit_batches)
     trainer.fit(module)
-    previous_end, (start, val_start, val_end, end) = stamps[1][-1], stamps[2]
+    previous_end, (start, val_start, val_end, end) = stamps[timed - 2][-1], stamps[timed - 1]
     phases = dict(zip(EPOCH_PHASES, (start - previous_end, val_start - start, val_end - val_start, end - val_end)))
-    return end - previous_end, phases
+    if profile is not None:
+        profiler.dump_stats(profile)
+    return end - previous_end, phases, counts
+
+
+def epoch_profile_lines(path: Path, top: int) -> list[str]:
+    """The ``top`` functions of a ``cProfile`` dump by cumulative and by own time, as ``pstats`` prints them."""
+    import io
+    import pstats
+
+    lines = []
+    for order in ("cumulative", "tottime"):
+        text = io.StringIO()
+        pstats.Stats(str(path), stream=text).strip_dirs().sort_stats(order).print_stats(top)
+        lines += [f"epoch-profile by {order}:", *(line for line in text.getvalue().splitlines()[5:] if line.strip())]
+    return lines
 
 
 def loaded_engine(gate: str, pack: int, steps_per_epoch: int, device: str = "cpu", trial_args: tuple[str, ...] = (),
@@ -375,6 +409,8 @@ def main() -> None:
     parser.add_argument("--matmul-precision", default="highest", choices=["highest", "high"],
                         help="--packs: float32 matmuls in float32 or TF32 (--model.matmul_precision)")
     parser.add_argument("--limit-batches", type=int, default=None, help="--packs: batches per epoch (default all)")
+    parser.add_argument("--profile-epoch", action="store_true",
+                        help="--packs: a fourth epoch under cProfile, the host's time by function")
     parser.add_argument("--trial-args", default="", help="--packs, --ops, --roofline, --profile: `fit` options of "
                         "every trial, space-separated (--trial-args='--data.batch_size=8 --model.n_experts=4')")
     parser.add_argument("--data", default=DATA, help="--roofline: the dataset (the other modes time MovieLens-100K)")
@@ -395,14 +431,19 @@ def main() -> None:
                   "| memory / trial (MiB) |"),
                  "|---|---|---|---|---|---|---|---|"]
         print(*lines, sep="\n", flush=True)
+        profiles: list[tuple[str, Path]] = []
         for gate in gates:
             base = None
             for graphs, adam in itertools.product(args.graphs.split(","), args.adam.split(",")):
                 for pack in (int(p) for p in args.packs.split(",")):
                     with matmul_precision(args.matmul_precision):  # as tune's packs train
-                        seconds, phases = pack_epoch_seconds(gate, pack, args.device, args.precision,
-                                                             graphs == "on", adam == "fused", args.limit_batches,
-                                                             tuple(args.trial_args.split()))
+                        profile = (args.out / f"epoch-profile-{gate}-P{pack}-{graphs}-{adam}.prof"
+                                   if args.profile_epoch else None)
+                        if profile is not None:
+                            profile.parent.mkdir(parents=True, exist_ok=True)
+                        seconds, phases, counts = pack_epoch_seconds(
+                            gate, pack, args.device, args.precision, graphs == "on", adam == "fused",
+                            args.limit_batches, tuple(args.trial_args.split()), profile)
                     rate = pack * 3600 / seconds
                     base = base or rate / pack if pack == 1 else base
                     memory = ""
@@ -416,13 +457,19 @@ def main() -> None:
                                                      args.precision, adam == "fused")
                         memory = f"{per_trial / 2**20:.0f}"
                     rows.append({"gate": gate, "P": pack, "graphs": graphs, "adam": adam, "epoch_s": seconds,
-                                 "per_hour": rate, "phases_s": phases})
+                                 "per_hour": rate, "phases_s": phases, **counts})
+                    if profile is not None:
+                        profiles.append((f"gate={gate} P={pack} graphs={graphs} adam={adam}", profile))
                     lines.append(f"| {gate} | {pack} | {graphs} | {adam} | {seconds:.2f} | {rate:,.0f} | "
                                  f"{'' if base is None else f'{rate / base:.2f}'} | {memory} |")
                     print(lines[-1], flush=True)
         phase_lines = ["", *(f"phases gate={r['gate']} P={r['P']} graphs={r['graphs']} adam={r['adam']} "
                              + " ".join(f"{name}_s={r['phases_s'][name]:.3f}" for name in EPOCH_PHASES)
+                             + f" train_steps={r['train_steps']} val_batches={r['val_batches']}"
                              for r in rows)]
+        for name, profile in profiles:
+            phase_lines += ["", f"epoch-profile {name}: the fourth epoch's host time by function ({profile.name}, "
+                                "every function)", *epoch_profile_lines(profile, 40)]
         print(*phase_lines, sep="\n", flush=True)
         tables += lines + phase_lines
     if args.ops:

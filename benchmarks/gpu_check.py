@@ -1,5 +1,6 @@
-"""One prepared command for a lent GPU (issue 31): the CUDA tests, the pack throughput in each precision and where
-a pack's training step spends its time (its kernels, ``bench_packs.py --profile``), the 500-trial MovieLens-100K
+"""One prepared command for a lent GPU (issue 31): the CUDA tests, the pack throughput in each precision, where
+a pack's training step spends its time (its kernels, ``bench_packs.py --profile``) and where an epoch's host time
+goes (``--profile-epoch``: the train phase's wall time per step beside the step's kernels'), the 500-trial MovieLens-100K
 comet study at the paper's budget (resumable across leases), then ``report`` and ``bootstrap``, each step in its
 own time budget, within 9 minutes.
 
@@ -98,7 +99,7 @@ class Sizes:
 # pack ``--pack auto`` finds fastest (all 500 at once, measured on an H200: none finished in a lease).
 GPU = Sizes("256", 500, ["--device", "cuda"], ["--trainer.accelerator=gpu", "--model.matmul_precision=high",
                                                "--pack=128", "--no-checkpoints"], ["--device", "cuda"],
-            {"install": 40, "tests": 180, "bench": 80, "report": 30, "bootstrap": 30},
+            {"install": 40, "tests": 180, "bench": 100, "report": 30, "bootstrap": 30},
             drain=120)  # a trial's 26 epochs at least (33 the fewest seen), a pack of 128's about 4 s each (H200)
 # the interpreter's pace: each program of a kernel costs milliseconds, each 1,024 parameters one Adam program
 TINY = "--data.batch_size=8 --model.n_experts=4 --model.embedding_dim=4 --model.expert_units=8 --model.tower_units=8"
@@ -271,6 +272,7 @@ def throughput(output: str, precision: str) -> list[dict]:
                          "memory_per_trial_mib": cells[7] if len(cells) > 7 else ""})
     for row, phases in zip(rows, key_value_lines(output, "phases")):
         row["phases_s"] = {key.removesuffix("_s"): value for key, value in phases.items() if key.endswith("_s")}
+        row["train_steps"], row["val_batches"] = int(phases["train_steps"]), int(phases["val_batches"])
     return rows
 
 
@@ -357,7 +359,8 @@ def run(out: Path, sizes: Sizes, study_dir: Path, dry_run: bool = False, chosen:
     rows, profiles = [], []
     for precision in precisions:
         bench = step(f"bench-{precision}", [python, "benchmarks/bench_packs.py", "--gates", GATE, "--packs",
-                                            sizes.packs, "--graphs", "on", "--profile", sizes.packs.split(",")[-1],
+                                            sizes.packs, "--graphs", "on", "--profile-epoch",
+                                            "--profile", sizes.packs.split(",")[-1],
                                             "--out", str(scratch / f"bench-{precision}"),
                                             *PRECISIONS[precision], *sizes.bench_args], budgets["bench"])
         rows += throughput(bench.output, precision)
@@ -429,10 +432,11 @@ def short_table(summary: dict) -> str:
     lines += [f"| {name} | {s['status']} | {s['seconds']:.0f} / {s['budget_s']} |"
               for name, s in summary["steps"].items()]
     lines += ["", f"tests: {tests.get('line') or 'no summary line'}", "",
-              "| precision | gate | P | epoch (s) | trial-epochs / hour | between / train / val / end (s) |",
-              "|---|---|---|---|---|---|"]
+              "| precision | gate | P | epoch (s) | trial-epochs / hour | between / train / val / end (s) "
+              "| train step (ms) |", "|---|---|---|---|---|---|---|"]
     lines += [f"| {r['precision']} | {r['gate']} | {r['P']} | {r['epoch_s']:.2f} | {r['trial_epochs_per_hour']:,} | "
-              + " / ".join(f"{seconds:.2f}" for seconds in r.get("phases_s", {}).values()) + " |"
+              + " / ".join(f"{seconds:.2f}" for seconds in r.get("phases_s", {}).values())
+              + (f" | {1000 * r['phases_s']['train'] / r['train_steps']:.2f} |" if r.get("train_steps") else " | |")
               for r in summary["throughput"]]
     lines += ["", "| precision | P | eager step (ms) | kernels' time (ms) | kernels |", "|---|---|---|---|---|"]
     lines += [f"| {r['precision']} | {r['P']:.0f} | {r['step_ms']:.2f} | {r.get('kernel_ms', 'n/a')} | "
