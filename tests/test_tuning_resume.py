@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from mtmoe.tuning.checkpoints import PackCheckpoints, checkpoint_folder
 from conftest import run_cli
 from sleep_callback import hold_args, pythonpath_with_tests
 from test_tuning import (assert_each_config_once, interrupt_while_running, one_torch_thread,  # noqa: F401 (autouse)
-                         trials_of, tune_args)
+                         start_tune, trials_of, tune_args, wait_for_running)
 
 # 2 epochs of 4 steps of 16 rows
 SHORT = ["--trainer.max_epochs=2", "--data.batch_size=16", "--trainer.limit_train_batches=4",
@@ -217,3 +218,35 @@ def test_timeout_claims_no_trial_after_it_and_the_running_ones_finish(tiny_root:
     assert sorted(t.state for t in trials if t.state != TrialState.WAITING) == [TrialState.COMPLETE] * 2
     assert run_cli(args) == 0
     assert_each_config_once(trials_of(url, NAME), 4)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(180)  # without the deadline the in-process tune would wait for the held trials
+def test_timeout_stops_waiting_for_other_workers_trials(tiny_root: Path, tmp_path: Path, capsys) -> None:
+    """A worker with ``--timeout`` and nothing left to claim, while another worker's trials run (held here until the
+    test ends them), stops waiting for them at its deadline: exit 0, saying what runs elsewhere (a job's time limit
+    is not overrun by waiting). The other worker then finishes the study alone."""
+    url = f"sqlite:///{tmp_path / 'waiting.db'}"
+    hold = tmp_path / "hold"
+    hold.touch()
+    args = tune_args(url, tiny_root, tmp_path / "runs", *SHORT, *hold_args(hold), "--pack", "2", trials=2, name=NAME)
+    other = start_tune(args, tmp_path, tiny_root, "other", PYTHONPATH=pythonpath_with_tests())
+    try:
+        wait_for_running(url, NAME, other, tmp_path, "other",
+                         ready=lambda _: sum(t.state == TrialState.RUNNING for t in trials_of(url, NAME)) == 2)
+        capsys.readouterr()
+        started = time.monotonic()
+        assert run_cli([*args, "--timeout", "3"]) == 0
+        waited = time.monotonic() - started
+        out = capsys.readouterr().out
+        assert f"study {NAME!r}: --timeout reached, no trial claimed since; 0 waiting, 2 running in other workers" \
+            in out, out
+        assert waited < 60, waited  # without the deadline it would wait for the held trials: until the test ends
+        assert other.poll() is None  # still held
+        hold.unlink()
+        assert other.wait(timeout=120) == 0, (tmp_path / "other.err").read_text()[-3000:]
+    finally:
+        if other.poll() is None:
+            other.kill()
+            other.wait()
+    assert_each_config_once(trials_of(url, NAME), 2)

@@ -649,11 +649,17 @@ def _tune(argv: list[str], touched: list[str]) -> None:
                          args.checkpoint_every, not args.no_checkpoints, deadline), deadline)
 
 
+def past(deadline: float | None) -> bool:
+    """Whether ``deadline`` (a ``time.time()``; ``None``: none) has passed."""
+    return deadline is not None and time.time() >= deadline
+
+
 def run_until_accounted(url: str, study_name: str, space: SearchSpace, configurations: list[dict],
                         worker_args: tuple, deadline: float | None = None) -> None:
     """Run the workers until every configuration is complete or failed: a lost trial's configuration runs again
     (or is failed after :data:`MAX_LOST_ATTEMPTS`), other workers' running trials are waited for. Past
-    ``deadline`` (``--timeout``), once this tune's running trials have ended: stop, and say what waits. Exit 1 if
+    ``deadline`` (``--timeout``), once this tune's running trials have ended: stop, also while waiting for other
+    workers' trials, and say what waits. Exit 1 if
     the study is left unfinished otherwise (nothing moved while trials still wait)."""
     storage = storage_for(url)
     announced, progress = False, None
@@ -664,7 +670,7 @@ def run_until_accounted(url: str, study_name: str, space: SearchSpace, configura
         enqueue_missing(study, space, configurations)
         counts = study_counts(study)
         state = (len(counts["complete"]) + len(counts["failed"]), counts["lost"])
-        timed_out = deadline is not None and time.time() >= deadline
+        timed_out = past(deadline)
         if timed_out:
             break
         if counts["waiting"] and state != progress:  # lost trials re-enqueued, or more work: run the workers again
@@ -677,8 +683,9 @@ def run_until_accounted(url: str, study_name: str, space: SearchSpace, configura
                   f"(a lost one is failed after {heartbeat_settings()[1]} s without a heartbeat and re-run here)",
                   flush=True)
             announced = True
-        while counts["running"] and not counts["waiting"]:
-            time.sleep(heartbeat_settings()[0])
+        while counts["running"] and not counts["waiting"] and not past(deadline):
+            time.sleep(heartbeat_settings()[0] if deadline is None else
+                       max(0.0, min(heartbeat_settings()[0], deadline - time.time())))
             reclaim_lost_trials(study, storage)
             enqueue_missing(study, space, configurations)
             counts = study_counts(study)
