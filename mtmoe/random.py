@@ -47,7 +47,7 @@ from torch import Tensor
 
 from mtmoe.host_threads import run_split
 from mtmoe.kernel_traffic import fused_kernel
-from mtmoe.triton_support import grid, tl, triton, use_triton
+from mtmoe.triton_support import INTERPRET, grid, tl, triton, use_triton
 
 _LOW32 = 0xFFFFFFFF
 _M1, _M2 = 0x7FEB352D, 0x846CA68B  # lowbias32's multipliers
@@ -307,6 +307,42 @@ def _fma(typingctx, a, b, c):
         return builder.fma(*args)
 
     return a(a, b, c), codegen
+
+
+@numba.vectorize(["float32(float32, float32, float32)", "float64(float64, float64, float64)"], cache=True)
+def _fma_arrays(a, b, c):  # pragma: no cover - compiled
+    """:func:`_fma` element by element over arrays."""
+    return _fma(a, b, c)
+
+
+def _fuse_interpreter_fma() -> bool:
+    """Under Triton's interpreter (the tests, ``gpu_check.py --dry-run``), ``tl.fma`` of float32 and float64 rounded
+    once, as a GPU and the CPU kernels' :func:`_fma` compute it: the interpreter of Triton 3.8 and before computes
+    ``x * y + z`` with two roundings. Probed first (``(1 + 2^-12)^2 - (1 + 2^-11)`` is ``2^-24`` fused, ``0`` not),
+    left alone where it already fuses (Triton 3.9) or the probe does not run. Whether it was replaced."""
+    from triton.runtime import interpreter
+
+    unfused = interpreter.InterpreterBuilder.create_fma
+    try:
+        x = interpreter.TensorHandle(np.array([1 + 2**-12], np.float32), tl.float32)
+        z = interpreter.TensorHandle(np.array([-(1 + 2**-11)], np.float32), tl.float32)
+        if unfused(None, x, x, z).data[0] != 0:
+            return False
+    except Exception:  # another interpreter's internals: leave it as it is
+        return False
+
+    def create_fma(self, x, y, z):
+        arrays = [np.asarray(handle.data) for handle in (x, y, z)]
+        if arrays[2].dtype in (np.float32, np.float64) and all(a.dtype == arrays[2].dtype for a in arrays):
+            return interpreter.TensorHandle(_fma_arrays(*arrays), z.dtype.scalar)
+        return unfused(self, x, y, z)
+
+    interpreter.InterpreterBuilder.create_fma = create_fma
+    return True
+
+
+if INTERPRET and triton is not None:
+    _fuse_interpreter_fma()
 
 
 @numba.njit(cache=True, nogil=True)

@@ -400,3 +400,31 @@ BROKEN = {
 @pytest.mark.parametrize("name", list(BROKEN))
 def test_the_statistics_reject_a_broken_generator(name: str) -> None:
     assert any(abs(z) > 5 for _, z in statistics(BROKEN[name]))
+
+
+FMA_CHECK = """
+import torch
+import mtmoe.random  # under the interpreter: tl.fma fused where Triton's interpreter does not fuse it
+from mtmoe.triton_support import tl, triton
+
+@triton.jit
+def fma_kernel(x_ptr, z_ptr, out_ptr):
+    x = tl.load(x_ptr + tl.arange(0, 2))
+    tl.store(out_ptr + tl.arange(0, 2), tl.fma(x, x, tl.load(z_ptr + tl.arange(0, 2))))
+
+for dtype, e in ((torch.float32, 12), (torch.float64, 27)):
+    x = torch.tensor([1 + 2.0**-e, 3.0], dtype=dtype)
+    z = torch.tensor([-(1 + 2.0**-(e - 1)), 1.0], dtype=dtype)
+    out = torch.empty_like(x)
+    fma_kernel[(1,)](x, z, out)
+    assert out.tolist() == [2.0**(-2 * e), 10.0], (dtype, out.tolist())
+print("ok")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+def test_the_interpreter_fuses_tl_fma_as_a_gpu_does() -> None:
+    """``tl.fma`` under Triton's interpreter rounds once, as on a GPU and as the CPU kernels' ``_fma`` (Triton 3.8's
+    interpreter rounds twice; ``mtmoe.random`` replaces it there): ``(1 + 2^-e)^2 - (1 + 2^-(e-1))`` is
+    ``2^-2e``, not 0, in float32 and float64."""
+    run_interpreted(FMA_CHECK)
