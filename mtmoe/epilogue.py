@@ -147,7 +147,8 @@ if triton is not None:
         offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         inside = offsets < n
         y = _widened(tl.load(y_ptr + trial * n + offsets, mask=inside, other=0.0), FLOAT64, BFLOAT16)
-        b = _widened(tl.load(bias_ptr + trial * columns + offsets % columns, mask=inside, other=0.0), FLOAT64,
+        column = offsets.to(tl.int32) % columns  # 32-bit (a 64-bit modulo is emulated): a trial's n < 2^31
+        b = _widened(tl.load(bias_ptr + trial * columns + column, mask=inside, other=0.0), FLOAT64,
                      BFLOAT16)
         v = _widened(_rounded(y + b, BFLOAT16), FLOAT64, BFLOAT16)
         v = tl.where(v < 0, 0.0, v)
@@ -181,9 +182,10 @@ def _epilogue_kernel(y: Tensor, bias: Tensor, seed: Tensor | None, step: Tensor 
     trials = bias.shape[:-1]
     if y.shape[:len(trials)] != trials or y.shape[-1] != bias.shape[-1]:
         raise ValueError(f"y {tuple(y.shape)} is not [*trials, *rows, N] for a bias {tuple(bias.shape)}")
-    if not _fused(y) or bias.dtype != y.dtype or y.numel() == 0:
-        return epilogue_reference(y, bias, seed, step, site, p)
     count, n, columns = math.prod(trials), math.prod(y.shape[len(trials):]), bias.shape[-1]
+    wide = use_triton(y.device) and n >= 2**31  # the Triton kernel indexes a trial's columns in 32 bits
+    if not _fused(y) or bias.dtype != y.dtype or y.numel() == 0 or wide:
+        return epilogue_reference(y, bias, seed, step, site, p)
     y, bias = y.detach().contiguous(), bias.detach().contiguous()
     dropout = p > 0
     if dropout:
