@@ -74,6 +74,7 @@ CUDA_TESTS = ["tests/test_engine_cuda.py",
 
 STEPS = ("tests", "bench", "study", "report", "bootstrap")  # --steps chooses among them; install always runs
 KILL_GRACE = 5  # seconds from a step's SIGTERM to its SIGKILL; the study's clean stop has Sizes.stop
+MIN_STEP = 15  # seconds: a step with less left of --total is skipped
 
 
 @dataclass(frozen=True)
@@ -335,11 +336,20 @@ def run(out: Path, sizes: Sizes, study_dir: Path, dry_run: bool = False, chosen:
     steps: list[Step] = []
     budgets = sizes.budgets
 
+    def reserved(name: str) -> int:
+        """Seconds kept for the chosen steps that end the run (report, bootstrap) after step ``name``."""
+        after = STEPS[STEPS.index(name) + 1:] if name in STEPS else ()
+        return sum(budgets[later] + KILL_GRACE for later in ("report", "bootstrap") if later in after and later in chosen)
+
     def step(name: str, command: list[str], budget: int, grace: int = KILL_GRACE, stop_early: int = 0) -> Step:
-        if name.split("-")[0] not in chosen + ("install",):
+        kind = name.split("-")[0]
+        left = int(sizes.total - (time.perf_counter() - start) - reserved(kind) - 10)  # 10: the summary, the archives
+        if kind not in chosen + ("install",):
             steps.append(Step(name, "skipped (not in --steps)", 0, budget))
-        else:
-            steps.append(run_step(name, command, budget, logs, env, grace, stop_early))
+        elif left < MIN_STEP:
+            steps.append(Step(name, f"skipped ({max(left, 0)} s left of --total)", 0, budget))
+        else:  # no step outlasts --total: the device call's limit would kill the run before its summary
+            steps.append(run_step(name, command, min(budget, left), logs, env, grace, stop_early))
         return steps[-1]
 
     wheels = sorted(WHEELS_DIR.glob("*.whl"))
@@ -370,8 +380,7 @@ def run(out: Path, sizes: Sizes, study_dir: Path, dry_run: bool = False, chosen:
     journal = study_journal(study_dir)
     storage = f"journal:{journal}"
     before = study_state(journal, env)
-    later = sum(budgets[name] + KILL_GRACE for name in ("report", "bootstrap") if name in chosen)
-    study_budget = int(sizes.total - (time.perf_counter() - start) - later - 10)  # 10: the summary, the archives
+    study_budget = int(sizes.total - (time.perf_counter() - start) - reserved("study") - 10)
     timeout = max(1, study_budget - sizes.stop - sizes.drain)  # the trials claimed later could not finish
     tune = step("study", [python, "-m", "mtmoe", "tune", "--gate", GATE, "--data", DATASET, "--trials",
                           str(sizes.trials), "--storage", storage, "--log-dir", str(scratch / "runs"),
@@ -487,7 +496,7 @@ def main() -> None:
         summary = run(out, DRY, study, dry_run=True, chosen=chosen, precisions=precisions)
         shutil.rmtree(study)
         broken = {name: s["status"] for name, s in summary["steps"].items()
-                  if not (s["status"] == "ok" or s["status"].startswith("skipped"))}
+                  if s["status"] not in ("ok", "skipped (not in --steps)")}
         if broken or not summary["throughput"] or not summary["trials_complete"]:
             fail(f"dry run: steps {broken}, {len(summary['throughput'])} throughput rows, "
                  f"{summary['trials_complete']} trials complete; the logs are in {out / 'logs.tar.gz'}")

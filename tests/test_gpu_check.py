@@ -2,8 +2,10 @@
 CPU, Triton's interpreter), so that the GPU path cannot rot between leases."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -65,7 +67,7 @@ def test_the_dry_run_runs_every_step_and_writes_the_summary(tmp_path: Path) -> N
         assert row["train_steps"] == row["val_batches"] == 1  # --limit-batches 1
         assert all(s >= 0 for s in row["phases_s"].values())
         assert sum(row["phases_s"].values()) == pytest.approx(row["epoch_s"], abs=0.01)
-    assert all(s["status"] == "ok" or s["status"].startswith("skipped") for s in summary["steps"].values())
+    assert all(s["status"] == "ok" for s in summary["steps"].values()), summary["steps"]
     returned = sorted(p.name for p in tmp_path.iterdir())
     expected = {"summary.json", "summary.md", "logs.tar.gz", "study.journal", "report.md", "results.tar.gz"}
     assert expected <= set(returned)
@@ -129,3 +131,17 @@ def test_gather_restores_the_newest_committed_study_unless_one_is_there(tmp_path
     journal.write_bytes(b"a lease's own, returned")
     assert gpu_check.restore_study(study, results) is None and journal.read_bytes() == b"a lease's own, returned"
     assert gpu_check.restore_study(tmp_path / "empty", tmp_path / "none") is None
+
+
+def test_no_step_outlasts_total(tmp_path: Path) -> None:
+    """A step gets at most what is left of ``--total`` (less the budgets kept for report and bootstrap after it, and
+    10 s for the summary), and is skipped, saying so, with less than ``MIN_STEP`` left: the device call's limit never
+    kills a run before it writes its summary."""
+    sizes = dataclasses.replace(gpu_check.DRY, total=22)
+    summary = gpu_check.run(tmp_path / "out", sizes, tmp_path / "study", dry_run=True,
+                            chosen=("report", "bootstrap"))
+    steps = summary["steps"]
+    assert re.fullmatch(r"skipped \(\d+ s left of --total\)", steps["report"]["status"]), steps  # bootstrap's kept
+    assert re.fullmatch(r"skipped \(\d+ s left of --total\)", steps["bootstrap"]["status"]), steps
+    assert steps["tests"]["status"] == "skipped (not in --steps)"
+    assert summary["total_s"] < sizes.total and (tmp_path / "out" / "summary.json").exists()
