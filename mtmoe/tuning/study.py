@@ -41,7 +41,7 @@ import sys
 import tempfile
 import time
 import warnings
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -190,35 +190,51 @@ def study_log_folder(log_dir: Path | None, study_name: str) -> Path:
     return (Path(log_dir) if log_dir is not None else DEFAULT_LOG_DIR) / study_name.replace("/", "_")
 
 
-def run_worker(url: str, study_name: str, space: SearchSpace, overrides: list[str], seed: int, workers: int,
-               log_dir: Path | None = None, pack: int | str = 1, checkpoint_every: float | None = None,
-               keep_checkpoints: bool = True, deadline: float | None = None) -> None:
-    """One worker: pops enqueued configurations until none is left (or, past ``deadline``, a ``time.time()``, until
-    its running trials end), ``pack`` at a time (:mod:`mtmoe.tuning.packs`);
+@dataclass(frozen=True)
+class WorkerSettings:
+    """What each of ``tune``'s workers runs with (sent to worker processes as it is)."""
+
+    url: str
+    study_name: str
+    space: SearchSpace
+    overrides: list[str]
+    seed: int
+    workers: int  # local worker processes (1: this process)
+    log_dir: Path | None = None
+    pack: int | str = 1
+    checkpoint_every: float | None = None
+    keep_checkpoints: bool = True
+    deadline: float | None = None  # a time.time() (--timeout): no trial is claimed after it
+
+
+def run_worker(settings: WorkerSettings) -> None:
+    """One worker: pops enqueued configurations until none is left (or, past ``settings.deadline``, until its
+    running trials end), ``settings.pack`` at a time (:mod:`mtmoe.tuning.packs`);
     every heartbeat interval it also takes back the trials of workers that died (:func:`reclaim_lost_trials`).
     Interrupted, it saves its trials' state for the next one (:mod:`mtmoe.tuning.checkpoints`), unless
-    ``keep_checkpoints`` is false: then it neither keeps, writes nor resumes any."""
+    ``settings.keep_checkpoints`` is false: then it neither keeps, writes nor resumes any."""
     from mtmoe.tuning.checkpoints import PackCheckpoints, checkpoint_folder
     from mtmoe.tuning.packs import PackWorker
 
     quiet_libraries()
-    storage = storage_for(url)
-    study = optuna.load_study(study_name=study_name, storage=storage)
+    space = settings.space
+    storage = storage_for(settings.url)
+    study = optuna.load_study(study_name=settings.study_name, storage=storage)
     if study_counts(study)["waiting"] == 0:
         return
-    log_dir = study_log_folder(log_dir, study_name)
-    configurations = plan_configurations(space, space.trials, seed)
+    log_dir = study_log_folder(settings.log_dir, settings.study_name)
+    configurations = plan_configurations(space, space.trials, settings.seed)
 
     def reclaim(study: optuna.Study) -> None:
         reclaim_lost_trials(study, storage)
         enqueue_missing(study, space, configurations)
 
-    bar = workers == 1 and sys.stderr.isatty()  # a progress bar at a terminal; N workers' bars would fight over it
+    bar = settings.workers == 1 and sys.stderr.isatty()  # a progress bar at a terminal; N workers' would fight
     identity = {key: study.user_attrs.get(key) for key in ("space_fingerprint", "seed", "settings")}
-    checkpoints = PackCheckpoints(checkpoint_folder(url, study_name, log_dir), identity, checkpoint_every) \
-        if keep_checkpoints else None
-    PackWorker(study, storage, space, overrides, seed, log_dir, pack, configurations, reclaim, bar, checkpoints,
-               deadline).run()
+    checkpoints = PackCheckpoints(checkpoint_folder(settings.url, settings.study_name, log_dir), identity,
+                                  settings.checkpoint_every) if settings.keep_checkpoints else None
+    PackWorker(study, storage, space, settings.overrides, settings.seed, log_dir, settings.pack, configurations,
+               reclaim, bar, checkpoints, settings.deadline).run()
 
 
 def gpu_names(count: int, visible: str | None) -> list[str]:
@@ -237,16 +253,16 @@ def worker_devices(workers: int, gpus: list[str]) -> list[str | None]:
     return [gpus[index % len(gpus)] for index in range(workers)]
 
 
-def _worker_process(*args: Any, device: str | None = None) -> None:
+def _worker_process(settings: WorkerSettings, device: str | None = None) -> None:
     if device is not None:  # before CUDA starts in this process (torch starts it at the first CUDA call)
         os.environ["CUDA_VISIBLE_DEVICES"] = device
     handle_interrupts()  # a scheduler's SIGTERM to every process of the job stops this worker as Ctrl-C does
     if "OMP_NUM_THREADS" not in os.environ:  # N workers share the cores: no N-fold oversubscription of torch threads
         import torch
 
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // args[5]))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // settings.workers))
     try:
-        run_worker(*args)
+        run_worker(settings)
     except KeyboardInterrupt:  # the trial in flight is already failed (re-run on resume); the parent reports
         pass
     except UsageError as error:
@@ -254,18 +270,19 @@ def _worker_process(*args: Any, device: str | None = None) -> None:
         sys.exit(2)
 
 
-def run_workers(worker_args: tuple, workers: int) -> None:
-    """``workers`` local worker processes (or this one) pop WAITING trials until none is left, each on its own GPU
-    where the machine has several (:func:`worker_devices`, one line per worker says which). A worker that died
-    leaves its trial to :func:`reclaim_lost_trials`; one that met bad input ends ``tune`` (exit 2)."""
+def run_workers(settings: WorkerSettings) -> None:
+    """``settings.workers`` local worker processes (or this one) pop WAITING trials until none is left, each on its
+    own GPU where the machine has several (:func:`worker_devices`, one line per worker says which). A worker that
+    died leaves its trial to :func:`reclaim_lost_trials`; one that met bad input ends ``tune`` (exit 2)."""
+    workers = settings.workers
     if workers == 1:
-        run_worker(*worker_args)
+        run_worker(settings)
         return
     import torch
 
     devices = worker_devices(workers, gpu_names(torch.cuda.device_count(), os.environ.get("CUDA_VISIBLE_DEVICES")))
     context = multiprocessing.get_context("spawn")
-    processes = [context.Process(target=_worker_process, args=worker_args, kwargs={"device": device})
+    processes = [context.Process(target=_worker_process, args=(settings,), kwargs={"device": device})
                  for device in devices]
     for index, (process, device) in enumerate(zip(processes, devices)):
         process.start()
@@ -644,9 +661,8 @@ def _tune(argv: list[str], touched: list[str]) -> None:
         prepare_study(url, study_name, space, args.seed, configurations, settings, alpha)
     print(f"study {study_name!r}: {trials} configurations, settings: {describe_settings(settings)}; storage "
           f"{display_url(url)}, {args.workers} worker(s)", flush=True)
-    run_until_accounted(url, study_name, space, configurations,
-                        (url, study_name, space, overrides, args.seed, args.workers, log_dir, pack,
-                         args.checkpoint_every, not args.no_checkpoints, deadline), deadline)
+    run_until_accounted(WorkerSettings(url, study_name, space, overrides, args.seed, args.workers, log_dir, pack,
+                                       args.checkpoint_every, not args.no_checkpoints, deadline), configurations)
 
 
 def past(deadline: float | None) -> bool:
@@ -654,17 +670,17 @@ def past(deadline: float | None) -> bool:
     return deadline is not None and time.time() >= deadline
 
 
-def run_until_accounted(url: str, study_name: str, space: SearchSpace, configurations: list[dict],
-                        worker_args: tuple, deadline: float | None = None) -> None:
+def run_until_accounted(settings: WorkerSettings, configurations: list[dict]) -> None:
     """Run the workers until every configuration is complete or failed: a lost trial's configuration runs again
     (or is failed after :data:`MAX_LOST_ATTEMPTS`), other workers' running trials are waited for. Past
-    ``deadline`` (``--timeout``), once this tune's running trials have ended: stop, also while waiting for other
-    workers' trials, and say what waits. Exit 1 if
-    the study is left unfinished otherwise (nothing moved while trials still wait)."""
+    ``settings.deadline`` (``--timeout``), once this tune's running trials have ended: stop, also while waiting for
+    other workers' trials, and say what waits. Exit 1 if the study is left unfinished otherwise (nothing moved while
+    trials still wait)."""
+    url, study_name, space, deadline = settings.url, settings.study_name, settings.space, settings.deadline
     storage = storage_for(url)
     announced, progress = False, None
     while True:
-        run_workers(worker_args, worker_args[5])
+        run_workers(settings)
         study = optuna.load_study(study_name=study_name, storage=storage)
         reclaim_lost_trials(study, storage)
         enqueue_missing(study, space, configurations)
