@@ -309,12 +309,6 @@ def _fma(typingctx, a, b, c):
     return a(a, b, c), codegen
 
 
-@numba.vectorize(["float32(float32, float32, float32)", "float64(float64, float64, float64)"], cache=True)
-def _fma_arrays(a, b, c):  # pragma: no cover - compiled
-    """:func:`_fma` element by element over arrays."""
-    return _fma(a, b, c)
-
-
 def _fuse_interpreter_fma() -> bool:
     """Under Triton's interpreter (the tests, ``gpu_check.py --dry-run``), ``tl.fma`` of float32 and float64 rounded
     once, as a GPU and the CPU kernels' :func:`_fma` compute it: the interpreter of Triton 3.8 and before computes
@@ -331,10 +325,14 @@ def _fuse_interpreter_fma() -> bool:
     except Exception:  # another interpreter's internals: leave it as it is
         return False
 
+    @numba.vectorize(["float32(float32, float32, float32)", "float64(float64, float64, float64)"])
+    def fma_arrays(a, b, c):  # pragma: no cover - compiled; made here, only where the interpreter needs it
+        return _fma(a, b, c)
+
     def create_fma(self, x, y, z):
         arrays = [np.asarray(handle.data) for handle in (x, y, z)]
         if arrays[2].dtype in (np.float32, np.float64) and all(a.dtype == arrays[2].dtype for a in arrays):
-            return interpreter.TensorHandle(_fma_arrays(*arrays), z.dtype.scalar)
+            return interpreter.TensorHandle(fma_arrays(*arrays), z.dtype.scalar)
         return unfused(self, x, y, z)
 
     interpreter.InterpreterBuilder.create_fma = create_fma
