@@ -7,6 +7,7 @@ own time budget, within 9 minutes.
     python benchmarks/gpu_check.py gather             # here: wheels and data into .gpu/ (git-ignored, carried)
     python3 benchmarks/gpu_check.py run --out DIR     # on the GPU (the exact device call: benchmarks/README.md)
     python benchmarks/gpu_check.py --dry-run          # here: the same steps, tiny, on the CPU, in the interpreter
+    python benchmarks/gpu_check.py keep FILES_AT...   # here: what the lease's calls returned, into docs/results
 
 A lent GPU's image has torch and Triton but not the suite's other dependencies, and nothing can be downloaded
 there: ``gather`` fetches the wheels of :data:`WHEELS` (the versions installed here) and copies the MovieLens-100K
@@ -182,6 +183,45 @@ def gather() -> None:
           f"{TREE_LIMIT / 2**20:.0f} MiB the device tool sends")
     if size > TREE_LIMIT:
         fail(f"{size / 2**20:.1f} MiB would travel, over {TREE_LIMIT / 2**20:.0f} MiB: remove large untracked files")
+
+
+# the files of a returned results.tar.gz that are committed, and their names under docs/results/gpu-<date>/
+KEPT_RESULTS = {"results/report/report.md": "report.md", "results/report/importance.png": "importance.png",
+                "results/bootstrap/bootstrap.md": "bootstrap.md", "results/bootstrap/bootstrap.png": "bootstrap.png"}
+
+
+def keep(calls: list[Path], results: Path, day: str) -> Path:
+    """A lease's returned folders (its device calls' ``files_at``, in order) into a new ``results/gpu-<day>``
+    (``-2``, ``-3``... where that exists): each call's ``summary.json``, ``summary.md`` and ``logs.tar.gz`` as
+    ``call<K>-*``; from the last ``results.tar.gz`` the report, the bootstrap's table and both figures
+    (:data:`KEPT_RESULTS`); the last ``study.journal``, gzipped, which :func:`restore_study` unpacks for the next
+    lease. The folder made."""
+    import gzip
+
+    if not calls:
+        fail("keep needs the folders a lease's device calls returned (their files_at), in order")
+    for call in calls:
+        if not (call / "summary.json").is_file():
+            fail(f"{call} has no summary.json: give the folders the device calls returned (files_at)")
+    name, number = f"gpu-{day}", 2
+    while (results / name).exists():
+        name, number = f"gpu-{day}-{number}", number + 1
+    folder = results / name
+    folder.mkdir(parents=True)
+    for index, call in enumerate(calls, 1):
+        for file in ("summary.json", "summary.md", "logs.tar.gz"):
+            if (call / file).is_file():
+                shutil.copyfile(call / file, folder / f"call{index}-{file}")
+    archives = [call / "results.tar.gz" for call in calls if (call / "results.tar.gz").is_file()]
+    if archives:
+        with tarfile.open(archives[-1]) as archive:
+            for member in archive.getmembers():
+                if member.name in KEPT_RESULTS:
+                    (folder / KEPT_RESULTS[member.name]).write_bytes(archive.extractfile(member).read())
+    journals = [call / "study.journal" for call in calls if (call / "study.journal").is_file()]
+    if journals:
+        (folder / "study.journal.gz").write_bytes(gzip.compress(journals[-1].read_bytes(), compresslevel=9))
+    return folder
 
 
 # ---- there: run the steps ----------------------------------------------------------------------------------------
@@ -468,7 +508,9 @@ def short_table(summary: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("command", nargs="?", choices=["gather", "run"], help="gather (here) or run (on the GPU)")
+    parser.add_argument("command", nargs="?", choices=["gather", "run", "keep"],
+                        help="gather (here), run (on the GPU), keep (here: what a lease returned into docs/results)")
+    parser.add_argument("calls", nargs="*", type=Path, help="keep: the folders the lease's device calls returned")
     parser.add_argument("--out", type=Path, help="run: the output folder ($OUT on the device)")
     parser.add_argument("--dry-run", action="store_true", help="the run's steps on this CPU, tiny, under 90 s")
     parser.add_argument("--total", type=int, help=f"run: seconds for all the steps (default {GPU.total}; less when "
@@ -490,6 +532,9 @@ def main() -> None:
         fail(f"--total must be a positive number of seconds, got {args.total}")
     if args.command == "gather":
         gather()
+    elif args.command == "keep":
+        folder = keep(args.calls, ROOT / "docs" / "results", time.strftime("%Y-%m-%d", time.gmtime()))
+        print(f"kept in {folder.relative_to(ROOT)}: {', '.join(sorted(p.name for p in folder.iterdir()))}")
     elif args.dry_run:
         out = args.out or Path(tempfile.mkdtemp(prefix="gpu-check-dry-"))
         study = Path(tempfile.mkdtemp(prefix="gpu-check-study-"))

@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -99,8 +100,6 @@ def test_the_studys_checkpoints_come_back_only_within_the_returned_file_limit(tm
                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """Checkpoints beside the journal come back as ``checkpoints.tar.gz`` (paths as under ``.gpu/study``, so that
     extracting it there resumes them); over the device tool's 16 MiB a file they stay, and the summary says so."""
-    import tarfile
-
     study, out = tmp_path / "study", tmp_path / "out"
     out.mkdir()
     assert gpu_check.return_checkpoints(study, out) == {"files": 0, "bytes": 0, "returned": False}
@@ -145,3 +144,40 @@ def test_no_step_outlasts_total(tmp_path: Path) -> None:
     assert re.fullmatch(r"skipped \(\d+ s left of --total\)", steps["bootstrap"]["status"]), steps
     assert steps["tests"]["status"] == "skipped (not in --steps)"
     assert summary["total_s"] < sizes.total and (tmp_path / "out" / "summary.json").exists()
+
+
+def test_keep_files_a_lease_under_docs_results(tmp_path: Path) -> None:
+    """``keep``: each call's summary and logs, the last call's report, bootstrap table and figures, and its journal
+    gzipped, in a new ``gpu-<day>`` folder (``-2`` beside an existing one), which ``restore_study`` then restores;
+    a folder that is not a call's is one error line, exit code 2, and nothing written."""
+    import gzip
+
+    calls = [tmp_path / "1", tmp_path / "2"]
+    for index, call in enumerate(calls, 1):
+        call.mkdir()
+        for file in ("summary.json", "summary.md", "logs.tar.gz"):
+            (call / file).write_text(f"{file} of call {index}")
+        (call / "study.journal").write_text(f"journal of call {index}")
+    source = tmp_path / "source"
+    for member in gpu_check.KEPT_RESULTS:
+        (source / member).parent.mkdir(parents=True, exist_ok=True)
+        (source / member).write_text(member)
+    (source / "results" / "report" / "table_7.csv").write_text("not kept")
+    with tarfile.open(calls[1] / "results.tar.gz", "w:gz") as archive:
+        archive.add(source / "results", "results")
+    results = tmp_path / "docs" / "results"
+    (results / "gpu-2026-11-28").mkdir(parents=True)
+    folder = gpu_check.keep(calls, results, "2026-11-28")
+    assert folder == results / "gpu-2026-11-28-2"
+    assert sorted(p.name for p in folder.iterdir()) == sorted(
+        [f"call{k}-{f}" for k in (1, 2) for f in ("summary.json", "summary.md", "logs.tar.gz")]
+        + list(gpu_check.KEPT_RESULTS.values()) + ["study.journal.gz"])
+    assert (folder / "call1-summary.md").read_text() == "summary.md of call 1"
+    assert (folder / "bootstrap.png").read_text() == "results/bootstrap/bootstrap.png"
+    assert gzip.decompress((folder / "study.journal.gz").read_bytes()) == b"journal of call 2"
+    gpu_check.restore_study(tmp_path / "study", results)
+    assert gpu_check.study_journal(tmp_path / "study").read_text() == "journal of call 2"
+    result = subprocess.run([sys.executable, str(SCRIPT), "keep", str(tmp_path / "source")], capture_output=True,
+                            text=True)
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "has no summary.json" in result.stderr and not result.stdout
