@@ -12,15 +12,16 @@ one trial, operation counts, per-trial set-up, a whole study.
    trained as a pack through the engine inside Lightning, exactly as ``tune --pack P`` trains them
    (:class:`mtmoe.lit.module.PackModule`); the rate is P x 3600 / (the third pack epoch's time, training and
    validation of all P, and the epoch's end; no trial ends in it, as in most epochs of a study, where each trial's
-   test pass comes once in its tens of epochs). P = 1 is ``fit``'s engine (``tune --pack 1``). "+" gates are timed inside their
-   permutation window (E_perm >= the epochs timed), the costlier phase. ``--graphs on,off`` on a GPU: with the
+   test pass comes once in its tens of epochs). P = 1 is ``fit``'s engine (``tune --pack 1``). "+" gates are timed
+   inside their permutation window (E_perm >= the epochs timed), the costlier phase. ``--graphs on,off`` on a GPU: with the
    training step captured in CUDA graphs and without; ``--adam fused,elementwise``: Adam in one kernel for all
    trials and in element-wise torch operations (:class:`mtmoe.pack.adam.PackedAdam`). Device memory per trial
    (GPU) from :func:`mtmoe.pack.memory.memory_per_trial`. After the table, one line per row, ``phases gate=G P=P
    graphs=X adam=Y between_s=... train_s=... val_s=... end_s=... train_steps=N val_batches=M``: where that epoch's
    seconds went (:data:`EPOCH_PHASES`). ``--profile-epoch``: the host's time in the fourth epoch, by Python function
    (``cProfile``; on a GPU, waiting for the device shows in the function that reads a device value): the
-   functions with the most cumulative and own time after the table, every function in ``epoch-profile-*.txt``.
+   functions with the most cumulative and own time after the table, every function in ``epoch-profile-*.prof``
+   in ``--out`` (``python -m pstats``).
 2. **Operations** (``--ops``): for each gate and P, one line per phase, ``ops gate=G P=P phase=X ops=N
    host_reads=R``: the ATen operations one training step (``train``; ``window`` and ``after`` for "+": inside the
    permutation window and after it) or one evaluation batch (``eval``) dispatches after warm-up, and how many of them

@@ -1,7 +1,7 @@
 """One prepared command for a lent GPU (issue 31): the CUDA tests, the pack throughput in each precision, where
 a pack's training step spends its time (its kernels, ``bench_packs.py --profile``) and where an epoch's host time
-goes (``--profile-epoch``: the train phase's wall time per step beside the step's kernels'), the 500-trial MovieLens-100K
-comet study at the paper's budget (resumable across leases), then ``report`` and ``bootstrap``, each step in its
+goes (``--profile-epoch``: the train phase's wall time per step beside the step's kernels'), the 500-trial
+MovieLens-100K comet study at the paper's budget (resumable across leases), then ``report`` and ``bootstrap``, each step in its
 own time budget, within 9 minutes.
 
     python benchmarks/gpu_check.py gather             # here: wheels and data into .gpu/ (git-ignored, carried)
@@ -131,6 +131,13 @@ def study_journal(study_dir: Path) -> Path:
     return study_dir / f"{DATASET}-{GATE}.journal"
 
 
+def lease_order(folder: str) -> tuple[str, int]:
+    """A ``gpu-<date>[-N]`` folder's place among a lease's (:func:`keep` names them): by date, then N (none: 1),
+    so that ``-10`` comes after ``-2``."""
+    match = re.fullmatch(r"gpu-(\d{4}-\d{2}-\d{2})(?:-(\d+))?", folder)
+    return (match.group(1), int(match.group(2) or 1)) if match else (folder, 1)
+
+
 def restore_study(study_dir: Path, results: Path) -> Path | None:
     """The study's storage as the last lease left it: where ``study_dir`` holds no journal, the newest committed
     ``results/gpu-<date>[-...]/study.journal.gz`` unpacked there (a lease resumes the study, it does not start it
@@ -138,7 +145,7 @@ def restore_study(study_dir: Path, results: Path) -> Path | None:
     import gzip
 
     journal = study_journal(study_dir)
-    saved = sorted(results.glob("gpu-*/study.journal.gz"), key=lambda path: path.parent.name)
+    saved = sorted(results.glob("gpu-*/study.journal.gz"), key=lambda path: lease_order(path.parent.name))
     if journal.exists() or not saved:
         return None
     study_dir.mkdir(parents=True, exist_ok=True)
@@ -379,7 +386,8 @@ def run(out: Path, sizes: Sizes, study_dir: Path, dry_run: bool = False, chosen:
     def reserved(name: str) -> int:
         """Seconds kept for the chosen steps that end the run (report, bootstrap) after step ``name``."""
         after = STEPS[STEPS.index(name) + 1:] if name in STEPS else ()
-        return sum(budgets[later] + KILL_GRACE for later in ("report", "bootstrap") if later in after and later in chosen)
+        return sum(budgets[later] + KILL_GRACE for later in ("report", "bootstrap")
+                   if later in after and later in chosen)
 
     def step(name: str, command: list[str], budget: int, grace: int = KILL_GRACE, stop_early: int = 0) -> Step:
         kind = name.split("-")[0]

@@ -208,8 +208,9 @@ if triton is not None:
         """Program ``(row, block)``: :func:`_mix_backward_cpu` on ``BLOCK`` columns of row ``row``. The rows are
         the grid's first dimension, the only one that may exceed 65,535 (a pack's ``P * B`` rows do)."""
         row = tl.program_id(0).to(tl.int64)
-        offsets = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # a row's columns: int32 (a 64-bit division is
-        inside = offsets < columns  # emulated, some tens of instructions an element)
+        # a row's columns in int32: a 64-bit division is emulated, some tens of instructions an element
+        offsets = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        inside = offsets < columns
         expert = offsets // units
         unit = offsets - expert * units
         w_row, g_row = weights_ptr + row * tasks * n + expert, grad_ptr + row * tasks * units + unit

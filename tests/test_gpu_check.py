@@ -116,15 +116,16 @@ def test_the_studys_checkpoints_come_back_only_within_the_returned_file_limit(tm
 
 
 def test_gather_restores_the_newest_committed_study_unless_one_is_there(tmp_path: Path) -> None:
-    """A lease resumes the study the last one left: ``restore_study`` unpacks the newest ``gpu-<date>`` folder's
-    journal where ``.gpu/study`` has none, and leaves a journal that is there as it is."""
+    """A lease resumes the study the last one left: ``restore_study`` unpacks the newest ``gpu-<date>[-N]`` folder's
+    journal (by date, then N) where ``.gpu/study`` has none, and leaves a journal that is there as it is."""
     import gzip
 
     results, study = tmp_path / "results", tmp_path / "study"
-    for folder, text in (("gpu-2026-11-26", b"older"), ("gpu-2026-11-27", b"newer")):
+    for folder, text in (("gpu-2026-11-26", b"older"), ("gpu-2026-11-27-2", b"older"),
+                         ("gpu-2026-11-27-10", b"newer"), ("gpu-2026-11-27", b"older")):  # -10 after -2 (keep)
         (results / folder).mkdir(parents=True)
         (results / folder / "study.journal.gz").write_bytes(gzip.compress(text))
-    assert gpu_check.restore_study(study, results) == results / "gpu-2026-11-27" / "study.journal.gz"
+    assert gpu_check.restore_study(study, results) == results / "gpu-2026-11-27-10" / "study.journal.gz"
     journal = gpu_check.study_journal(study)
     assert journal.read_bytes() == b"newer"
     journal.write_bytes(b"a lease's own, returned")

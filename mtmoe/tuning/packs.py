@@ -85,7 +85,7 @@ from mtmoe.tuning.objective import (
     suggest,
 )
 from mtmoe.tuning.space import SearchSpace
-from mtmoe.tuning.storage import Heartbeats, Periodic, heartbeat_settings, trial_id
+from mtmoe.tuning.storage import Heartbeats, Periodic, heartbeat_settings, past, trial_id
 
 #: Settings each trial of a pack may have its own value of (besides a gate's ``scalar_names``): the model settings
 #: declared ``per_trial`` (:func:`mtmoe.mmoe.setting`), early stopping and the epochs (the engine's per-trial
@@ -272,7 +272,7 @@ class PackWorker:
         """The next waiting planned trial of structure ``key`` (any, for ``None``), RUNNING, with its planned values
         and config_id: the configurations of dead workers' trials first, then the plan in order. A refill (``key``
         given) takes none lost :data:`~mtmoe.tuning.objective.ALONE_AFTER_LOST_ATTEMPTS` times: it trains alone."""
-        if self.deadline is not None and time.time() >= self.deadline:
+        if past(self.deadline):
             return None
         waiting_trials = self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
         saved = self.checkpoints.saved if self.checkpoints is not None else {}

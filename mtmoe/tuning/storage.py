@@ -496,6 +496,11 @@ def record_heartbeat(storage: Any, trial_id: int) -> None:
         storage.set_trial_user_attr(trial_id, HEARTBEAT_ATTR, time.time())
 
 
+def past(deadline: float | None) -> bool:
+    """Whether ``deadline`` (a ``time.time()``, as ``tune --timeout`` sets it; ``None``: none) has passed."""
+    return deadline is not None and time.time() >= deadline
+
+
 class Periodic:
     """Calls ``action()`` every heartbeat interval in a daemon thread until :meth:`stop`."""
 

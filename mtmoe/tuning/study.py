@@ -62,6 +62,7 @@ from mtmoe.tuning.storage import (
     display_url,
     fail_stale_trials,
     heartbeat_settings,
+    past,
     readable,
     setup_lock,
     storage_for,
@@ -663,11 +664,6 @@ def _tune(argv: list[str], touched: list[str]) -> None:
           f"{display_url(url)}, {args.workers} worker(s)", flush=True)
     run_until_accounted(WorkerSettings(url, study_name, space, overrides, args.seed, args.workers, log_dir, pack,
                                        args.checkpoint_every, not args.no_checkpoints, deadline), configurations)
-
-
-def past(deadline: float | None) -> bool:
-    """Whether ``deadline`` (a ``time.time()``; ``None``: none) has passed."""
-    return deadline is not None and time.time() >= deadline
 
 
 def run_until_accounted(settings: WorkerSettings, configurations: list[dict]) -> None:
