@@ -548,8 +548,11 @@ def main() -> None:
         study = Path(tempfile.mkdtemp(prefix="gpu-check-study-"))
         summary = run(out, DRY, study, dry_run=True, chosen=chosen, precisions=precisions)
         shutil.rmtree(study)
+        # a step skipped for want of time is broken here (the dry run's sizes leave plenty); one left out by
+        # --steps, or the install without gathered wheels (CI has none), is not
         broken = {name: s["status"] for name, s in summary["steps"].items()
-                  if s["status"] not in ("ok", "skipped (not in --steps)")}
+                  if s["status"] != "ok" and not (s["status"].startswith("skipped")
+                                                 and "left of --total" not in s["status"])}
         if broken or not summary["throughput"] or not summary["trials_complete"]:
             fail(f"dry run: steps {broken}, {len(summary['throughput'])} throughput rows, "
                  f"{summary['trials_complete']} trials complete; the logs are in {out / 'logs.tar.gz'}")

@@ -68,6 +68,8 @@ def test_the_dry_run_runs_every_step_and_writes_the_summary(tmp_path: Path) -> N
         assert row["train_steps"] == row["val_batches"] == 1  # --limit-batches 1
         assert all(s >= 0 for s in row["phases_s"].values())
         assert sum(row["phases_s"].values()) == pytest.approx(row["epoch_s"], abs=0.01)
+    install = summary["steps"].pop("install")["status"]  # CI has no gathered wheels; this VM may
+    assert install in ("ok", "skipped (no wheels in .gpu/wheels: run gather)"), install
     assert all(s["status"] == "ok" for s in summary["steps"].values()), summary["steps"]
     returned = sorted(p.name for p in tmp_path.iterdir())
     expected = {"summary.json", "summary.md", "logs.tar.gz", "study.journal", "report.md", "results.tar.gz"}
