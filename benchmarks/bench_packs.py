@@ -320,19 +320,21 @@ def setup_milliseconds(gate: str, n: int) -> float:
     import optuna
 
     from mtmoe.pack.engine import PackEngine
-    from mtmoe.tuning.objective import plan_configurations, quiet_optuna
+    from mtmoe.tuning.objective import plan_configurations
     from mtmoe.tuning.packs import PackWorker
     from mtmoe.tuning.space import SearchSpace, load_space
+    from mtmoe.tuning.storage import storage_for
     from mtmoe.tuning.study import enqueue_missing
 
     space = load_space(DATA, gate)
     space = SearchSpace(space.data, space.gate, n, space.fixed, space.distributions)
     configurations = plan_configurations(space, n, 0)
     scratch = Path(tempfile.mkdtemp())
-    with quiet_optuna():  # a scratch study: Optuna's "A new study created" line is no figure of the benchmark
-        study = optuna.create_study(study_name="setup", storage=f"sqlite:///{scratch / 'setup.db'}")
+    storage = storage_for(f"sqlite:///{scratch / 'setup.db'}")
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # a scratch study: its "A new study created" line is
+    study = optuna.create_study(study_name="setup", storage=storage)  # no figure of the benchmark
     enqueue_missing(study, space, configurations)
-    worker = PackWorker(study, space, [], 0, scratch, n, configurations)
+    worker = PackWorker(study, storage, space, [], 0, scratch, n, configurations)
     trials = factory(gate, configurations[0], "cpu", "32")
     data = trials.run.datamodule
     engine = PackEngine(trials.build(0, configurations[0], 0).net, data.info.tasks, 1, "cpu", cuda_graphs=False)
@@ -347,14 +349,17 @@ def setup_milliseconds(gate: str, n: int) -> float:
     return 1000 * seconds
 
 
-def study(gate: str, trials: int, epochs: int, pack: str, device: str, scratch: Path) -> tuple[float, dict]:
-    """Wall time of a whole ``tune`` command on a fresh journal storage, and its objectives by config_id."""
+def study(gate: str, trials: int, epochs: int, pack: str, device: str, scratch: Path,
+          trial_args: tuple[str, ...] = ()) -> tuple[float, dict]:
+    """Wall time of a whole ``tune`` command on a fresh journal storage (``trial_args``: its overrides), and its
+    objectives by config_id."""
     import optuna
 
     log = scratch / f"pack-{pack}.log"
     command = [sys.executable, "-m", "mtmoe", "tune", "--gate", gate, "--data", DATA, "--trials", str(trials),
                "--storage", f"journal:{log}", "--log-dir", str(scratch / f"runs-{pack}"), "--pack", pack,
-               f"--trainer.max_epochs={epochs}", f"--trainer.accelerator={'gpu' if device == 'cuda' else 'cpu'}"]
+               f"--trainer.max_epochs={epochs}", f"--trainer.accelerator={'gpu' if device == 'cuda' else 'cpu'}",
+               *trial_args]
     start = time.perf_counter()
     proc = subprocess.run(command, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -412,8 +417,9 @@ def main() -> None:
     parser.add_argument("--limit-batches", type=int, default=None, help="--packs: batches per epoch (default all)")
     parser.add_argument("--profile-epoch", action="store_true",
                         help="--packs: a fourth epoch under cProfile, the host's time by function")
-    parser.add_argument("--trial-args", default="", help="--packs, --ops, --roofline, --profile: `fit` options of "
-                        "every trial, space-separated (--trial-args='--data.batch_size=8 --model.n_experts=4')")
+    parser.add_argument("--trial-args", default="",
+                        help="--packs, --ops, --roofline, --profile, --study: `fit` options of every trial, "
+                        "space-separated (--trial-args='--data.batch_size=8 --model.n_experts=4')")
     parser.add_argument("--data", default=DATA, help="--roofline: the dataset (the other modes time MovieLens-100K)")
     parser.add_argument("--out", type=Path, default=OUT, help="folder of packs.md and packs.json")
     args = parser.parse_args()
@@ -529,8 +535,9 @@ def main() -> None:
 
         trials, epochs = (int(x) for x in args.study.split("x"))
         scratch = Path(tempfile.mkdtemp())
-        packed, packed_values = study(gates[0], trials, epochs, args.study_pack, args.device, scratch)
-        alone, alone_values = study(gates[0], trials, epochs, "1", args.device, scratch)
+        trial_args = tuple(args.trial_args.split())
+        packed, packed_values = study(gates[0], trials, epochs, args.study_pack, args.device, scratch, trial_args)
+        alone, alone_values = study(gates[0], trials, epochs, "1", args.device, scratch, trial_args)
         ids = sorted(set(packed_values) & set(alone_values))
         worst = max(abs(packed_values[i] - alone_values[i]) / abs(alone_values[i]) for i in ids)
         rows.append({"study": args.study, "packed_s": packed, "unpacked_s": alone,
