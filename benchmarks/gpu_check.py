@@ -92,17 +92,30 @@ class Sizes:
     total: int = 540
     stop: int = 30  # the study's SIGTERM comes this long before its budget ends
     drain: int = 10  # tune --timeout: no trial is claimed this long before the SIGTERM (one could not finish)
+    last_pack: int | None = None  # with at most 5/4 of it left to run, the study's --pack (study_args)
+
+
+def study_args(sizes: Sizes, complete: int) -> list[str]:
+    """``tune``'s options for a study with ``complete`` of its trials done: ``sizes.tune_args``, their ``--pack`` made
+    ``sizes.last_pack`` when that holds nearly every trial left (``benchmarks/lease_plan.py`` models both)."""
+    left = sizes.trials - complete
+    if sizes.last_pack is None or 4 * left > 5 * sizes.last_pack:
+        return list(sizes.tune_args)
+    return [f"--pack={sizes.last_pack}" if arg.startswith("--pack=") else arg for arg in sizes.tune_args]
 
 
 # The study: TF32 (the official code's precision on Ampere and later GPUs), packs of 128, no checkpoints. A trial
 # interrupted at a lease's end reruns from its first epoch (a pack's checkpoints, about 24 MiB a trial, cannot travel
 # back, and writing gigabytes of them could outlast the SIGTERM's grace), so a lease keeps only the trials that
 # finish inside it: packs small enough that a trial's 26 to 100 epochs end within one lease's study, rather than the
-# pack ``--pack auto`` finds fastest (all 500 at once, measured on an H200: none finished in a lease).
+# pack ``--pack auto`` finds fastest (all 500 at once, measured on an H200: none finished in a lease). With at most
+# 320 trials left, one pack of 256: no trial waits for a slot, and the pack shrinks as they end
+# (``benchmarks/lease_plan.py``: more of them complete in a lease than in packs of 128).
 GPU = Sizes("256", 500, ["--device", "cuda"], ["--trainer.accelerator=gpu", "--model.matmul_precision=high",
                                                "--pack=128", "--no-checkpoints"], ["--device", "cuda"],
             {"install": 40, "tests": 180, "bench": 100, "report": 30, "bootstrap": 30},
-            drain=120)  # a trial's 26 epochs at least (33 the fewest seen), a pack of 128's about 4 s each (H200)
+            drain=120,  # a trial's 26 epochs at least (33 the fewest seen), a pack of 128's about 4 s each (H200)
+            last_pack=256)
 # the interpreter's pace: each program of a kernel costs milliseconds, each 1,024 parameters one Adam program
 TINY = "--data.batch_size=8 --model.n_experts=4 --model.embedding_dim=4 --model.expert_units=8 --model.tower_units=8"
 DRY = Sizes("2", 2, ["--limit-batches", "1", "--profile-steps", "1", "--adam-repeats", "3", f"--trial-args={TINY}"],
@@ -430,15 +443,17 @@ def run(out: Path, sizes: Sizes, study_dir: Path, dry_run: bool = False, chosen:
     before = study_state(journal, env)
     study_budget = int(sizes.total - (time.perf_counter() - start) - reserved("study") - 10)
     timeout = max(1, study_budget - sizes.stop - sizes.drain)  # the trials claimed later could not finish
+    tune_args = study_args(sizes, before.get("trials_complete") or 0)
     tune = step("study", [python, "-m", "mtmoe", "tune", "--gate", GATE, "--data", DATASET, "--trials",
                           str(sizes.trials), "--storage", storage, "--log-dir", str(scratch / "runs"),
-                          "--timeout", str(timeout), *sizes.tune_args], study_budget, sizes.stop,
+                          "--timeout", str(timeout), *tune_args], study_budget, sizes.stop,
                 stop_early=sizes.stop)
     after = study_state(journal, env)
     trained = (after.get("trial_epochs") or 0) - (before.get("trial_epochs") or 0)  # interrupted trials' included
     summary["study"] = {"journal": str(journal), "target": sizes.trials, "before": before, **after,
                         "wall_s": tune.seconds,
                         "status": tune.status, "timeout_s": timeout,
+                        "pack": next((a.split("=", 1)[1] for a in tune_args if a.startswith("--pack=")), None),
                         "trial_epochs_per_hour": round(trained / tune.seconds * 3600) if tune.seconds else None}
     summary["trials_complete"], summary["wall_s"] = after.get("trials_complete"), tune.seconds
     summary["study"]["checkpoints"] = return_checkpoints(study_dir, out)
@@ -503,7 +518,7 @@ def short_table(summary: dict) -> str:
                   f"({study['before'].get('trials_complete')} before this run; {study.get('trials_failed')} "
                   f"attempts failed or interrupted, run again by the next run), mean epochs "
                   f"{'n/a' if mean_epochs is None else f'{mean_epochs:.1f}'}, {study['wall_s']:.0f} s this run "
-                  f"({study['status']}), "
+                  f"({study['status']}) in packs of {study.get('pack')}, "
                   f"{study.get('trial_epochs_per_hour')} trial-epochs per hour (set-up included)"]
     saved = study.get("checkpoints", {})
     if saved.get("files"):

@@ -59,6 +59,7 @@ def test_the_dry_run_runs_every_step_and_writes_the_summary(tmp_path: Path) -> N
     trials = gpu_check.DRY.trials  # of the study's target, not of every attempt in the storage
     assert f"study: {trials} of its {trials} trials complete (0 before this run; 0 attempts failed" in \
         (tmp_path / "summary.md").read_text()
+    assert summary["study"]["pack"] == "2" and "in packs of 2," in (tmp_path / "summary.md").read_text()
     assert summary["device"] and summary["commit"] and summary["tests"]["line"]
     assert {row["precision"] for row in summary["throughput"]} == set(gpu_check.GPU_PRECISIONS)
     assert {row["precision"] for row in summary["profile"]} == set(gpu_check.GPU_PRECISIONS)
@@ -115,6 +116,18 @@ def test_the_studys_checkpoints_come_back_only_within_the_returned_file_limit(tm
     monkeypatch.setattr(gpu_check, "RETURN_LIMIT", 999)
     assert gpu_check.return_checkpoints(study, out)["returned"] is False
     assert not list(out.iterdir())
+
+
+def test_the_study_runs_in_one_last_pack_once_nearly_all_its_trials_left_fit_in_it() -> None:
+    """Packs of 128 while more than 5/4 of 256 trials are left to run; then one pack of 256 (the lease's study)."""
+    def pack(complete: int) -> list[str]:
+        return [arg for arg in gpu_check.study_args(gpu_check.GPU, complete) if arg.startswith("--pack")]
+
+    assert pack(0) == pack(179) == ["--pack=128"]  # 321 left
+    assert pack(180) == pack(234) == pack(499) == ["--pack=256"]
+    others = [a for a in gpu_check.study_args(gpu_check.GPU, 234) if not a.startswith("--pack")]
+    assert others == [a for a in gpu_check.GPU.tune_args if not a.startswith("--pack")]
+    assert gpu_check.study_args(gpu_check.DRY, 1) == gpu_check.DRY.tune_args  # no last pack: as given
 
 
 def test_gather_restores_the_newest_committed_study_unless_one_is_there(tmp_path: Path) -> None:

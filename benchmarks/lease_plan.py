@@ -1,0 +1,158 @@
+"""How many of a study's waiting trials one lease's study call completes, by pack size: a model, to choose
+``gpu_check.py``'s pack and drain from what earlier leases measured (an estimate, not a measurement).
+
+    python benchmarks/lease_plan.py                     # the kept journal and logs of docs/results/gpu-*/
+    python benchmarks/lease_plan.py --packs 128,256 --drains 120,200 --total 585
+
+* **Epochs per trial**: the Kaplan-Meier estimate from the study's journal: a complete trial's epochs are an
+  event, a failed (interrupted) trial's epochs so far a censored observation. The complete trials alone are biased
+  short: the long ones are those a lease's end cut off.
+* **A pack epoch's seconds**: ``a + b * P``, least squares over the study logs' progress lines (pairs of "pack
+  epoch E done" lines at the same pack size P, after the first 3 epochs: the captures), the trials' set-ups, test
+  passes and the pack's shrinking included as they happened.
+* **The call**: ``gpu_check.py run --steps S --total T``: the study's budget is T less 10 s and, where S has them,
+  report's and bootstrap's (each with its kill grace); ``tune`` stops claiming ``drain`` seconds before its SIGTERM, which comes
+  ``stop`` seconds before the budget's end; a trial unfinished then is lost (no checkpoints travel). The pack starts
+  with ``min(P, waiting)`` trials, refills a freed slot while it may claim, and shrinks to its running trials once a
+  quarter of it is free with nothing to claim (``mtmoe.lit.module``), as ``tune`` does.
+
+Prints, per pack and drain, the trials completed (mean and 10th percentile over ``--draws`` simulated calls).
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import random
+import re
+import statistics
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import gpu_check  # noqa: E402  (the lease's sizes; the kept folders' order)
+
+RESULTS = gpu_check.ROOT / "docs" / "results"
+PROGRESS = re.compile(r"pack of (\d+), pack epoch (\d+) done, elapsed (\d+)h(\d+)m(\d+)s")
+STARTUP_S = 10.0  # tune's start before its first claim: the storage, the data, the plan
+SETUP_S = 0.04  # a trial's claim, build and load into a slot (bench_packs.py --setup, this VM's order)
+
+
+def trial_epochs(journal: Path) -> tuple[list[int], list[int]]:
+    """The epochs of the complete trials and of the failed ones (so far)."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    with tempfile.TemporaryDirectory() as scratch:
+        plain = Path(scratch) / "study.journal"
+        plain.write_bytes(gzip.decompress(journal.read_bytes()) if journal.suffix == ".gz" else journal.read_bytes())
+        storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(plain)))
+        (name,) = optuna.get_all_study_names(storage)
+        trials = optuna.load_study(study_name=name, storage=storage).get_trials(deepcopy=False)
+    epochs = {state: [len(t.intermediate_values) for t in trials if t.state.name == state]
+              for state in ("COMPLETE", "FAIL")}
+    return epochs["COMPLETE"], [e for e in epochs["FAIL"] if e > 0]
+
+
+def kaplan_meier(events: list[int], censored: list[int]) -> list[tuple[int, float]]:
+    """``(epochs, probability)`` of a trial's epochs: the Kaplan-Meier estimate's steps; the mass left after the last
+    event goes to the last event's epochs (a trial stops at ``max_epochs`` at most)."""
+    survival, steps = 1.0, []
+    times = sorted(set(events))
+    for time in times:
+        at_risk = sum(e >= time for e in events) + sum(c >= time for c in censored)
+        ended = events.count(time)
+        steps.append((time, survival * ended / at_risk))
+        survival *= 1 - ended / at_risk
+    last, mass = steps[-1]
+    steps[-1] = (last, mass + survival)
+    return steps
+
+
+def epoch_model(logs: list[str]) -> tuple[float, float, int]:
+    """``a, b`` of a pack epoch's ``a + b * P`` seconds, least squares over the logs' intervals, and their number."""
+    points = []
+    for log in logs:
+        lines = [(int(p), int(e), 3600 * int(h) + 60 * int(m) + int(s)) for p, e, h, m, s in PROGRESS.findall(log)]
+        for (p0, e0, t0), (p1, e1, t1) in zip(lines, lines[1:]):
+            if p0 == p1 and e0 > 3 and e1 > e0:
+                points += [(p1, (t1 - t0) / (e1 - e0))] * (e1 - e0)
+    if len({p for p, _ in points}) < 2:
+        sys.exit("error: the study logs hold epochs of fewer than 2 pack sizes: no model of a pack epoch's time")
+    mean_p, mean_t = statistics.fmean(p for p, _ in points), statistics.fmean(t for _, t in points)
+    b = (sum((p - mean_p) * (t - mean_t) for p, t in points) / sum((p - mean_p) ** 2 for p, _ in points))
+    return mean_t - b * mean_p, b, len(points)
+
+
+def completed(pack: int, epochs: list[int], claim_s: float, stop_s: float, a: float, b: float) -> int:
+    """Trials of ``epochs`` (in claim order) complete within ``stop_s`` seconds of a call, ``tune``'s way."""
+    waiting, now, capacity, running, done = list(epochs), STARTUP_S, pack, [], 0
+
+    def refill() -> None:
+        nonlocal now
+        while waiting and len(running) < capacity and now < claim_s:
+            running.append(waiting.pop())
+            now += SETUP_S
+
+    refill()
+    while running and now + a + b * capacity <= stop_s:
+        now += a + b * capacity
+        running = [left - 1 for left in running]
+        done += running.count(0)
+        running = [left for left in running if left]
+        refill()
+        if 4 * (capacity - len(running)) >= capacity and not (waiting and now < claim_s):
+            capacity = len(running)
+    return done
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--journal", type=Path, default=None,
+                        help="the study's journal (.gz or plain; default: the newest kept in docs/results/gpu-*/)")
+    parser.add_argument("--packs", default="96,128,192,256")
+    parser.add_argument("--drains", default=str(gpu_check.GPU.drain), help="tune stops claiming this long before "
+                        "its SIGTERM, seconds (comma-separated to compare)")
+    parser.add_argument("--total", type=int, default=585, help="gpu_check.py run --total of the call")
+    parser.add_argument("--steps", default="study,report,bootstrap", help="gpu_check.py run --steps of the call "
+                        "(report and bootstrap keep their budgets after the study)")
+    parser.add_argument("--to-run", type=int, default=None, help="trials left to run (default: the study's "
+                        "500 less its complete ones)")
+    parser.add_argument("--draws", type=int, default=200)
+    args = parser.parse_args()
+    folders = sorted((p for p in RESULTS.glob("gpu-*") if p.is_dir()), key=lambda p: gpu_check.lease_order(p.name))
+    journal = args.journal or next((f / "study.journal.gz" for f in reversed(folders)
+                                    if (f / "study.journal.gz").is_file()), None)
+    if journal is None or not journal.is_file():
+        sys.exit(f"error: no study journal at {journal or RESULTS / 'gpu-*/study.journal.gz'}: give --journal PATH")
+    logs = []
+    for archive in (a for f in folders for a in sorted(f.glob("call*-logs.tar.gz"))):
+        with tarfile.open(archive) as tar:
+            logs += [tar.extractfile(m).read().decode() for m in tar.getmembers() if m.name.endswith("study.log")]
+    events, censored = trial_epochs(journal)
+    waiting = args.to_run if args.to_run is not None else gpu_check.GPU.trials - len(events)  # failed ones rerun
+    a, b, intervals = epoch_model(logs)
+    distribution = kaplan_meier(events, censored)
+    mean = sum(e * p for e, p in distribution)
+    budgets = gpu_check.GPU.budgets
+    study_s = args.total - 10 - sum(budgets[later] + gpu_check.KILL_GRACE for later in ("report", "bootstrap")
+                                    if later in args.steps.split(","))
+    stop_s = study_s - gpu_check.GPU.stop
+    print(f"{journal}: {len(events)} complete, {len(censored)} failed, {waiting} to run; epochs per trial "
+          f"{statistics.fmean(events):.1f} (complete ones), {mean:.1f} (Kaplan-Meier)")
+    print(f"a pack epoch: {a:.2f} + {b:.4f} x P seconds ({intervals} epochs of {len(logs)} study logs); "
+          f"the study's {study_s} s, SIGTERM at {stop_s} s")
+    print("| pack | drain (s) | trials complete, mean | 10th percentile |\n|---|---|---|---|")
+    rng = random.Random(0)
+    values, weights = zip(*distribution)
+    draws = [rng.choices(values, weights, k=waiting) for _ in range(args.draws)]
+    for pack in (int(p) for p in args.packs.split(",")):
+        for drain in (int(d) for d in args.drains.split(",")):
+            done = sorted(completed(pack, epochs, stop_s - drain, stop_s, a, b) for epochs in draws)
+            print(f"| {pack} | {drain} | {statistics.fmean(done):.0f} of {waiting} | {done[len(done) // 10]} |")
+
+
+if __name__ == "__main__":
+    main()
