@@ -120,6 +120,8 @@ def main() -> None:
                         "(report and bootstrap keep their budgets after the study)")
     parser.add_argument("--to-run", type=int, default=None, help="trials left to run (default: the study's "
                         "500 less its complete ones)")
+    parser.add_argument("--epoch-s", default=None, help="A,B: a pack epoch's A + B x P seconds instead of the fit "
+                        "to the logs (another GPU's, say)")
     parser.add_argument("--draws", type=int, default=200)
     args = parser.parse_args()
     folders = sorted((p for p in RESULTS.glob("gpu-*") if p.is_dir()), key=lambda p: gpu_check.lease_order(p.name))
@@ -134,6 +136,8 @@ def main() -> None:
     events, censored = trial_epochs(journal)
     waiting = args.to_run if args.to_run is not None else gpu_check.GPU.trials - len(events)  # failed ones rerun
     a, b, intervals = epoch_model(logs)
+    if args.epoch_s is not None:
+        a, b = (float(x) for x in args.epoch_s.split(","))
     distribution = kaplan_meier(events, censored)
     mean = sum(e * p for e, p in distribution)
     budgets = gpu_check.GPU.budgets
@@ -142,7 +146,8 @@ def main() -> None:
     stop_s = study_s - gpu_check.GPU.stop
     print(f"{journal}: {len(events)} complete, {len(censored)} failed, {waiting} to run; epochs per trial "
           f"{statistics.fmean(events):.1f} (complete ones), {mean:.1f} (Kaplan-Meier)")
-    print(f"a pack epoch: {a:.2f} + {b:.4f} x P seconds ({intervals} epochs of {len(logs)} study logs); "
+    fitted = "--epoch-s" if args.epoch_s is not None else f"{intervals} epochs of {len(logs)} study logs"
+    print(f"a pack epoch: {a:.2f} + {b:.4f} x P seconds ({fitted}); "
           f"the study's {study_s} s, SIGTERM at {stop_s} s")
     print("| pack | drain (s) | trials complete, mean | 10th percentile |\n|---|---|---|---|")
     rng = random.Random(0)
