@@ -22,7 +22,7 @@ Distributions (objective-like: a floor and a right tail): ``normal`` 0.45 + 0.01
 scale 0.02), the tests' model of a study; ``lomax`` 0.40 + 0.01 Lomax(1.5), a heavy tail (infinite variance);
 ``discrete`` a fifth of the configurations collapsed to 0.69, the others 0.40 + Gamma(1.5, 0.02) rounded to 3 decimals
 (ties, as in real objectives). Prints a Markdown table and writes it with a JSON copy to
-``benchmarks/out/band_coverage.{md,json}``.
+``benchmarks/out/band_coverage.{md,json}`` (``--out DIR``: to DIR).
 """
 from __future__ import annotations
 
@@ -167,6 +167,8 @@ def main() -> None:
     parser.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples per study")
     parser.add_argument("--draws", type=int, default=1000, help="Appendix F's draws per budget")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=OUT, help="folder of band_coverage.{md,json} "
+                        "(default: benchmarks/out)")
     args = parser.parse_args()
     start = time.perf_counter()
     rows = []
@@ -187,9 +189,10 @@ def main() -> None:
               f"{cell(r['bootstrap_expected'])} | {cell(r['appendix_f'])} |" for r in rows]
     text = "\n".join(lines) + "\n"
     print(text, end="")
-    OUT.mkdir(exist_ok=True)
-    write_atomic(text, OUT / "band_coverage.md")
-    write_atomic(json.dumps({"args": vars(args), "band": BAND, "rows": rows}, indent=1), OUT / "band_coverage.json")
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_atomic(text, args.out / "band_coverage.md")
+    write_atomic(json.dumps({"args": {**vars(args), "out": str(args.out)}, "band": BAND, "rows": rows}, indent=1),
+                 args.out / "band_coverage.json")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ of ``--repeats`` runs after one warm-up run; "nested" is the default resampling,
 last column checks the draws: the largest |Monte-Carlo mean - closed form| over all budgets and studies, in
 standard errors of the mean.
 
-Prints a Markdown table and writes it with a JSON copy to ``benchmarks/out/bootstrap.{md,json}``.
+Prints a Markdown table and writes it with a JSON copy to ``benchmarks/out/bootstrap.{md,json}`` (``--out DIR``:
+to DIR).
 """
 from __future__ import annotations
 
@@ -77,6 +78,7 @@ def main() -> None:
     parser.add_argument("--draws", type=int, default=1000)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--devices", default="cpu", help="comma-separated torch devices")
+    parser.add_argument("--out", type=Path, default=OUT, help="folder of bootstrap.{md,json} (default: benchmarks/out)")
     args = parser.parse_args()
 
     trials = synthetic_trials(args.gates, args.trials)
@@ -116,9 +118,9 @@ def main() -> None:
               f"{r['curves_s']:.3f} | {r['factors_s']:.3f} | {r['max_z']:.2f} |" for r in rows]
     text = "\n".join(lines) + "\n"
     print(text, end="")
-    OUT.mkdir(exist_ok=True)
-    write_atomic(text, OUT / "bootstrap.md")
-    write_atomic(json.dumps({"setup": header, "rows": rows}, indent=2) + "\n", OUT / "bootstrap.json")
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_atomic(text, args.out / "bootstrap.md")
+    write_atomic(json.dumps({"setup": header, "rows": rows}, indent=2) + "\n", args.out / "bootstrap.json")
 
 
 if __name__ == "__main__":

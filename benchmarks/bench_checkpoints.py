@@ -44,6 +44,7 @@ def main() -> None:
         write_cpu, write_wall = time.process_time() - cpu, time.perf_counter() - wall
         size = checkpoints.path.stat().st_size
         checkpoints.clear()
+        checkpoints.folder.rmdir()
         print(f"P={capacity}: epoch-end copy {copy_cpu:.2f} s CPU ({copy_wall:.2f} s wall); file {size / 2**20:.0f} "
               f"MiB ({size / capacity / 2**20:.1f} MiB a trial) written in {write_cpu:.2f} s CPU ({write_wall:.2f} s "
               "wall)")

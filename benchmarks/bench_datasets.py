@@ -9,7 +9,7 @@ backward, Adam, metrics; validation off) on the last of ``--epochs`` epochs, the
 ``--batches N`` an epoch is cut to N steps and the full epoch is extrapolated as N-step time x steps per epoch
 (marked "extrapolated"); without it the whole epoch is timed. Inference samples/s: eval-mode forward passes over
 (at most ``--batches``) test batches of 1024. Prints a Markdown table and writes it, with a JSON copy, to
-``benchmarks/out/datasets-<device>.md``.
+``benchmarks/out/datasets-<device>.md`` (``--out DIR``: to DIR).
 
 Where the real files are not at hand, ``--root`` points at files written in the official formats (e.g. by
 ``tests/image_fixtures.py``), and ``--train-rows N`` extrapolates the epoch to the real training split's N rows
@@ -103,6 +103,8 @@ def main() -> None:
     parser.add_argument("--root", default=None, help="data root (default: $MTMOE_DATA)")
     parser.add_argument("--train-rows", type=int, default=None, help="the real training split's size, when --root "
                         "holds a smaller one (with --batches)")
+    parser.add_argument("--out", type=Path, default=OUT, help="folder of datasets-<device>.{md,json} "
+                        "(default: benchmarks/out)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one dataset in this process
     args = parser.parse_args()
     if args.train_rows is not None and (args.train_rows < 1 or not args.batches or "," in (args.one or args.data)):
@@ -144,9 +146,9 @@ def main() -> None:
         )
     table = "\n".join(lines)
     print(table)
-    OUT.mkdir(exist_ok=True)
-    write_atomic(table + "\n", OUT / f"datasets-{args.device}.md")
-    write_atomic(json.dumps(rows, indent=2) + "\n", OUT / f"datasets-{args.device}.json")
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_atomic(table + "\n", args.out / f"datasets-{args.device}.md")
+    write_atomic(json.dumps(rows, indent=2) + "\n", args.out / f"datasets-{args.device}.json")
 
 
 if __name__ == "__main__":

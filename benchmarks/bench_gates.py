@@ -14,7 +14,7 @@ Each gate runs in its own subprocess (so peak RSS is per gate). The epoch time i
 warms up); validation is switched off while timing. A name ending in "+" times the local-search variant with the
 permutation window covering every timed epoch (E_perm = --epochs), i.e. the Sinkhorn phase, the costly one; after
 the window a "+" step is the base gate's step with a cached matrix. Prints a Markdown table and writes it with a
-JSON copy to ``benchmarks/out/``.
+JSON copy to ``benchmarks/out/`` (``--out DIR``: to DIR).
 """
 from __future__ import annotations
 
@@ -120,19 +120,21 @@ def run_one(gate: str, epochs: int, device: str, data_name: str, batch_size: int
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--gates", default=None, help="comma-separated gate names (default: every registered gate)")
+    parser.add_argument("--gates", default=None, help="comma-separated gate names (default: every registered gate, "
+                        "each with its '+' where it has one)")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--data", default="movielens-100k", help="a registered dataset (default: movielens-100k)")
     parser.add_argument("--batch-size", type=int, default=None, help="default: the paper's for the dataset")
     parser.add_argument("--limit-batches", type=int, default=None, help="time only the first N steps of each epoch")
+    parser.add_argument("--out", type=Path, default=OUT, help="folder of gates-*.{md,json} (default: benchmarks/out)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one gate in this process
     args = parser.parse_args()
     if args.one:
         print(json.dumps(run_one(args.one, args.epochs, args.device, args.data, args.batch_size, args.limit_batches)))
         return
     from mtmoe.data import DATASETS
-    from mtmoe.gates import list_gates
+    from mtmoe.gates import gate_variants
 
     if args.data not in DATASETS:
         parser.error(f"unknown dataset {args.data!r}; valid datasets: {', '.join(sorted(DATASETS))}")
@@ -140,7 +142,7 @@ def main() -> None:
     options += [] if args.batch_size is None else ["--batch-size", str(args.batch_size)]
     options += [] if args.limit_batches is None else ["--limit-batches", str(args.limit_batches)]
 
-    gates = args.gates.split(",") if args.gates else [g + plus for g in list_gates() for plus in ("", "+")]
+    gates = args.gates.split(",") if args.gates else gate_variants()  # a "+" only where the gate has one
     rows = []
     for gate in gates:
         proc = subprocess.run(
@@ -173,10 +175,10 @@ def main() -> None:
         )
     table = "\n".join(lines)
     print(table)
-    OUT.mkdir(exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
     stem = f"gates-{args.device}" if args.data == "movielens-100k" else f"gates-{args.data}-{args.device}"
-    write_atomic(table + "\n", OUT / f"{stem}.md")
-    write_atomic(json.dumps(rows, indent=2) + "\n", OUT / f"{stem}.json")
+    write_atomic(table + "\n", args.out / f"{stem}.md")
+    write_atomic(json.dumps(rows, indent=2) + "\n", args.out / f"{stem}.json")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ its median width, how often it is unbounded, and how often no noisy quadratic fi
 Distributions: ``nq`` opda's ``NoisyQuadraticDistribution(a=0.40, b=0.70, c=2, o=0.003, convex)``, the model itself
 (best 0.40); ``nq-c1`` the same with c = 1 and o = 0.001; ``lognormal`` 0.40 + 0.02 LogNormal(0, 0.5), not a noisy
 quadratic (its CDF leaves 0.40 faster than any power: best 0.40, never approached closely). Prints a Markdown table
-and writes it with a JSON copy to ``benchmarks/out/parametric_coverage.{md,json}``.
+and writes it with a JSON copy to ``benchmarks/out/parametric_coverage.{md,json}`` (``--out DIR``: to DIR).
 """
 from __future__ import annotations
 
@@ -58,6 +58,8 @@ def main() -> None:
     parser.add_argument("--confidence", type=float, default=0.95)
     parser.add_argument("--dims", type=int, default=2, help="hyperparameters tuned: c is at most this")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=OUT, help="folder of parametric_coverage.{md,json} "
+                        "(default: benchmarks/out)")
     args = parser.parse_args()
     rows = []
     start = time.perf_counter()
@@ -91,9 +93,10 @@ def main() -> None:
               for r in rows]
     text = "\n".join(lines) + "\n"
     print(text)
-    OUT.mkdir(exist_ok=True)
-    write_atomic(text, OUT / "parametric_coverage.md")
-    write_atomic(json.dumps({"args": vars(args), "rows": rows}, indent=1), OUT / "parametric_coverage.json")
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_atomic(text, args.out / "parametric_coverage.md")
+    write_atomic(json.dumps({"args": {**vars(args), "out": str(args.out)}, "rows": rows}, indent=1),
+                 args.out / "parametric_coverage.json")
 
 
 if __name__ == "__main__":

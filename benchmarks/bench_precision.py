@@ -5,10 +5,10 @@ MovieLens-100K trained as one pack in float32 and in a lower precision, and in f
         --train-batches 10 --val-batches 4 --lower bf16-mixed
 
 Each configuration's objective is the study's (the validation loss at its early-stopping best epoch). Printed and
-written to ``benchmarks/out/precision.{md,json}``: the largest and median difference between the two precisions
-(same seeds), the seed-noise spread (the same differences between two seeds in float32), the spread between
-configurations (standard deviation and range of the float32 objectives), and Spearman's rank correlation of the
-objectives between the precisions and between the seeds. ``--lower`` is ``bf16-mixed`` (autocast; any device) or
+written to ``benchmarks/out/precision.{md,json}`` (``--out DIR``: to DIR): the largest and median difference between
+the two precisions (same seeds), the seed-noise spread (the same differences between two seeds in float32), the
+spread between configurations (standard deviation and range of the float32 objectives), and Spearman's rank
+correlation of the objectives between the precisions and between the seeds. ``--lower`` is ``bf16-mixed`` (autocast; any device) or
 ``high`` (``--model.matmul_precision high``: TF32 matmuls on an Ampere or later GPU; see
 :mod:`mtmoe.pack.precision` for CPUs).
 """
@@ -20,6 +20,7 @@ import os
 import platform
 import statistics
 import time
+from pathlib import Path
 
 import torch
 from scipy.stats import spearmanr
@@ -70,6 +71,7 @@ def main() -> None:
     parser.add_argument("--val-batches", type=int, default=4)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--lower", default="bf16-mixed", choices=["bf16-mixed", "high"])
+    parser.add_argument("--out", type=Path, default=OUT, help="folder of precision.{md,json} (default: benchmarks/out)")
     args = parser.parse_args()
     where = (torch.cuda.get_device_name() if args.device == "cuda"
              else f"CPU {platform.machine()}, {torch.get_num_threads()} threads")
@@ -84,7 +86,8 @@ def main() -> None:
     seeds = [abs(fp32[i] - reseeded[i]) for i in kept]
     values = [fp32[i] for i in kept]
     summary = {
-        "where": where, "torch": torch.__version__, "settings": vars(args), "configurations": len(kept),
+        "where": where, "torch": torch.__version__, "settings": {**vars(args), "out": str(args.out)},
+        "configurations": len(kept),
         "seconds": {name: run[1] for name, run in runs.items()},
         "precision_max": max(precision), "precision_median": statistics.median(precision),
         "seed_max": max(seeds), "seed_median": statistics.median(seeds),
@@ -106,9 +109,9 @@ def main() -> None:
              f"{summary['configs_range']:.3e}. Seconds per run: "
              + ", ".join(f"{name} {seconds:.0f}" for name, seconds in summary["seconds"].items())]
     print(*table, sep="\n", flush=True)
-    OUT.mkdir(exist_ok=True)
-    write_atomic("\n".join(table) + "\n", OUT / "precision.md")
-    write_atomic(json.dumps(summary, indent=2) + "\n", OUT / "precision.json")
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_atomic("\n".join(table) + "\n", args.out / "precision.md")
+    write_atomic(json.dumps(summary, indent=2) + "\n", args.out / "precision.json")
 
 
 if __name__ == "__main__":

@@ -24,8 +24,11 @@ would take at the paper's settings (extrapolated, not measured).
    with patience 25 and at most 100 epochs puts it in [26, 100]. Both ends are printed; 100 is an upper bound. For
    "+" gates the timed epochs are inside the permutation window (E_perm = --epochs), the costlier phase, so their
    figure is an upper bound too. Workers are assumed to scale linearly (check against part 1).
+   ``--limit-batches N`` cuts each timed epoch (and the test) to N batches: a smoke run of the script, whose hours
+   are then not the paper's (the table says so).
 
-Prints Markdown tables and writes them with a JSON copy to ``benchmarks/out/tuning.{md,json}``.
+Prints Markdown tables and writes them with a JSON copy to ``benchmarks/out/tuning.{md,json}`` (``--out DIR``: to
+DIR).
 """
 from __future__ import annotations
 
@@ -91,7 +94,7 @@ def warm_data_cache(gate: str, data_root: str | None) -> None:
         run.datamodule.setup("fit")
 
 
-def epoch_cost(gate: str, epochs: int, data_root: str | None) -> dict:
+def epoch_cost(gate: str, epochs: int, data_root: str | None, limit: int | None = None) -> dict:
     """In this process: one configuration of the gate's space at the paper's settings, ``epochs`` epochs, timed."""
     from mtmoe.lit.callbacks import EpochTimer  # an epoch ends after its validation
     from mtmoe.run import build_run
@@ -105,6 +108,7 @@ def epoch_cost(gate: str, epochs: int, data_root: str | None) -> dict:
     overrides = [f"--trainer.max_epochs={epochs}", "--early_stopping.patience=1000"]
     overrides += [f"--model.perm_epochs={epochs}"] if split_gate_name(gate)[1] else []
     overrides += [f"--data.root={data_root}"] if data_root else []
+    overrides += [f"--trainer.limit_{split}_batches={limit}" for split in ("train", "val", "test")] if limit else []
     with tempfile.TemporaryDirectory() as scratch:
         start = time.perf_counter()
         run = build_run(cli_args(space, params, overrides, 0, Path(scratch)))
@@ -128,25 +132,28 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=16, help="trials per throughput study")
     parser.add_argument("--workers", default="1,2", help="comma-separated worker counts")
     parser.add_argument("--gate", default="topk", help="gate of the throughput studies")
-    parser.add_argument("--gates", default=None, help="gates to extrapolate (default: all, with '+' variants)")
+    parser.add_argument("--gates", default=None, help="gates to extrapolate (default: all, with their '+' variants)")
     parser.add_argument("--epochs", type=int, default=3, help="epochs timed per gate for the extrapolation")
+    parser.add_argument("--limit-batches", type=int, default=None, help="extrapolation: cut each timed epoch and the "
+                        "test to N batches (a smoke run; the hours are then not the paper's)")
     parser.add_argument("--storage", default=None, help="RDB URL (default: a JournalStorage file per study)")
     parser.add_argument("--data-root", default=None, help="default: $MTMOE_DATA")
     parser.add_argument("--skip-throughput", action="store_true")
     parser.add_argument("--skip-extrapolation", action="store_true")
+    parser.add_argument("--out", type=Path, default=OUT, help="folder of tuning.{md,json} (default: benchmarks/out)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: time one gate in this process
     parser.add_argument("--warm", help=argparse.SUPPRESS)  # internal: build the data cache
     args, overrides = parser.parse_known_args()
     overrides = [o for o in overrides if o != "--"] or ["--trainer.max_epochs=1"]
     if args.one:
-        print(json.dumps(epoch_cost(args.one, args.epochs, args.data_root)))
+        print(json.dumps(epoch_cost(args.one, args.epochs, args.data_root, args.limit_batches)))
         return
     if args.warm:
         warm_data_cache(args.warm, args.data_root)
         return
     import torch
 
-    from mtmoe.gates import list_gates
+    from mtmoe.gates import gate_variants
 
     machine = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
                f"load average {os.getloadavg()[0]:.1f} at start")
@@ -173,9 +180,10 @@ def main() -> None:
                          f"| {r['trials_per_hour_in_study']:.0f} | {r['mean_trial_s']:.1f} |")
         lines.append("")
     if not args.skip_extrapolation:
-        gates = args.gates.split(",") if args.gates else [g + p for g in list_gates() for p in ("", "+")]
+        gates = args.gates.split(",") if args.gates else gate_variants()  # a "+" only where the gate has one
         for gate in gates:
             proc = subprocess.run([sys.executable, __file__, "--one", gate, "--epochs", str(args.epochs),
+                                   *(["--limit-batches", str(args.limit_batches)] if args.limit_batches else []),
                                    *(["--data-root", args.data_root] if args.data_root else [])],
                                   cwd=ROOT, capture_output=True, text=True)
             if proc.returncode != 0:
@@ -191,7 +199,9 @@ def main() -> None:
             f"at the paper's settings (batch 512, 16 experts), mean of epochs 2..{args.epochs}; fixed = data, model, "
             f"test. E = epochs a trial runs: unknown without running the study; early stopping (patience {PATIENCE}, "
             f"at most {MAX_EPOCHS} epochs) puts it in [{low}, {MAX_EPOCHS}], {MAX_EPOCHS} an upper bound. '+' gates: "
-            "epochs timed inside the permutation window (upper bound). Linear scaling in workers assumed.",
+            "epochs timed inside the permutation window (upper bound). Linear scaling in workers assumed."
+            + (f" A smoke run: epochs and test cut to {args.limit_batches} batches (--limit-batches), so these are not "
+               "the paper's hours." if args.limit_batches else ""),
             "",
             f"| gate | epoch (s) | fixed (s) | 1 worker, E={low} (h) | 1 worker, E={MAX_EPOCHS} (h) "
             f"| 2 workers, E={low} (h) | 2 workers, E={MAX_EPOCHS} (h) |",
@@ -204,9 +214,9 @@ def main() -> None:
                          f"| {h[f'1w_E{MAX_EPOCHS}']:.1f} | {h[f'2w_E{low}']:.1f} | {h[f'2w_E{MAX_EPOCHS}']:.1f} |")
     table = "\n".join(lines)
     print(table)
-    OUT.mkdir(exist_ok=True)
-    write_atomic(table + "\n", OUT / "tuning.md")
-    write_atomic(json.dumps(report, indent=2, default=str) + "\n", OUT / "tuning.json")
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_atomic(table + "\n", args.out / "tuning.md")
+    write_atomic(json.dumps(report, indent=2, default=str) + "\n", args.out / "tuning.json")
 
 
 if __name__ == "__main__":
