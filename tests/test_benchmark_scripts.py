@@ -98,6 +98,20 @@ CASES = [
 ]
 
 
+RUN_ELSEWHERE = ("bench_packs", "bench_local_search", "compare_gates", "gpu_check", "pytest_cpu_time", "reference_runs",
+                 "lease_plan")  # the module docstring says where
+
+
+def test_every_benchmark_script_is_run_here_or_by_a_test_file_of_its_own() -> None:
+    """A new script in ``benchmarks/`` needs a case here or a test that runs it (and is named above)."""
+    scripts = {path.stem for path in (ROOT / "benchmarks").glob("*.py")}
+    here = {case.values[0] for case in CASES}
+    assert scripts == here | set(RUN_ELSEWHERE), (scripts - here - set(RUN_ELSEWHERE), set(RUN_ELSEWHERE) - scripts)
+    tests = [path.read_text() for path in (ROOT / "tests").glob("test_*.py") if path.name != Path(__file__).name]
+    assert [name for name in RUN_ELSEWHERE if not any(f"{name}.py" in text or f"import {name}" in text
+                                                      for text in tests)] == []
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("script, args, lines, written, data, seconds", CASES)
 def test_the_script_runs_at_a_tiny_size(script: str, args: list[str], lines: list[str], written: list[str],
