@@ -19,7 +19,8 @@ running trials are marked interrupted, to rerun from their first epoch: :data:`G
 could not travel), its journal comes back in DIR, and carried to the next lease it resumes. A study run with
 checkpoints (another ``tune_args``) leaves them in ``.gpu/study/checkpoints/``, returned when small enough. DIR
 receives ``summary.json``, ``summary.md`` (the short table, also printed last), ``logs.tar.gz`` (every step's full
-log), ``study.journal``, ``checkpoints.tar.gz`` (if the study left any and the archive is within
+log), ``study.journal.gz`` (the journal gzipped: a file comes back only under 16 MiB), ``checkpoints.tar.gz`` (if
+the study left any and the archive is within
 :data:`RETURN_LIMIT`), ``report.md`` and ``results.tar.gz`` (the report's and the bootstrap's folders): at most 8
 files, as the device tool returns.
 
@@ -30,6 +31,7 @@ study in a temporary folder rather than ``.gpu/study``, and the modules of :data
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import re
@@ -155,8 +157,6 @@ def restore_study(study_dir: Path, results: Path) -> Path | None:
     """The study's storage as the last lease left it: where ``study_dir`` holds no journal, the newest committed
     ``results/gpu-<date>[-...]/study.journal.gz`` unpacked there (a lease resumes the study, it does not start it
     again); the journal restored, or ``None``."""
-    import gzip
-
     journal = study_journal(study_dir)
     saved = sorted(results.glob("gpu-*/study.journal.gz"), key=lambda path: lease_order(path.parent.name))
     if journal.exists() or not saved:
@@ -214,10 +214,8 @@ def keep(calls: list[Path], results: Path, day: str) -> Path:
     """A lease's returned folders (its device calls' ``files_at``, in order) into a new ``results/gpu-<day>``
     (``-2``, ``-3``... where that exists): each call's ``summary.json``, ``summary.md`` and ``logs.tar.gz`` as
     ``call<K>-*``; from the last ``results.tar.gz`` the report, the bootstrap's table and both figures
-    (:data:`KEPT_RESULTS`); the last ``study.journal``, gzipped, which :func:`restore_study` unpacks for the next
-    lease. The folder made."""
-    import gzip
-
+    (:data:`KEPT_RESULTS`); the last ``study.journal.gz``, which :func:`restore_study` unpacks for the next lease.
+    The folder made."""
     if not calls:
         fail("keep needs the folders a lease's device calls returned (their files_at), in order")
     for call in calls:
@@ -238,9 +236,9 @@ def keep(calls: list[Path], results: Path, day: str) -> Path:
             for member in archive.getmembers():
                 if member.name in KEPT_RESULTS:
                     (folder / KEPT_RESULTS[member.name]).write_bytes(archive.extractfile(member).read())
-    journals = [call / "study.journal" for call in calls if (call / "study.journal").is_file()]
+    journals = [call / "study.journal.gz" for call in calls if (call / "study.journal.gz").is_file()]
     if journals:
-        (folder / "study.journal.gz").write_bytes(gzip.compress(journals[-1].read_bytes(), compresslevel=9))
+        shutil.copyfile(journals[-1], folder / "study.journal.gz")
     return folder
 
 
@@ -477,7 +475,7 @@ def run(out: Path, sizes: Sizes, study_dir: Path, dry_run: bool = False, chosen:
         for report in results.rglob("report.md"):
             shutil.copyfile(report, out / "report.md")
     if journal.exists():
-        shutil.copyfile(journal, out / "study.journal")
+        (out / "study.journal.gz").write_bytes(gzip.compress(journal.read_bytes(), compresslevel=9))
     shutil.rmtree(scratch, ignore_errors=True)
     print(table, flush=True)
     return summary

@@ -3,6 +3,7 @@ CPU, Triton's interpreter), so that the GPU path cannot rot between leases."""
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 import os
 import re
@@ -11,6 +12,7 @@ import sys
 import tarfile
 from pathlib import Path
 
+import optuna
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -73,9 +75,15 @@ def test_the_dry_run_runs_every_step_and_writes_the_summary(tmp_path: Path) -> N
     assert install in ("ok", "skipped (no wheels in .gpu/wheels: run gather)"), install
     assert all(s["status"] == "ok" for s in summary["steps"].values()), summary["steps"]
     returned = sorted(p.name for p in tmp_path.iterdir())
-    expected = {"summary.json", "summary.md", "logs.tar.gz", "study.journal", "report.md", "results.tar.gz"}
+    expected = {"summary.json", "summary.md", "logs.tar.gz", "study.journal.gz", "report.md", "results.tar.gz"}
     assert expected <= set(returned)
     assert len(returned) <= 8 and all(p.is_file() for p in tmp_path.iterdir())  # the device tool returns 8 files
+    journal = tmp_path / "unpacked.journal"  # the returned journal is the study's: what resumes it
+    journal.write_bytes(gzip.decompress((tmp_path / "study.journal.gz").read_bytes()))
+    storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(journal)))
+    (name,) = optuna.get_all_study_names(storage)
+    states = [t.state for t in optuna.load_study(study_name=name, storage=storage).get_trials(deepcopy=False)]
+    assert states.count(optuna.trial.TrialState.COMPLETE) == trials
 
 
 def test_bench_packs_lines_are_read_with_their_numbers() -> None:
@@ -133,8 +141,6 @@ def test_the_study_runs_in_one_last_pack_once_nearly_all_its_trials_left_fit_in_
 def test_gather_restores_the_newest_committed_study_unless_one_is_there(tmp_path: Path) -> None:
     """A lease resumes the study the last one left: ``restore_study`` unpacks the newest ``gpu-<date>[-N]`` folder's
     journal (by date, then N) where ``.gpu/study`` has none, and leaves a journal that is there as it is."""
-    import gzip
-
     results, study = tmp_path / "results", tmp_path / "study"
     for folder, text in (("gpu-2026-11-26", b"older"), ("gpu-2026-11-27-2", b"older"),
                          ("gpu-2026-11-27-10", b"newer"), ("gpu-2026-11-27", b"older")):  # -10 after -2 (keep)
@@ -163,17 +169,15 @@ def test_no_step_outlasts_total(tmp_path: Path) -> None:
 
 
 def test_keep_files_a_lease_under_docs_results(tmp_path: Path) -> None:
-    """``keep``: each call's summary and logs, the last call's report, bootstrap table and figures, and its journal
-    gzipped, in a new ``gpu-<day>`` folder (``-2`` beside an existing one), which ``restore_study`` then restores;
+    """``keep``: each call's summary and logs, the last call's report, bootstrap table and figures, and its gzipped
+    journal, in a new ``gpu-<day>`` folder (``-2`` beside an existing one), which ``restore_study`` then restores;
     a folder that is not a call's is one error line, exit code 2, and nothing written."""
-    import gzip
-
     calls = [tmp_path / "1", tmp_path / "2"]
     for index, call in enumerate(calls, 1):
         call.mkdir()
         for file in ("summary.json", "summary.md", "logs.tar.gz"):
             (call / file).write_text(f"{file} of call {index}")
-        (call / "study.journal").write_text(f"journal of call {index}")
+        (call / "study.journal.gz").write_bytes(gzip.compress(f"journal of call {index}".encode()))
     source = tmp_path / "source"
     for member in gpu_check.KEPT_RESULTS:
         (source / member).parent.mkdir(parents=True, exist_ok=True)
