@@ -154,16 +154,25 @@ def lease_order(folder: str) -> tuple[str, int]:
 
 
 def restore_study(study_dir: Path, results: Path) -> Path | None:
-    """The study's storage as the last lease left it: where ``study_dir`` holds no journal, the newest committed
-    ``results/gpu-<date>[-...]/study.journal.gz`` unpacked there (a lease resumes the study, it does not start it
-    again); the journal restored, or ``None``."""
+    """The study's storage as the last lease left it: the newest committed ``results/gpu-<date>[-...]/
+    study.journal.gz`` unpacked into ``study_dir`` where that holds no journal or an older state of it (a journal only
+    grows: an older one is a prefix of the newer), so that a lease resumes the study, never runs its trials again; a
+    journal there that the committed one is a prefix of (a lease's own, not yet kept) stays. The journal restored,
+    or ``None``; one error line where the two are no states of one study."""
     journal = study_journal(study_dir)
     saved = sorted(results.glob("gpu-*/study.journal.gz"), key=lambda path: lease_order(path.parent.name))
-    if journal.exists() or not saved:
+    if not saved:
         return None
-    study_dir.mkdir(parents=True, exist_ok=True)
     with gzip.open(saved[-1]) as source:
-        journal.write_bytes(source.read())
+        kept = source.read()
+    here = journal.read_bytes() if journal.exists() else b""
+    if here.startswith(kept):
+        return None
+    if not kept.startswith(here):
+        fail(f"{journal} is not a state of the study in {saved[-1]} (neither holds the other): move it away, and "
+             "gather again to resume from the committed one")
+    study_dir.mkdir(parents=True, exist_ok=True)
+    journal.write_bytes(kept)
     return saved[-1]
 
 

@@ -138,19 +138,29 @@ def test_the_study_runs_in_one_last_pack_once_nearly_all_its_trials_left_fit_in_
     assert gpu_check.study_args(gpu_check.DRY, 1) == gpu_check.DRY.tune_args  # no last pack: as given
 
 
-def test_gather_restores_the_newest_committed_study_unless_one_is_there(tmp_path: Path) -> None:
+def test_gather_restores_the_newest_committed_study_over_an_older_state_of_it(tmp_path: Path) -> None:
     """A lease resumes the study the last one left: ``restore_study`` unpacks the newest ``gpu-<date>[-N]`` folder's
-    journal (by date, then N) where ``.gpu/study`` has none, and leaves a journal that is there as it is."""
+    journal (by date, then N) where ``.gpu/study`` has none or an older state of the study (a prefix: a journal only
+    grows), leaves one that holds the committed one (a lease's own, not yet kept), and refuses, in one line, one that
+    is another study's."""
     results, study = tmp_path / "results", tmp_path / "study"
-    for folder, text in (("gpu-2026-11-26", b"older"), ("gpu-2026-11-27-2", b"older"),
-                         ("gpu-2026-11-27-10", b"newer"), ("gpu-2026-11-27", b"older")):  # -10 after -2 (keep)
+    newest = b"one\ntwo\nthree\n"
+    for folder, text in (("gpu-2026-11-26", b"one\n"), ("gpu-2026-11-27-2", b"one\ntwo\n"),
+                         ("gpu-2026-11-27-10", newest), ("gpu-2026-11-27", b"one\n")):  # -10 after -2 (keep)
         (results / folder).mkdir(parents=True)
         (results / folder / "study.journal.gz").write_bytes(gzip.compress(text))
-    assert gpu_check.restore_study(study, results) == results / "gpu-2026-11-27-10" / "study.journal.gz"
+    restored = results / "gpu-2026-11-27-10" / "study.journal.gz"
     journal = gpu_check.study_journal(study)
-    assert journal.read_bytes() == b"newer"
-    journal.write_bytes(b"a lease's own, returned")
-    assert gpu_check.restore_study(study, results) is None and journal.read_bytes() == b"a lease's own, returned"
+    assert gpu_check.restore_study(study, results) == restored and journal.read_bytes() == newest
+    assert gpu_check.restore_study(study, results) is None and journal.read_bytes() == newest
+    journal.write_bytes(b"one\ntwo\n")  # a state an earlier lease left, stale
+    assert gpu_check.restore_study(study, results) == restored and journal.read_bytes() == newest
+    journal.write_bytes(newest + b"four\n")  # a lease's own, returned, not yet kept
+    assert gpu_check.restore_study(study, results) is None and journal.read_bytes() == newest + b"four\n"
+    journal.write_bytes(b"another study\n")
+    with pytest.raises(SystemExit) as refused:
+        gpu_check.restore_study(study, results)
+    assert refused.value.code == 2 and journal.read_bytes() == b"another study\n"
     assert gpu_check.restore_study(tmp_path / "empty", tmp_path / "none") is None
 
 
