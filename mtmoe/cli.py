@@ -175,6 +175,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt as stop:
+        interrupts.stopping()
         detail = f"; {stop}" if str(stop) else ""
         print(f"error: interrupted ({interrupts.signal_name()}){detail}", file=sys.stderr, flush=True)
         sys.exit(interrupts.exit_code())

@@ -10,7 +10,8 @@ While a Lightning ``Trainer`` runs, its signal connector holds SIGTERM and calls
 Lightning sets ``trainer.received_sigterm`` and raises ``SIGTERMException`` (a ``SystemExit``) once the current batch
 is done, and the handler here only records the signal. The command ends with :class:`Interrupted` and exits with
 :func:`exit_code`, ``128 +`` the signal's number as a shell reports a process it stopped: 143 for SIGTERM, 130 for
-Ctrl-C.
+Ctrl-C; once it has caught the stop, :func:`stopping` keeps a later Ctrl-C, or a dropped one delivered again, from
+cutting that exit short.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from types import FrameType
 
 REDELIVERY_DELAY = 0.05  # seconds from a dropped stop to its second delivery
 _received: int | None = None  # SIGTERM once it arrived (Ctrl-C raises KeyboardInterrupt by Python's own handler)
+_stopping = False  # the command reports its stop and exits (stopping())
 
 
 class Interrupted(KeyboardInterrupt):
@@ -31,8 +33,8 @@ class Interrupted(KeyboardInterrupt):
 def handle_interrupts() -> None:
     """From now on SIGTERM stops this process as Ctrl-C does (main thread only, as every signal handler), and a stop
     raised inside a finalizer is delivered again after it."""
-    global _received
-    _received = None
+    global _received, _stopping
+    _received, _stopping = None, False
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _on_sigterm)
     if sys.unraisablehook is not _redeliver:
@@ -47,14 +49,30 @@ def _redeliver(unraisable: "sys.UnraisableHookArgs") -> None:
     outside the finalizer (a SIGTERM's stop too: :func:`signal_name` still names SIGTERM). Anything else goes to the
     hook that was there before."""
     if unraisable.exc_type is not None and issubclass(unraisable.exc_type, KeyboardInterrupt):
-        timer = threading.Timer(REDELIVERY_DELAY, _thread.interrupt_main)
-        timer.daemon = True
-        timer.start()
+        if not _stopping:
+            timer = threading.Timer(REDELIVERY_DELAY, _deliver_again)
+            timer.daemon = True
+            timer.start()
     else:
         _redeliver.previous(unraisable)
 
 
 _redeliver.previous = sys.unraisablehook
+
+
+def _deliver_again() -> None:
+    if not _stopping:  # the command may have begun its exit since the stop was dropped
+        _thread.interrupt_main()
+
+
+def stopping() -> None:
+    """The command has caught its stop and now reports it and exits: from here on Ctrl-C is ignored (main thread) and
+    no dropped stop is delivered again, so that nothing turns the exit (and its code, :func:`exit_code`) into an
+    unhandled ``KeyboardInterrupt`` half-way (as Lightning ignores Ctrl-C while it shuts down)."""
+    global _stopping
+    _stopping = True
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:

@@ -1,4 +1,5 @@
-"""``mtmoe.interrupts``: a Ctrl-C that lands inside a finalizer is not lost."""
+"""``mtmoe.interrupts``: a Ctrl-C that lands inside a finalizer is not lost, nor does it cut short the exit of a
+command that has caught its stop."""
 from __future__ import annotations
 
 import subprocess
@@ -51,3 +52,48 @@ def test_a_ctrl_c_inside_a_finalizer_is_delivered_again_after_it(handled: bool) 
     else:  # the defect the hook is for: without it the command runs on and succeeds
         assert (result.returncode, result.stdout) == (0, "ran on as if no Ctrl-C came\n")
         assert "KeyboardInterrupt" in result.stderr
+
+
+# A Ctrl-C swallowed by a finalizer (delivered again 50 ms later) while the command, stopped for another reason,
+# reports its stop and exits: the exit's own work outlasts the redelivery.
+STOPPING = """
+import gc, os, signal, sys, time, weakref
+signal.signal(signal.SIGINT, signal.default_int_handler)
+from mtmoe import interrupts
+interrupts.handle_interrupts()
+
+class Thing:
+    pass
+
+def on_collect():
+    os.kill(os.getpid(), signal.SIGINT)
+    for _ in range(1000):
+        pass
+
+try:
+    thing = Thing()
+    weakref.finalize(thing, on_collect)
+    del thing
+    gc.collect()
+    raise KeyboardInterrupt  # the stop the command catches
+except KeyboardInterrupt:
+    if sys.argv[1] == "stopping":
+        interrupts.stopping()
+    print("interrupted", flush=True)
+    time.sleep(0.5)  # finalizers, threads, files: what an exit does
+    os.kill(os.getpid(), signal.SIGINT)  # and a second Ctrl-C, impatient
+    time.sleep(0.1)
+    sys.exit(130)
+"""
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("stopping", [True, False], ids=["stopping", "without"])
+def test_nothing_cuts_short_the_exit_of_a_command_that_caught_its_stop(stopping: bool) -> None:
+    result = subprocess.run([sys.executable, "-c", STOPPING, "stopping" if stopping else "without"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert result.stdout == "interrupted\n"
+    if stopping:
+        assert result.returncode == 130 and "Traceback" not in result.stderr, result.stderr
+    else:  # the defect: the redelivered stop lands in the exit, an unhandled KeyboardInterrupt (Python exits by SIGINT)
+        assert result.returncode == -2 and "KeyboardInterrupt" in result.stderr, (result.returncode, result.stderr)
