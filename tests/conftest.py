@@ -72,6 +72,14 @@ def threads_per_worker():
     torch.set_num_threads(threads)
 
 
+def require_dataset(name: str) -> None:
+    """Skip the calling test unless the dataset ``name``'s files are under the data root (``$MTMOE_DATA``)."""
+    from mtmoe.data.layout import data_root, files_status
+
+    if files_status(name, data_root())[0] != "present":
+        pytest.skip(f"needs {name} under $MTMOE_DATA")
+
+
 def run_cli(argv: list[str]) -> int:
     """``python -m mtmoe ARGV`` in-process; the exit code (0 unless it exits)."""
     from mtmoe.cli import main

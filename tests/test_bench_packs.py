@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import require_dataset
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
@@ -22,10 +24,7 @@ import gpu_check  # noqa: E402  (its tiny trials: the dry run's)
 @pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_the_counting_set_up_study_and_floor_modes_run(tmp_path: Path) -> None:
-    from mtmoe.data.layout import data_root, files_status
-
-    if files_status("movielens-100k", data_root())[0] != "present":
-        pytest.skip("needs MovieLens-100K under $MTMOE_DATA")
+    require_dataset("movielens-100k")
     limits = "--trainer.limit_train_batches=2 --trainer.limit_val_batches=2 --trainer.limit_test_batches=2"
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_packs.py"), "--ops", "--packs", "1",
                              "--setup", "2", "--study", "2x1", "--study-pack", "2", "--floor",

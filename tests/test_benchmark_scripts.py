@@ -25,6 +25,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import require_dataset
+
 ROOT = Path(__file__).resolve().parents[1]
 NUMBER = r"[0-9][0-9,]*\.?[0-9]*"  # 1,161 or 0.023 or 12
 
@@ -117,10 +119,7 @@ def test_every_benchmark_script_is_run_here_or_by_a_test_file_of_its_own() -> No
 def test_the_script_runs_at_a_tiny_size(script: str, args: list[str], lines: list[str], written: list[str],
                                         data: str | None, seconds: int, tmp_path: Path) -> None:
     if data:
-        from mtmoe.data.layout import data_root, files_status
-
-        if files_status(data, data_root())[0] != "present":
-            pytest.skip(f"needs {data} under $MTMOE_DATA")
+        require_dataset(data)
     # --out before "--": bench_tuning passes what follows "--" to its trials
     out = ["--out", str(tmp_path)] if written else []
     argv = [sys.executable, str(ROOT / "benchmarks" / f"{script}.py"), *out, *args]

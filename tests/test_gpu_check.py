@@ -15,6 +15,8 @@ from pathlib import Path
 import optuna
 import pytest
 
+from conftest import require_dataset
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 sys.path.insert(0, str(SCRIPT.parent))
@@ -45,10 +47,7 @@ def test_a_step_past_its_budget_is_stopped_and_reported(tmp_path: Path) -> None:
 @pytest.mark.integration
 @pytest.mark.timeout(1200)
 def test_the_dry_run_runs_every_step_and_writes_the_summary(tmp_path: Path) -> None:
-    from mtmoe.data.layout import data_root, files_status
-
-    if files_status("movielens-100k", data_root())[0] != "present":
-        pytest.skip("needs MovieLens-100K under $MTMOE_DATA")
+    require_dataset("movielens-100k")
     # the precisions a lease runs (fp32's bench_packs.py options are tf32's without the matmul precision)
     result = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(tmp_path), "--precisions",
                              ",".join(gpu_check.GPU_PRECISIONS)], cwd=ROOT, capture_output=True, text=True,

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from mtmoe.data.layout import data_root, files_status
 from mtmoe.pack.adam import PackedAdam
 from mtmoe.pack.roofline import BANDWIDTH, H100_FLOPS, Cost, floor_bytes, measure, projected_ms, tensor_bytes
 from mtmoe.pack.stack import TrialStack
 from mtmoe.random import dropout
 
+from conftest import require_dataset
 from test_engine import batches, engine_of, trials
 
 
@@ -97,8 +97,7 @@ def test_the_benchmark_projects_a_trial_epoch_of_another_dataset(tmp_path) -> No
     """``bench_packs.py --roofline --data books``: per precision, the trial-epoch line is the training step's
     projection times the training split's batches plus the evaluation batch's times the validation split's, over P;
     ``--data`` without ``--roofline`` is one error line, exit 2."""
-    if files_status("books", data_root())[0] != "present":
-        pytest.skip("needs Book-Crossing under $MTMOE_DATA")
+    require_dataset("books")
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_packs.py"
     run = subprocess.run([sys.executable, str(script), "--roofline", "--gates", "topk", "--packs", "2", "--data",
                           "books", "--trial-args=--data.batch_size=4096", "--out", str(tmp_path)],
