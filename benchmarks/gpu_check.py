@@ -78,6 +78,8 @@ CUDA_TESTS = ["tests/test_engine_cuda.py",
 STEPS = ("tests", "bench", "study", "report", "bootstrap")  # --steps chooses among them; install always runs
 KILL_GRACE = 5  # seconds from a step's SIGTERM to its SIGKILL; the study's clean stop has Sizes.stop
 MIN_STEP = 15  # seconds: a step with less left of --total is skipped
+SUMMARY_S = 10  # seconds of --total kept for the summary and the archives
+OUT_OF_TIME = "s left of --total)"  # the end of the status of a step skipped for want of time
 
 
 @dataclass(frozen=True)
@@ -146,11 +148,23 @@ def study_journal(study_dir: Path) -> Path:
     return study_dir / f"{DATASET}-{GATE}.journal"
 
 
+def reserved_after(name: str, chosen: tuple[str, ...], budgets: dict[str, int]) -> int:
+    """Seconds kept for the chosen steps that end a run (report, bootstrap) after step ``name``."""
+    after = STEPS[STEPS.index(name) + 1:] if name in STEPS else ()
+    return sum(budgets[later] + KILL_GRACE for later in ("report", "bootstrap") if later in after and later in chosen)
+
+
 def lease_order(folder: str) -> tuple[str, int]:
     """A ``gpu-<date>[-N]`` folder's place among a lease's (:func:`keep` names them): by date, then N (none: 1),
     so that ``-10`` comes after ``-2``."""
     match = re.fullmatch(r"gpu-(\d{4}-\d{2}-\d{2})(?:-(\d+))?", folder)
     return (match.group(1), int(match.group(2) or 1)) if match else (folder, 1)
+
+
+def newest_kept_journal(results: Path) -> Path | None:
+    """The newest lease's ``results/gpu-<date>[-N]/study.journal.gz`` (:func:`lease_order`), or ``None``."""
+    saved = sorted(results.glob("gpu-*/study.journal.gz"), key=lambda path: lease_order(path.parent.name))
+    return saved[-1] if saved else None
 
 
 def restore_study(study_dir: Path, results: Path) -> Path | None:
@@ -159,21 +173,20 @@ def restore_study(study_dir: Path, results: Path) -> Path | None:
     grows: an older one is a prefix of the newer), so that a lease resumes the study, never runs its trials again; a
     journal there that the committed one is a prefix of (a lease's own, not yet kept) stays. The journal restored,
     or ``None``; one error line where the two are no states of one study."""
-    journal = study_journal(study_dir)
-    saved = sorted(results.glob("gpu-*/study.journal.gz"), key=lambda path: lease_order(path.parent.name))
-    if not saved:
+    journal, saved = study_journal(study_dir), newest_kept_journal(results)
+    if saved is None:
         return None
-    with gzip.open(saved[-1]) as source:
+    with gzip.open(saved) as source:
         kept = source.read()
     here = journal.read_bytes() if journal.exists() else b""
     if here.startswith(kept):
         return None
     if not kept.startswith(here):
-        fail(f"{journal} is not a state of the study in {saved[-1]} (neither holds the other): move it away, and "
+        fail(f"{journal} is not a state of the study in {saved} (neither holds the other): move it away, and "
              "gather again to resume from the committed one")
     study_dir.mkdir(parents=True, exist_ok=True)
     journal.write_bytes(kept)
-    return saved[-1]
+    return saved
 
 
 def gather() -> None:
@@ -403,19 +416,13 @@ def run(out: Path, sizes: Sizes, study_dir: Path, dry_run: bool = False, chosen:
     steps: list[Step] = []
     budgets = sizes.budgets
 
-    def reserved(name: str) -> int:
-        """Seconds kept for the chosen steps that end the run (report, bootstrap) after step ``name``."""
-        after = STEPS[STEPS.index(name) + 1:] if name in STEPS else ()
-        return sum(budgets[later] + KILL_GRACE for later in ("report", "bootstrap")
-                   if later in after and later in chosen)
-
     def step(name: str, command: list[str], budget: int, grace: int = KILL_GRACE, stop_early: int = 0) -> Step:
         kind = name.split("-")[0]
-        left = int(sizes.total - (time.perf_counter() - start) - reserved(kind) - 10)  # 10: the summary, the archives
+        left = int(sizes.total - (time.perf_counter() - start) - reserved_after(kind, chosen, budgets) - SUMMARY_S)
         if kind not in chosen + ("install",):
             steps.append(Step(name, "skipped (not in --steps)", 0, budget))
         elif left < MIN_STEP:
-            steps.append(Step(name, f"skipped ({max(left, 0)} s left of --total)", 0, budget))
+            steps.append(Step(name, f"skipped ({max(left, 0)} {OUT_OF_TIME}", 0, budget))
         else:  # no step outlasts --total: the device call's limit would kill the run before its summary
             steps.append(run_step(name, command, min(budget, left), logs, env, grace, stop_early))
         return steps[-1]
@@ -448,7 +455,8 @@ def run(out: Path, sizes: Sizes, study_dir: Path, dry_run: bool = False, chosen:
     journal = study_journal(study_dir)
     storage = f"journal:{journal}"
     before = study_state(journal, env)
-    study_budget = int(sizes.total - (time.perf_counter() - start) - reserved("study") - 10)
+    study_budget = int(sizes.total - (time.perf_counter() - start) - reserved_after("study", chosen, budgets)
+                       - SUMMARY_S)
     timeout = max(1, study_budget - sizes.stop - sizes.drain)  # the trials claimed later could not finish
     tune_args = study_args(sizes, before.get("trials_complete") or 0)
     tune = step("study", [python, "-m", "mtmoe", "tune", "--gate", GATE, "--data", DATASET, "--trials",
@@ -574,7 +582,7 @@ def main() -> None:
         # --steps, or the install without gathered wheels (CI has none), is not
         broken = {name: s["status"] for name, s in summary["steps"].items()
                   if s["status"] != "ok" and not (s["status"].startswith("skipped")
-                                                 and "left of --total" not in s["status"])}
+                                                 and not s["status"].endswith(OUT_OF_TIME))}
         if broken or not summary["throughput"] or not summary["trials_complete"]:
             fail(f"dry run: steps {broken}, {len(summary['throughput'])} throughput rows, "
                  f"{summary['trials_complete']} trials complete; the logs are in {out / 'logs.tar.gz'}")

@@ -125,8 +125,7 @@ def main() -> None:
     parser.add_argument("--draws", type=int, default=200)
     args = parser.parse_args()
     folders = sorted((p for p in RESULTS.glob("gpu-*") if p.is_dir()), key=lambda p: gpu_check.lease_order(p.name))
-    journal = args.journal or next((f / "study.journal.gz" for f in reversed(folders)
-                                    if (f / "study.journal.gz").is_file()), None)
+    journal = args.journal or gpu_check.newest_kept_journal(RESULTS)
     if journal is None or not journal.is_file():
         sys.exit(f"error: no study journal at {journal or RESULTS / 'gpu-*/study.journal.gz'}: give --journal PATH")
     logs = []
@@ -140,9 +139,8 @@ def main() -> None:
         a, b = (float(x) for x in args.epoch_s.split(","))
     distribution = kaplan_meier(events, censored)
     mean = sum(e * p for e, p in distribution)
-    budgets = gpu_check.GPU.budgets
-    study_s = args.total - 10 - sum(budgets[later] + gpu_check.KILL_GRACE for later in ("report", "bootstrap")
-                                    if later in args.steps.split(","))
+    study_s = (args.total - gpu_check.SUMMARY_S
+               - gpu_check.reserved_after("study", tuple(args.steps.split(",")), gpu_check.GPU.budgets))
     stop_s = study_s - gpu_check.GPU.stop
     print(f"{journal}: {len(events)} complete, {len(censored)} failed, {waiting} to run; epochs per trial "
           f"{statistics.fmean(events):.1f} (complete ones), {mean:.1f} (Kaplan-Meier)")
