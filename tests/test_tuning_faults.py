@@ -24,7 +24,7 @@ from optuna.trial import TrialState
 from sqlalchemy.engine import make_url
 
 from mtmoe.tuning.space import SearchSpace, load_space
-from mtmoe.tuning.storage import display_url, storage_for
+from mtmoe.tuning.storage import OrderedWrites, Periodic, display_url, storage_for
 from mtmoe.tuning.study import pid_alive
 from mtmoe.tuning.objective import config_hash, plan_configurations
 
@@ -469,3 +469,51 @@ def test_a_worker_that_exited_unreaped_is_not_alive() -> None:
         assert not pid_alive(child.pid)
     finally:
         child.wait()
+
+
+# ------------------------------------------------------------------------------------------- threads that write
+@pytest.mark.timeout(60)
+def test_ordered_writes_hand_a_failed_write_to_the_caller_instead_of_hanging() -> None:
+    """The worker's intermediate values are written by a thread (:class:`OrderedWrites`). Before: a write that raised
+    (a full disk, a database gone for a moment) killed that thread silently, and the next finished trial's ``tell``,
+    which first waits for the queued writes, waited forever. Now the calls run in order, the error reaches the caller
+    at its next ``join`` or ``put``, and the calls queued after the failed one do not run."""
+    writes, done = OrderedWrites(), []
+    writes.put(lambda: done.append(1))
+    writes.join()
+    assert done == [1]
+
+    def full_disk() -> None:
+        raise OSError(28, "No space left on device")
+
+    for call in (lambda: done.append(2), full_disk, lambda: done.append(3)):
+        writes.put(call)
+    with pytest.raises(OSError, match="No space left"):
+        writes.join()
+    assert done == [1, 2]
+    with pytest.raises(OSError, match="No space left"):  # and stays failed: nothing is written after it
+        writes.put(lambda: done.append(4))
+    assert done == [1, 2]
+
+
+@pytest.mark.timeout(60)
+def test_a_periodic_call_that_fails_is_warned_once_and_tried_again(monkeypatch, capfd) -> None:
+    """Heartbeats and the reclaiming of dead workers' trials run in :class:`Periodic`. Before: one failed call (the
+    storage unreachable for a moment) ended the thread, so a live worker's trials stopped beating and were taken
+    for dead. Now the call is tried again at the next interval, with one warning per kind of error."""
+    monkeypatch.setenv("MTMOE_HEARTBEAT_INTERVAL", "1")
+    calls = []
+
+    def action() -> None:
+        calls.append(time.monotonic())
+        if len(calls) <= 2:
+            raise ConnectionError("server closed the connection unexpectedly")
+
+    ticker = Periodic(action)
+    deadline = time.monotonic() + 30
+    while len(calls) < 4 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    ticker.stop()
+    assert len(calls) >= 4
+    err = capfd.readouterr().err
+    assert err.count("warning: a periodic storage call failed (ConnectionError: server closed") == 1, err

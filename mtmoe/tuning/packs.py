@@ -41,11 +41,9 @@ import errno
 import json
 import math
 import os
-import queue
 import shutil
 import socket
 import sys
-import threading
 import time
 from dataclasses import fields
 from functools import partial
@@ -85,7 +83,7 @@ from mtmoe.tuning.objective import (
     suggest,
 )
 from mtmoe.tuning.space import SearchSpace
-from mtmoe.tuning.storage import Heartbeats, Periodic, heartbeat_settings, past, trial_id
+from mtmoe.tuning.storage import Heartbeats, OrderedWrites, Periodic, heartbeat_settings, past, trial_id
 
 #: Settings each trial of a pack may have its own value of (besides a gate's ``scalar_names``): the model settings
 #: declared ``per_trial`` (:func:`mtmoe.mmoe.setting`), early stopping and the epochs (the engine's per-trial
@@ -173,8 +171,7 @@ class PackWorker:
         self.dropped: list[optuna.Trial] = []  # taken over by another worker since the last epoch's end
         self.still_running: set[int] | None = None  # the numbers of the storage's RUNNING trials at this epoch's end
         self.worker = f"{socket.gethostname()}:{os.getpid()}"
-        self.reports: queue.Queue = queue.Queue()
-        threading.Thread(target=self._write_reports, daemon=True).start()
+        self.reports = OrderedWrites()  # the trials' intermediate values, written while the pack trains on
 
     def run(self) -> None:
         """Pack and train until no waiting trial is left; Ctrl-C or SIGTERM fails the running ones (re-run on
@@ -394,17 +391,14 @@ class PackWorker:
         """An epoch's validation loss as the trial's intermediate value (optuna-dashboard's learning curves),
         written by a thread: a pack of hundreds of trials does not wait for hundreds of storage writes an epoch."""
         if "val" in record and math.isfinite(record["val"]["loss"]):
-            self.reports.put((trial, record["val"]["loss"], record["epoch"]))
+            self.reports.put(partial(self._write_report, trial, record["val"]["loss"], record["epoch"]))
 
-    def _write_reports(self) -> None:
-        while True:
-            trial, value, epoch = self.reports.get()
-            try:
-                trial.report(value, epoch)
-            except optuna.exceptions.UpdateFinishedTrialError:  # failed as stale meanwhile
-                pass
-            finally:
-                self.reports.task_done()
+    @staticmethod
+    def _write_report(trial: optuna.Trial, value: float, epoch: int) -> None:
+        try:
+            trial.report(value, epoch)
+        except optuna.exceptions.UpdateFinishedTrialError:  # failed as stale meanwhile
+            pass
 
     def _tell(self, trial: optuna.Trial, **kwargs: Any) -> None:
         self.reports.join()  # its intermediate values first: a finished trial takes none

@@ -33,6 +33,7 @@ import fcntl
 import importlib.util
 import json
 import os
+import queue
 import sys
 import threading
 import time
@@ -502,20 +503,66 @@ def past(deadline: float | None) -> bool:
 
 
 class Periodic:
-    """Calls ``action()`` every heartbeat interval in a daemon thread until :meth:`stop`."""
+    """Calls ``action()`` every heartbeat interval in a daemon thread until :meth:`stop`. A call that raises (the
+    storage unreachable for a moment) is warned about on stderr, once per kind of error, and the next interval calls
+    again: heartbeats and the reclaiming of dead workers' trials outlive a transient fault."""
 
     def __init__(self, action: Callable[[], None]) -> None:
         self.action, self.stopped = action, threading.Event()
+        self.warned: set[str] = set()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
         while not self.stopped.wait(heartbeat_settings()[0]):
-            self.action()
+            try:
+                self.action()
+            except Exception as error:  # noqa: BLE001 - any storage fault; the next interval tries again
+                kind = type(error).__name__
+                if kind not in self.warned:
+                    self.warned.add(kind)
+                    print(f"warning: a periodic storage call failed ({kind}: {str(error).splitlines()[0][:200]}); "
+                          f"retrying every {heartbeat_settings()[0]} s", file=sys.stderr, flush=True)
 
     def stop(self) -> None:
         self.stopped.set()
         self.thread.join()
+
+
+class OrderedWrites:
+    """Runs the calls given to :meth:`put` one after another, in order, in a daemon thread: storage writes a pack
+    makes by the hundred an epoch (its trials' intermediate values), which training need not wait for. A call that
+    raises stops the thread's work: the calls queued after it are dropped, and :meth:`put` and :meth:`join` raise that
+    error in the caller's thread from then on (without it, :meth:`join` would wait forever for calls no thread runs)."""
+
+    def __init__(self) -> None:
+        self.calls: queue.Queue = queue.Queue()
+        self.error: BaseException | None = None
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def put(self, call: Callable[[], None]) -> None:
+        self._raise()
+        self.calls.put(call)
+
+    def join(self) -> None:
+        """Wait until every call put so far has run; raise the error of one that failed."""
+        self.calls.join()
+        self._raise()
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def _run(self) -> None:
+        while True:
+            call = self.calls.get()
+            try:
+                if self.error is None:
+                    call()
+            except BaseException as error:  # noqa: BLE001 - handed to the caller's thread
+                self.error = error
+            finally:
+                self.calls.task_done()
 
 
 class Heartbeats:
