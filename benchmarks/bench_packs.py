@@ -33,7 +33,7 @@ one trial, operation counts, per-trial set-up, a whole study.
    fresh journal storage: wall time, and the objectives configuration by configuration (equal to float32 rounding:
    each trial draws from its own random stream whatever its pack).
 5. **The matmul floor** (``--floor``): the expert layer's three matmuls of one step alone, per trial-epoch.
-6. **Where a step's time goes** (``--profile P``, with ``--device``, ``--precision``, ``--matmul-precision`` and
+6. **Where a step's time goes** (``--profile P[,P...]``, with ``--device``, ``--precision``, ``--matmul-precision`` and
    ``--trial-args``): a pack of P's eager training step on 512-row batches, one line ``profile gate=G P=P
    device=D precision=Y step_ms=... profiled_step_ms=... [kernel_ms=... kernels=...] adam_fused_ms=...
    adam_elementwise_ms=...`` (on a GPU, ``kernel_ms`` and ``kernels``: the device time of the step's kernels and
@@ -407,8 +407,8 @@ def main() -> None:
     parser.add_argument("--floor", action="store_true", help="the expert matmuls' time per trial-epoch")
     parser.add_argument("--roofline", action="store_true",
                         help="per phase and precision: FLOPs, bytes, launches and the H100 time they project")
-    parser.add_argument("--profile", type=int, default=0,
-                        help="P: where a pack's training step spends its time (the kernels on a GPU)")
+    parser.add_argument("--profile", default="",
+                        help="P[,P...]: where a pack's training step spends its time (the kernels on a GPU), per P")
     parser.add_argument("--profile-steps", type=int, default=3, help="--profile: warm-up steps, then steps timed "
                         "without and with the profiler, as many each")
     parser.add_argument("--adam-repeats", type=int, default=20, help="--profile: each Adam kernel's median of N")
@@ -546,16 +546,16 @@ def main() -> None:
                    f"{args.study_pack} {packed:.0f} s, --pack 1 {alone:.0f} s, {alone / packed:.2f}x; objectives of the "
                    f"{len(ids)} configurations: largest relative difference {worst:.1e}"]
         print(tables[-1], flush=True)
-    if args.profile:
+    for pack in [int(p) for p in args.profile.split(",") if p]:
         bf16 = args.precision == "bf16-mixed"
         with matmul_precision(args.matmul_precision):
-            result, table = profile_step(gates[0], args.profile, args.device, bf16, tuple(args.trial_args.split()),
+            result, table = profile_step(gates[0], pack, args.device, bf16, tuple(args.trial_args.split()),
                                          args.profile_steps, args.adam_repeats)
         precision = "bf16" if bf16 else {"highest": "fp32", "high": "tf32"}[args.matmul_precision]
-        line = (f"profile gate={gates[0]} P={args.profile} device={args.device} precision={precision} "
+        line = (f"profile gate={gates[0]} P={pack} device={args.device} precision={precision} "
                 + " ".join(f"{key}={value:.3f}" if isinstance(value, float) else f"{key}={value}"
                            for key, value in result.items()))
-        rows.append({"profile_P": args.profile, "device": args.device, "precision": precision, **result})
+        rows.append({"profile_P": pack, "device": args.device, "precision": precision, **result})
         tables += ["", line, "", table]
         print(*tables[-3:], sep="\n", flush=True)
     if args.floor:

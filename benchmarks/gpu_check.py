@@ -115,9 +115,11 @@ def study_args(sizes: Sizes, complete: int) -> list[str]:
 # pack ``--pack auto`` finds fastest (all 500 at once, measured on an H200: none finished in a lease). With at most
 # 320 trials left, one pack of 256: no trial waits for a slot, and the pack shrinks as they end
 # (``benchmarks/lease_plan.py``: more of them complete in a lease than in packs of 128).
-GPU = Sizes("256", 500, ["--device", "cuda"], ["--trainer.accelerator=gpu", "--model.matmul_precision=high",
+# The bench: packs of 1 and of 256, each timed by phase and profiled: a step of P = 1 is the part of every step that
+# packing does not amortise (its kernels' fixed cost), which the study's epochs put at about a third of a P = 128 step.
+GPU = Sizes("1,256", 500, ["--device", "cuda"], ["--trainer.accelerator=gpu", "--model.matmul_precision=high",
                                                "--pack=128", "--no-checkpoints"], ["--device", "cuda"],
-            {"install": 40, "tests": 180, "bench": 100, "report": 30, "bootstrap": 30},
+            {"install": 40, "tests": 180, "bench": 110, "report": 30, "bootstrap": 30},
             drain=120,  # a trial's 26 epochs at least (33 the fewest seen), a pack of 128's about 4 s each (H200)
             last_pack=256)
 # the interpreter's pace: each program of a kernel costs milliseconds, each 1,024 parameters one Adam program
@@ -445,7 +447,7 @@ def run(out: Path, sizes: Sizes, study_dir: Path, dry_run: bool = False, chosen:
     for precision in precisions:
         bench = step(f"bench-{precision}", [python, "benchmarks/bench_packs.py", "--gates", GATE, "--packs",
                                             sizes.packs, "--graphs", "on", "--profile-epoch",
-                                            "--profile", sizes.packs.split(",")[-1],
+                                            "--profile", sizes.packs,
                                             "--out", str(scratch / f"bench-{precision}"),
                                             *PRECISIONS[precision], *sizes.bench_args], budgets["bench"])
         rows += throughput(bench.output, precision)
