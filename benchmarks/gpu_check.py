@@ -116,7 +116,7 @@ def study_args(sizes: Sizes, complete: int) -> list[str]:
 # 320 trials left, one pack of 256: no trial waits for a slot, and the pack shrinks as they end
 # (``benchmarks/lease_plan.py``: more of them complete in a lease than in packs of 128).
 # The bench: packs of 1 and of 256, each timed by phase and profiled: a step of P = 1 is the part of every step that
-# packing does not amortise (its kernels' fixed cost), which the study's epochs put at about a third of a P = 128 step.
+# packing does not amortise (its kernels' fixed cost; lease_plan.py puts what does not grow with P at a quarter of a P = 128 epoch).
 GPU = Sizes("1,256", 500, ["--device", "cuda"], ["--trainer.accelerator=gpu", "--model.matmul_precision=high",
                                                "--pack=128", "--no-checkpoints"], ["--device", "cuda"],
             {"install": 40, "tests": 180, "bench": 110, "report": 30, "bootstrap": 30},

@@ -9,7 +9,8 @@
   short: the long ones are those a lease's end cut off.
 * **A pack epoch's seconds**: ``a + b * P``, least squares over the study logs' progress lines (pairs of "pack
   epoch E done" lines at the same pack size P, after the first 3 epochs: the captures), the trials' set-ups, test
-  passes and the pack's shrinking included as they happened.
+  passes and the pack's shrinking included as they happened. Printed beside it, the same intervals split three ways
+  (:func:`epoch_costs`): what an epoch costs whatever P, what each trial adds, and what each trial that ends adds.
 * **The call**: ``gpu_check.py run --steps S --total T``: the study's budget is T less 10 s and, where S has them,
   report's and bootstrap's (each with its kill grace); ``tune`` stops claiming ``drain`` seconds before its SIGTERM, which comes
   ``stop`` seconds before the budget's end; a trial unfinished then is lost (no checkpoints travel). The pack starts
@@ -36,6 +37,7 @@ import gpu_check  # noqa: E402  (the lease's sizes; the kept folders' order)
 
 RESULTS = gpu_check.ROOT / "docs" / "results"
 PROGRESS = re.compile(r"pack of (\d+), pack epoch (\d+) done, elapsed (\d+)h(\d+)m(\d+)s")
+ENDED = re.compile(r"\] (\d+)/\d+ done, .*pack of (\d+), pack epoch (\d+) done, elapsed (\d+)h(\d+)m(\d+)s")
 STARTUP_S = 10.0  # tune's start before its first claim: the storage, the data, the plan
 SETUP_S = 0.04  # a trial's claim, build and load into a slot (bench_packs.py --setup, this VM's order)
 
@@ -84,6 +86,26 @@ def epoch_model(logs: list[str]) -> tuple[float, float, int]:
     mean_p, mean_t = statistics.fmean(p for p, _ in points), statistics.fmean(t for _, t in points)
     b = (sum((p - mean_p) * (t - mean_t) for p, t in points) / sum((p - mean_p) ** 2 for p, _ in points))
     return mean_t - b * mean_p, b, len(points)
+
+
+def epoch_costs(logs: list[str]) -> tuple[float, float, float, int]:
+    """``a, b, c``: a pack epoch's ``a + b * P`` seconds plus ``c`` per trial that ends in it (its share of the
+    epoch's test pass, its results told, the next trial's set-up), least squares over the intervals between the
+    logs' consecutive "pack epoch E done" lines at one pack size (after the first 3 epochs), and their number."""
+    import numpy as np
+
+    rows, seconds = [], []
+    for log in logs:
+        lines = [(int(done), int(p), int(e), 3600 * int(h) + 60 * int(m) + int(s))
+                 for done, p, e, h, m, s in ENDED.findall(log)]
+        for (d0, p0, e0, t0), (d1, p1, e1, t1) in zip(lines, lines[1:]):
+            if p0 == p1 and e0 > 3 and e1 > e0 and d1 >= d0:
+                rows.append((e1 - e0, (e1 - e0) * p1, d1 - d0))
+                seconds.append(t1 - t0)
+    if len({p for _, p, _ in rows}) < 2:
+        sys.exit("error: the study logs hold epochs of fewer than 2 pack sizes: no model of a pack epoch's time")
+    (a, b, c), *_ = np.linalg.lstsq(np.array(rows, dtype=float), np.array(seconds, dtype=float), rcond=None)
+    return float(a), float(b), float(c), len(rows)
 
 
 def completed(pack: int, epochs: list[int], claim_s: float, stop_s: float, a: float, b: float) -> int:
@@ -147,6 +169,10 @@ def main() -> None:
     fitted = "--epoch-s" if args.epoch_s is not None else f"{intervals} epochs of {len(logs)} study logs"
     print(f"a pack epoch: {a:.2f} + {b:.4f} x P seconds ({fitted}); "
           f"the study's {study_s} s, SIGTERM at {stop_s} s")
+    fixed, per_trial, per_end, ended_intervals = epoch_costs(logs)
+    print(f"of which: {fixed:.2f} + {per_trial:.4f} x P seconds an epoch, plus {per_end:.3f} s per trial that ends in "
+          f"it (its share of the test pass, its results told, the next trial's set-up; {ended_intervals} intervals "
+          "between the logs' epoch ends)")
     print("| pack | drain (s) | trials complete, mean | 10th percentile |\n|---|---|---|---|")
     rng = random.Random(0)
     values, weights = zip(*distribution)

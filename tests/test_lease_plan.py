@@ -34,6 +34,22 @@ def test_a_pack_epoch_model_is_fitted_to_the_progress_lines() -> None:
     assert (a, b, intervals) == (pytest.approx(1.0), pytest.approx(0.02), 18)
 
 
+def test_an_epoch_cost_model_separates_the_trials_that_end() -> None:
+    """Epochs of 1 + 0.02 P seconds, and 0.5 s more for each trial that ends in one (2 every third epoch)."""
+    line = "[d/g] {d}/99 done, 0 failed, best 1, {p} running in a pack of {p}, pack epoch {e} done, elapsed 00h{m:02d}m{s:02d}s"
+    logs = []
+    for pack in (100, 200):
+        seconds, done, lines = 0.0, 0, []
+        for epoch in range(4, 40):
+            ended = 2 if epoch % 3 == 0 else 0
+            seconds, done = seconds + 1 + 0.02 * pack + 0.5 * ended, done + ended
+            lines.append(line.format(d=done, p=pack, e=epoch, m=round(seconds) // 60, s=round(seconds) % 60))
+        logs.append("\n".join(lines))
+    a, b, c, intervals = lease_plan.epoch_costs(logs)
+    assert intervals == 70
+    assert (a, b, c) == (pytest.approx(1.0, abs=0.05), pytest.approx(0.02, abs=3e-4), pytest.approx(0.5, abs=0.05))
+
+
 def test_the_simulated_call_completes_what_fits_before_its_stop() -> None:
     start = lease_plan.STARTUP_S + 2 * lease_plan.SETUP_S
     # two trials of 3 and 5 epochs in a pack of 2, epochs of 1 + 0 P seconds: done at start + 3 and start + 5
@@ -53,3 +69,5 @@ def test_the_script_models_the_kept_study() -> None:
     assert [int(r[0]) for r in rows] == [128, 256], result.stdout
     assert all(int(r[4]) <= int(r[2]) <= int(r[3]) for r in rows), rows
     assert re.search(r"epochs per trial \d+\.\d \(complete ones\), \d+\.\d \(Kaplan-Meier\)", result.stdout)
+    assert re.search(r"^of which: \d+\.\d\d \+ \d\.\d{4} x P seconds an epoch, plus \d\.\d{3} s per trial that ends",
+                     result.stdout, re.M), result.stdout
