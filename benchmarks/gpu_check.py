@@ -474,6 +474,7 @@ def run(out: Path, sizes: Sizes, study_dir: Path, dry_run: bool = False, chosen:
                         "trial_epochs_per_hour": round(trained / tune.seconds * 3600) if tune.seconds else None}
     summary["trials_complete"], summary["wall_s"] = after.get("trials_complete"), tune.seconds
     summary["study"]["checkpoints"] = return_checkpoints(study_dir, out)
+    summary["study"]["epochs"] = pack_epochs(scratch / "runs", logs)
     results = scratch / "results"
     step("report", [python, "-m", "mtmoe", "report", "--data", DATASET, "--storage", storage, "--out",
                     str(results / "report")], budgets["report"])
@@ -514,6 +515,22 @@ def return_checkpoints(study_dir: Path, out: Path) -> dict:
     return found
 
 
+def pack_epochs(runs: Path, logs: Path) -> dict:
+    """Where the study's pack epochs spent their wall time (``tune``'s ``pack-epochs.csv``, copied into ``logs``):
+    the epochs, the trial-epochs and ended trials in them, and each part's seconds summed."""
+    import csv
+
+    found = sorted(runs.glob("*/pack-epochs.csv"))
+    if not found:
+        return {}
+    shutil.copyfile(found[0], logs / "pack-epochs.csv")
+    with open(found[0]) as file:
+        rows = list(csv.DictReader(file))
+    sums = {key: round(sum(float(row[key]) for row in rows), 2)
+            for key in rows[0] if key in ("trained", "ended") or key.endswith("_s")} if rows else {}
+    return {"pack_epochs": len(rows), **sums}
+
+
 def short_table(summary: dict) -> str:
     study, tests = summary["study"], summary["tests"]
     lines = [f"gpu-check on {summary['device']}, commit {summary['commit']}, torch {summary['environment']['torch']}, "
@@ -537,6 +554,11 @@ def short_table(summary: dict) -> str:
                   f"{'n/a' if mean_epochs is None else f'{mean_epochs:.1f}'}, {study['wall_s']:.0f} s this run "
                   f"({study['status']}) in packs of {study.get('pack')}, "
                   f"{study.get('trial_epochs_per_hour')} trial-epochs per hour (set-up included)"]
+    epochs = study.get("epochs") or {}
+    if epochs:
+        lines += [f"study's {epochs['pack_epochs']} pack epochs ({epochs['trained']:.0f} trial-epochs, "
+                  f"{epochs['ended']:.0f} trials ended): " + ", ".join(f"{key} {value:.1f}" for key, value in
+                                                                   epochs.items() if key.endswith("_s"))]
     saved = study.get("checkpoints", {})
     if saved.get("files"):
         lines += [f"checkpoints: {saved['files']} file(s), {saved['bytes'] / 2**20:.1f} MiB, " +

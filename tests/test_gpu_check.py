@@ -61,6 +61,12 @@ def test_the_dry_run_runs_every_step_and_writes_the_summary(tmp_path: Path) -> N
     assert f"study: {trials} of its {trials} trials complete (0 before this run; 0 attempts failed" in \
         (tmp_path / "summary.md").read_text()
     assert summary["study"]["pack"] == "2" and "in packs of 2," in (tmp_path / "summary.md").read_text()
+    epochs = summary["study"]["epochs"]  # tune's pack-epochs.csv, summed: every trial-epoch, every ended trial
+    assert epochs["trained"] == trials and epochs["ended"] == trials and epochs["train_val_s"] > 0
+    assert f"study's {epochs['pack_epochs']} pack epochs ({trials} trial-epochs, {trials} trials ended)" in \
+        (tmp_path / "summary.md").read_text()
+    with tarfile.open(tmp_path / "logs.tar.gz") as archive:
+        assert "logs/pack-epochs.csv" in archive.getnames()
     assert summary["device"] and summary["commit"] and summary["tests"]["line"]
     assert {row["precision"] for row in summary["throughput"]} == set(gpu_check.GPU_PRECISIONS)
     assert {row["precision"] for row in summary["profile"]} == set(gpu_check.GPU_PRECISIONS)

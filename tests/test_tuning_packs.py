@@ -62,6 +62,11 @@ def test_a_packed_study_is_the_unpacked_study(tiny_root: Path, tmp_path: Path, c
             assert trial.value == pytest.approx(metrics["val/loss"].min(), rel=1e-6)
             assert trial.intermediate_values == dict(enumerate(metrics["val/loss"]))
             assert json.loads((folder / "results.json").read_text())["test"]["loss"] == trial.user_attrs["test_loss"]
+        # where each pack epoch's time went: a row per epoch, every trial-epoch and every ended trial in them
+        epochs = pd.read_csv(tmp_path / f"runs{pack}" / f"movielens-100k_{gate}" / "pack-epochs.csv")
+        assert epochs["trained"].sum() == sum(t.user_attrs["epochs_run"] for t in studies[pack].values())
+        assert epochs["ended"].sum() == n and (epochs["slots"] <= int(pack)).all()
+        assert (epochs.filter(like="_s") >= 0).all().all() and (epochs["train_val_s"] > 0).all()
     for config_id, alone in studies["1"].items():
         packed = studies[size][config_id]
         assert packed.params == alone.params
@@ -274,6 +279,9 @@ def test_two_packing_workers_on_postgres_evaluate_each_configuration_once(postgr
     trials = trials_of(postgres_url, name)
     assert_each_config_once(trials, 6)
     assert len([t for t in trials if "config_id" in t.user_attrs and t.state != TrialState.PRUNED]) == 6
+    log = tmp / "runs" / name / "pack-epochs.csv"  # the workers' rows under one header
+    assert sum(line.startswith("time,") for line in log.read_text().splitlines()) == 1
+    assert pd.read_csv(log)["ended"].sum() == 6
 
 
 def test_a_packed_study_on_a_journal_storage(tiny_root: Path, tmp_path: Path, capsys) -> None:

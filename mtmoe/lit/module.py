@@ -20,6 +20,7 @@ losses are pure task losses, and ``loss`` is the official code's batch-size-weig
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -374,11 +375,25 @@ class PackModule(EngineModule):
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         self.train_step(batch)
 
+    def on_train_epoch_start(self) -> None:
+        super().on_train_epoch_start()
+        self.epoch_started = time.perf_counter()
+
     def on_train_epoch_end(self) -> None:
+        start = time.perf_counter()
         ended = self.engine.end_epoch(self.val_results)
-        for result in self.engine.finish(ended, self.test_batches()) if ended else []:
+        results = self.engine.finish(ended, self.test_batches()) if ended else []
+        tested = time.perf_counter()
+        for result in results:
             self.finished(result)
+        told = time.perf_counter()
+        running = len(self.engine.running)
         self._refill()
+        # where this epoch's wall time went (host clock; the epoch end reads device values, so each part includes
+        # the device work it waited for): tune's pack-epochs.csv
+        self.epoch_seconds = {"slots": self.engine.capacity, "trained": running + len(ended), "ended": len(ended),
+                              "train_val_s": start - self.epoch_started, "end_test_s": tested - start,
+                              "results_s": told - tested, "refill_s": time.perf_counter() - told}
         if self.on_epoch is not None:
             self.on_epoch(self)
         if not self.engine.running:

@@ -7,7 +7,8 @@ tells each trial its own result. ``--pack 1`` trains one at a time, with the sam
   (``seed + config_id``) exactly as ``fit --seed_everything=seed`` with the same settings builds it; it records the
   same user attributes (:func:`mtmoe.tuning.objective.record_result`), each epoch's validation loss as the trial's
   intermediate value (optuna-dashboard's learning curves), and each trial's configuration, per-epoch log and results
-  as ``<log-dir>/config-NNNN/config.yaml``, ``metrics.csv`` and ``results.json``.
+  as ``<log-dir>/config-NNNN/config.yaml``, ``metrics.csv`` and ``results.json``; where each pack epoch's wall time
+  went, as ``<log-dir>/pack-epochs.csv``.
 * **Values, not strings.** The settings trials share (dataset, fixed settings, trainer options) are parsed once
   per structure by the run builder, from ``fit`` arguments without planned values, and the first trial's planned
   values applied to them as values (:class:`TrialFactory`); every trial after it is its planned values applied to
@@ -366,8 +367,10 @@ class PackWorker:
                      folder / "results.json")
 
     def _epoch(self, module: PackModule) -> None:
-        """Each running trial's validation loss of this epoch as its intermediate value; the progress line. Trials
-        taken over by another worker meanwhile leave the pack (their slots are refilled)."""
+        """Each running trial's validation loss of this epoch as its intermediate value; the progress line; a row of
+        ``pack-epochs.csv`` (:meth:`_log_epoch`). Trials taken over by another worker meanwhile leave the pack (their
+        slots are refilled)."""
+        self._log_epoch(module.epoch_seconds)
         taken = {trial.number for trial in self._taken_over([trial.key[0] for _, trial in module.engine.running])}
         for slot, trial in module.engine.running:
             if trial.key[0].number in taken:
@@ -386,6 +389,26 @@ class PackWorker:
             self.checkpoints.keep([(key[2], self.keys[key[2]], key[0].user_attrs["config_hash"], state)
                                    for key, state in module.engine.checkpoint()])
         self.progress(module)
+
+    def _log_epoch(self, seconds: dict[str, float]) -> None:
+        """A row of ``pack-epochs.csv`` in the study's log folder, one per pack epoch of every worker: when it ended,
+        the worker, the pack's slots, the trials it trained and those that ended in it, and where its wall time went
+        (training and validation; the epoch's end with the ended trials' test pass; their results told and logged;
+        the free slots refilled: claims and set-ups)."""
+        path = self.log_dir / "pack-epochs.csv"
+        row = {"time": round(time.time(), 3), "worker": self.worker,
+               **{k: round(v, 4) if isinstance(v, float) else v for k, v in seconds.items()}}
+        if not path.exists():  # the columns' names, in place before any row: linked in whole, or not at all
+            header = path.with_name(f".{path.name}.{os.getpid()}")
+            header.write_text(",".join(row) + "\n")
+            try:
+                os.link(header, path)
+            except FileExistsError:  # another worker's came first
+                pass
+            finally:
+                header.unlink()
+        with open(path, "a") as file:  # one write of one short line: workers' rows do not interleave
+            file.write(",".join(str(v) for v in row.values()) + "\n")
 
     def _report(self, trial: optuna.Trial, record: dict[str, Any]) -> None:
         """An epoch's validation loss as the trial's intermediate value (optuna-dashboard's learning curves),
