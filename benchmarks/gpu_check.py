@@ -75,7 +75,11 @@ CUDA_TESTS = ["tests/test_engine_cuda.py",
               "tests/test_image_models.py::test_trains_on_gpu_with_uint8_batches"]
 
 
-STEPS = ("tests", "bench", "study", "report", "bootstrap")  # --steps chooses among them; install always runs
+# The float32 CUDA tests of the kernels a study's training step launches that changed since a GPU last ran them:
+# ``--steps preflight,study`` runs them first and skips the study if they fail, so that no trial of a study is trained
+# by a kernel the GPU computes wrongly (the dry run: skipped, no CUDA). Empty it once a lease's tests step passes them.
+PREFLIGHT = ["tests/test_epilogue.py::test_cuda_equals_cpu[dtype0]", "tests/test_mixing.py::test_cuda_equals_cpu[dtype0]"]
+STEPS = ("tests", "bench", "preflight", "study", "report", "bootstrap")  # --steps chooses; install always runs
 KILL_GRACE = 5  # seconds from a step's SIGTERM to its SIGKILL; the study's clean stop has Sizes.stop
 MIN_STEP = 15  # seconds: a step with less left of --total is skipped
 SUMMARY_S = 10  # seconds of --total kept for the summary and the archives
@@ -119,7 +123,7 @@ def study_args(sizes: Sizes, complete: int) -> list[str]:
 # packing does not amortise (its kernels' fixed cost; lease_plan.py puts what does not grow with P at a quarter of a P = 128 epoch).
 GPU = Sizes("1,256", 500, ["--device", "cuda"], ["--trainer.accelerator=gpu", "--model.matmul_precision=high",
                                                "--pack=128", "--no-checkpoints"], ["--device", "cuda"],
-            {"install": 40, "tests": 180, "bench": 110, "report": 30, "bootstrap": 30},
+            {"install": 40, "tests": 180, "bench": 110, "preflight": 60, "report": 30, "bootstrap": 30},
             drain=120,  # a trial's 26 epochs at least (33 the fewest seen), a pack of 128's about 4 s each (H200)
             last_pack=256)
 # the interpreter's pace: each program of a kernel costs milliseconds, each 1,024 parameters one Adam program
@@ -127,7 +131,8 @@ TINY = "--data.batch_size=8 --model.n_experts=4 --model.embedding_dim=4 --model.
 DRY = Sizes("2", 2, ["--limit-batches", "1", "--profile-steps", "1", "--adam-repeats", "3", f"--trial-args={TINY}"],
             ["--pack=2", "--trainer.max_epochs=1", "--trainer.limit_train_batches=1", "--trainer.limit_val_batches=1",
              "--trainer.limit_test_batches=1", *TINY.split()], ["--draws", "20", "--confidence", "0.5"],
-            {"install": 30, "tests": 120, "bench": 150, "report": 60, "bootstrap": 60}, total=700, stop=10)
+            {"install": 30, "tests": 120, "bench": 150, "preflight": 60, "report": 60, "bootstrap": 60}, total=760,
+            stop=10)
 
 
 def fail(message: str) -> None:
@@ -453,6 +458,9 @@ def run(out: Path, sizes: Sizes, study_dir: Path, dry_run: bool = False, chosen:
         rows += throughput(bench.output, precision)
         profiles += key_value_lines(bench.output, "profile")
     summary["throughput"], summary["profile"] = rows, profiles
+    preflight = step("preflight", [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "-rfE",
+                                   *PREFLIGHT], budgets["preflight"]) if PREFLIGHT else None
+    summary["preflight"] = tests_summary(preflight.output) if preflight is not None else {}
     study_dir.mkdir(parents=True, exist_ok=True)
     journal = study_journal(study_dir)
     storage = f"journal:{journal}"
@@ -461,10 +469,17 @@ def run(out: Path, sizes: Sizes, study_dir: Path, dry_run: bool = False, chosen:
                        - SUMMARY_S)
     timeout = max(1, study_budget - sizes.stop - sizes.drain)  # the trials claimed later could not finish
     tune_args = study_args(sizes, before.get("trials_complete") or 0)
-    tune = step("study", [python, "-m", "mtmoe", "tune", "--gate", GATE, "--data", DATASET, "--trials",
-                          str(sizes.trials), "--storage", storage, "--log-dir", str(scratch / "runs"),
-                          "--timeout", str(timeout), *tune_args], study_budget, sizes.stop,
-                stop_early=sizes.stop)
+    passed = summary["preflight"].get("passed") == len(PREFLIGHT) or dry_run  # on the GPU: run, not skipped
+    if preflight is not None and preflight.status != "skipped (not in --steps)" and not (
+            preflight.status == "ok" and passed):
+        tune = Step("study", f"skipped (preflight {preflight.status}: no trial is trained by a kernel that failed)",
+                    0, study_budget)
+        steps.append(tune)
+    else:
+        tune = step("study", [python, "-m", "mtmoe", "tune", "--gate", GATE, "--data", DATASET, "--trials",
+                              str(sizes.trials), "--storage", storage, "--log-dir", str(scratch / "runs"),
+                              "--timeout", str(timeout), *tune_args], study_budget, sizes.stop,
+                    stop_early=sizes.stop)
     after = study_state(journal, env)
     trained = (after.get("trial_epochs") or 0) - (before.get("trial_epochs") or 0)  # interrupted trials' included
     summary["study"] = {"journal": str(journal), "target": sizes.trials, "before": before, **after,
@@ -537,7 +552,10 @@ def short_table(summary: dict) -> str:
              f"Triton {summary['environment']['triton']}", "", "| step | status | seconds / budget |", "|---|---|---|"]
     lines += [f"| {name} | {s['status']} | {s['seconds']:.0f} / {s['budget_s']} |"
               for name, s in summary["steps"].items()]
-    lines += ["", f"tests: {tests.get('line') or 'no summary line'}", "",
+    lines += ["", f"tests: {tests.get('line') or 'no summary line'}"]
+    if summary.get("preflight"):
+        lines += [f"preflight: {summary['preflight'].get('line') or 'no summary line'}"]
+    lines += ["",
               "| precision | gate | P | epoch (s) | trial-epochs / hour | between / train / val / end (s) "
               "| train step (ms) |", "|---|---|---|---|---|---|---|"]
     lines += [f"| {r['precision']} | {r['gate']} | {r['P']} | {r['epoch_s']:.2f} | {r['trial_epochs_per_hour']:,} | "

@@ -40,6 +40,9 @@ PROGRESS = re.compile(r"pack of (\d+), pack epoch (\d+) done, elapsed (\d+)h(\d+
 ENDED = re.compile(r"\] (\d+)/\d+ done, .*pack of (\d+), pack epoch (\d+) done, elapsed (\d+)h(\d+)m(\d+)s")
 STARTUP_S = 10.0  # tune's start before its first claim: the storage, the data, the plan
 SETUP_S = 0.04  # a trial's claim, build and load into a slot (bench_packs.py --setup, this VM's order)
+# gpu_check's preflight before the study, when --steps has it: pytest's start and the float32 epilogue and mixing
+# CUDA tests (3.1 s and about as long on the H200: docs/results/gpu-2026-11-27-2's tests log)
+PREFLIGHT_S = 15
 
 
 def trial_epochs(journal: Path) -> tuple[list[int], list[int]]:
@@ -163,6 +166,7 @@ def main() -> None:
     mean = sum(e * p for e, p in distribution)
     study_s = (args.total - gpu_check.SUMMARY_S
                - gpu_check.reserved_after("study", tuple(args.steps.split(",")), gpu_check.GPU.budgets))
+    study_s -= PREFLIGHT_S if "preflight" in args.steps.split(",") else 0
     stop_s = study_s - gpu_check.GPU.stop
     print(f"{journal}: {len(events)} complete, {len(censored)} failed, {waiting} to run; epochs per trial "
           f"{statistics.fmean(events):.1f} (complete ones), {mean:.1f} (Kaplan-Meier)")

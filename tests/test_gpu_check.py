@@ -183,6 +183,18 @@ def test_no_step_outlasts_total(tmp_path: Path) -> None:
     assert summary["total_s"] < sizes.total and (tmp_path / "out" / "summary.json").exists()
 
 
+def test_a_failed_preflight_skips_the_study(tmp_path: Path, monkeypatch) -> None:
+    """``--steps preflight,study``: the study runs only if the preflight's tests pass (here a test id that does not
+    exist: pytest exits 4), so that no trial is trained by a kernel the GPU computes wrongly."""
+    monkeypatch.setattr(gpu_check, "PREFLIGHT", ["tests/test_epilogue.py::no_such_test"])
+    summary = gpu_check.run(tmp_path / "out", gpu_check.DRY, tmp_path / "study", dry_run=True,
+                            chosen=("preflight", "study"))
+    steps = summary["steps"]
+    assert steps["preflight"]["status"] == "failed (exit code 4)", steps
+    assert steps["study"]["status"].startswith("skipped (preflight failed (exit code 4)"), steps
+    assert summary["trials_complete"] == 0 and summary["study"]["wall_s"] == 0
+
+
 def test_keep_files_a_lease_under_docs_results(tmp_path: Path) -> None:
     """``keep``: each call's summary and logs, the last call's report, bootstrap table and figures, and its gzipped
     journal, in a new ``gpu-<day>`` folder (``-2`` beside an existing one), which ``restore_study`` then restores;
