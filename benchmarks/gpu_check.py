@@ -15,9 +15,10 @@ files into ``.gpu/``, which the device call carries with the working tree. ``run
 each step as a subprocess with its own budget (the study: what is left of 9 minutes once the steps after it have
 theirs): a step that fails or overruns is logged and the next one runs; ``--steps`` runs some of them. The
 study's storage is a journal file in ``.gpu/study/``: the study stops cleanly before its budget ends (SIGTERM:
-running trials are marked interrupted, to rerun from their first epoch: :data:`GPU` keeps no checkpoints, which
-could not travel), its journal comes back in DIR, and carried to the next lease it resumes. A study run with
-checkpoints (another ``tune_args``) leaves them in ``.gpu/study/checkpoints/``, returned when small enough. DIR
+running trials are marked interrupted and their state saved), its journal comes back in DIR, and carried to the
+next lease it resumes. The saved states (:data:`DEVICE_CHECKPOINTS`, about 24 MiB a trial: they cannot travel) stay
+on the device, outside the carried ``.gpu/``: the next call of the same lease, on the same warm machine, continues
+the interrupted trials from their last epoch; a fresh machine reruns them from their first. DIR
 receives ``summary.json``, ``summary.md`` (the short table, also printed last), ``logs.tar.gz`` (every step's full
 log), ``study.journal.gz`` (the journal gzipped: a file comes back only under 16 MiB), ``checkpoints.tar.gz`` (if
 the study left any and the archive is within
@@ -50,6 +51,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script from a checkout on the device, where the suite is not installed
 CARRIED = ROOT / ".gpu"  # travels with the working tree: carry=[".gpu"]
 WHEELS_DIR, DATA_DIR, STUDY_DIR = CARRIED / "wheels", CARRIED / "data", CARRIED / "study"
+# The study's checkpoints on the device: git-ignored and not carried, so kept from one call of a lease to the next
+# on the same warm machine (the device tool keeps ignored files between calls; carry replaces .gpu/ whole)
+DEVICE_CHECKPOINTS = ROOT / ".gpu-device" / "checkpoints"
 DATASET, GATE, SOURCE = "movielens-100k", "comet", "ml-100k"
 # What the suite imports on this path (tune with a journal storage, report, bootstrap, bench_packs, the tests) that
 # the GPU image lacks (/work/.library/device/KINDS.md), its missing dependencies included; all pure Python.
@@ -112,17 +116,17 @@ def study_args(sizes: Sizes, complete: int) -> list[str]:
     return [f"--pack={sizes.last_pack}" if arg.startswith("--pack=") else arg for arg in sizes.tune_args]
 
 
-# The study: TF32 (the official code's precision on Ampere and later GPUs), packs of 128, no checkpoints. A trial
-# interrupted at a lease's end reruns from its first epoch (a pack's checkpoints, about 24 MiB a trial, cannot travel
-# back, and writing gigabytes of them could outlast the SIGTERM's grace), so a lease keeps only the trials that
-# finish inside it: packs small enough that a trial's 26 to 100 epochs end within one lease's study, rather than the
+# The study: TF32 (the official code's precision on Ampere and later GPUs), packs of 128, checkpoints kept on the
+# device (DEVICE_CHECKPOINTS). A trial interrupted at a lease's end reruns from its first epoch in the next lease
+# (a pack's checkpoints, about 24 MiB a trial, cannot travel), so a lease keeps only the trials that finish inside
+# it: packs small enough that a trial's 26 to 100 epochs end within one lease's study, rather than the
 # pack ``--pack auto`` finds fastest (all 500 at once, measured on an H200: none finished in a lease). With at most
 # 320 trials left, one pack of 256: no trial waits for a slot, and the pack shrinks as they end
 # (``benchmarks/lease_plan.py``: more of them complete in a lease than in packs of 128).
 # The bench: packs of 1 and of 256, each timed by phase and profiled: a step of P = 1 is the part of every step that
 # packing does not amortise (its kernels' fixed cost; lease_plan.py puts what does not grow with P at a quarter of a P = 128 epoch).
 GPU = Sizes("1,256", 500, ["--device", "cuda"], ["--trainer.accelerator=gpu", "--model.matmul_precision=high",
-                                               "--pack=128", "--no-checkpoints"], ["--device", "cuda"],
+                                               "--pack=128"], ["--device", "cuda"],
             {"install": 40, "tests": 180, "bench": 110, "preflight": 60, "report": 30, "bootstrap": 30},
             drain=120,  # a trial's 26 epochs at least (33 the fewest seen), a pack of 128's about 4 s each (H200)
             last_pack=256)
@@ -399,8 +403,9 @@ def study_state(journal: Path, env: dict) -> dict:
 
 
 def run(out: Path, sizes: Sizes, study_dir: Path, dry_run: bool = False, chosen: tuple[str, ...] = STEPS,
-        precisions: tuple[str, ...] = tuple(PRECISIONS)) -> dict:
-    """The ``chosen`` steps, their logs and the summary in ``out`` (see the module's docstring); returns the
+        precisions: tuple[str, ...] = tuple(PRECISIONS), checkpoint_dir: Path | None = None) -> dict:
+    """The ``chosen`` steps, their logs and the summary in ``out`` (see the module's docstring); the study's
+    checkpoints in ``checkpoint_dir`` (``tune --checkpoint-dir``; default: beside its journal); returns the
     summary."""
     start = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
@@ -478,7 +483,9 @@ def run(out: Path, sizes: Sizes, study_dir: Path, dry_run: bool = False, chosen:
     else:
         tune = step("study", [python, "-m", "mtmoe", "tune", "--gate", GATE, "--data", DATASET, "--trials",
                               str(sizes.trials), "--storage", storage, "--log-dir", str(scratch / "runs"),
-                              "--timeout", str(timeout), *tune_args], study_budget, sizes.stop,
+                              "--timeout", str(timeout), *tune_args,
+                              *(["--checkpoint-dir", str(checkpoint_dir)] if checkpoint_dir else [])],
+                    study_budget, sizes.stop,
                     stop_early=sizes.stop)
     after = study_state(journal, env)
     trained = (after.get("trial_epochs") or 0) - (before.get("trial_epochs") or 0)  # interrupted trials' included
@@ -488,7 +495,7 @@ def run(out: Path, sizes: Sizes, study_dir: Path, dry_run: bool = False, chosen:
                         "pack": next((a.split("=", 1)[1] for a in tune_args if a.startswith("--pack=")), None),
                         "trial_epochs_per_hour": round(trained / tune.seconds * 3600) if tune.seconds else None}
     summary["trials_complete"], summary["wall_s"] = after.get("trials_complete"), tune.seconds
-    summary["study"]["checkpoints"] = return_checkpoints(study_dir, out)
+    summary["study"]["checkpoints"] = return_checkpoints(checkpoint_dir or study_dir / "checkpoints", out)
     summary["study"]["epochs"] = pack_epochs(scratch / "runs", logs)
     results = scratch / "results"
     step("report", [python, "-m", "mtmoe", "report", "--data", DATASET, "--storage", storage, "--out",
@@ -516,17 +523,17 @@ def run(out: Path, sizes: Sizes, study_dir: Path, dry_run: bool = False, chosen:
     return summary
 
 
-def return_checkpoints(study_dir: Path, out: Path) -> dict:
-    """The study's pack checkpoints as ``out/checkpoints.tar.gz`` (paths relative to ``study_dir``), unless they
-    are over :data:`RETURN_LIMIT` (float32 tensors barely compress): then they stay on the machine, where a next
-    call without ``carry`` in the same lease resumes from them. What was found and done."""
-    files = sorted((study_dir / "checkpoints").rglob("*.pt"))
+def return_checkpoints(folder: Path, out: Path) -> dict:
+    """The study's pack checkpoints (in ``folder``) as ``out/checkpoints.tar.gz`` (paths relative to it), unless
+    they are over :data:`RETURN_LIMIT` (float32 tensors barely compress): then they stay on the machine, where the
+    next call of the same lease resumes from them. What was found and done."""
+    files = sorted(folder.rglob("*.pt"))
     found = {"files": len(files), "bytes": sum(p.stat().st_size for p in files)}
     found["returned"] = 0 < found["bytes"] <= RETURN_LIMIT
     if found["returned"]:
         with tarfile.open(out / "checkpoints.tar.gz", "w:gz") as tar:
             for path in files:
-                tar.add(path, str(path.relative_to(study_dir)))
+                tar.add(path, str(path.relative_to(folder)))
     return found
 
 
@@ -582,7 +589,7 @@ def short_table(summary: dict) -> str:
         lines += [f"checkpoints: {saved['files']} file(s), {saved['bytes'] / 2**20:.1f} MiB, " +
                   ("returned as checkpoints.tar.gz" if saved["returned"] else
                    f"not returned (over the {RETURN_LIMIT / 2**20:.0f} MiB a returned file may have): they stay "
-                   "in .gpu/study/checkpoints on this machine")]
+                   "on this machine for the next call of this lease")]
     return "\n".join(lines)
 
 
@@ -598,6 +605,9 @@ def main() -> None:
     parser.add_argument("--precisions", help=f"bench_packs.py's precisions, of {','.join(PRECISIONS)} (default: "
                         f"{','.join(GPU_PRECISIONS)} on the GPU, where fp32 at P = 256 needs more than a minute; all "
                         "in the dry run)")
+    parser.add_argument("--drain", type=int, default=None, help=f"run: tune claims no trial this long before the "
+                        f"study's stop, seconds (default {GPU.drain}: the trials in flight finish; 0 where the next "
+                        "call of the lease continues them from their checkpoints)")
     parser.add_argument("--steps", default=",".join(STEPS),
                         help=f"run: the steps to run, of {','.join(STEPS)} (a resumed study: study,report,bootstrap)")
     args = parser.parse_args()
@@ -608,6 +618,8 @@ def main() -> None:
         fail(f"--steps {args.steps}: choose among {','.join(STEPS)}")
     if not set(precisions) <= set(PRECISIONS):
         fail(f"--precisions {args.precisions}: choose among {','.join(PRECISIONS)}")
+    if args.drain is not None and args.drain < 0:
+        fail(f"--drain must be a number of seconds >= 0, got {args.drain}")
     if args.total is not None and args.total <= 0:
         fail(f"--total must be a positive number of seconds, got {args.total}")
     if args.command == "gather":
@@ -618,7 +630,8 @@ def main() -> None:
     elif args.dry_run:
         out = args.out or Path(tempfile.mkdtemp(prefix="gpu-check-dry-"))
         study = Path(tempfile.mkdtemp(prefix="gpu-check-study-"))
-        summary = run(out, DRY, study, dry_run=True, chosen=chosen, precisions=precisions)
+        summary = run(out, DRY, study, dry_run=True, chosen=chosen, precisions=precisions,
+                      checkpoint_dir=study / "device-checkpoints")
         shutil.rmtree(study)
         # a step skipped for want of time is broken here (the dry run's sizes leave plenty); one left out by
         # --steps, or the install without gathered wheels (CI has none), is not
@@ -633,7 +646,8 @@ def main() -> None:
     elif args.command == "run":
         if args.out is None:
             fail("run needs --out DIR (on the device: --out $OUT)")
-        run(args.out, replace(GPU, total=args.total or GPU.total), STUDY_DIR, chosen=chosen, precisions=precisions)
+        sizes = replace(GPU, total=args.total or GPU.total, drain=GPU.drain if args.drain is None else args.drain)
+        run(args.out, sizes, STUDY_DIR, chosen=chosen, precisions=precisions, checkpoint_dir=DEVICE_CHECKPOINTS)
     else:
         fail("give a command: gather, run --out DIR, or --dry-run")
 

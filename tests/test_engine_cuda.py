@@ -150,3 +150,40 @@ def test_a_capture_survives_a_graph_dying_during_it() -> None:
     assert torch.equal(out, torch.relu(x * 2 + 1))
     gc.collect()
     assert dying[0]() is None
+
+
+def test_a_checkpoint_kept_on_the_device_is_the_host_checkpoint_and_is_written_to_the_host(tmp_path) -> None:
+    """``tune`` keeps each epoch end's checkpoint on the GPU (``PackEngine.checkpoint(to=device)``: no transfer per
+    epoch); it holds what the host checkpoint holds, later steps leave it as it was, and a write moves it to the
+    host."""
+    from mtmoe.tuning.checkpoints import PackCheckpoints
+
+    def tensors(value, out, prefix=""):
+        if isinstance(value, torch.Tensor):
+            out[prefix] = value
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                tensors(item, out, f"{prefix}/{key}")
+        elif isinstance(value, (tuple, list)):
+            for index, item in enumerate(value):
+                tensors(item, out, f"{prefix}/{index}")
+        return out
+
+    engine = cuda_engine("comet", graphs=True)
+    for step in range(5):
+        engine.train_step(pack_batch(step, 3))
+    engine.end_epoch([{"loss": 1.0}] * 3)
+    device, host = engine.checkpoint(to=engine.device), engine.checkpoint()
+    for step in range(5, 8):  # the pack trains on: the snapshot is a copy
+        engine.train_step(pack_batch(step, 3))
+    on_device = {k: v for slot, (_, state) in enumerate(device) for k, v in tensors(state, {}, str(slot)).items()}
+    on_host = {k: v for slot, (_, state) in enumerate(host) for k, v in tensors(state, {}, str(slot)).items()}
+    assert on_device.keys() == on_host.keys() and all(t.is_cuda for t in on_device.values())
+    assert all(torch.equal(on_device[k].cpu(), on_host[k]) for k in on_host)
+    checkpoints = PackCheckpoints(tmp_path, {"identity": 1})
+    checkpoints.keep([(slot, "structure", "hash", state) for slot, (_, state) in enumerate(device)])
+    checkpoints.write()
+    written = torch.load(checkpoints.path, weights_only=True)["trials"]
+    saved = {k: v for slot, entry in written.items() for k, v in tensors(entry["state"], {}, str(slot)).items()}
+    assert saved.keys() == on_host.keys() and not any(t.is_cuda for t in saved.values())
+    assert all(torch.equal(saved[k], on_host[k]) for k in on_host)

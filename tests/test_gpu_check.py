@@ -114,20 +114,21 @@ def test_bench_packs_lines_are_read_with_their_numbers() -> None:
 
 def test_the_studys_checkpoints_come_back_only_within_the_returned_file_limit(tmp_path: Path,
                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    """Checkpoints beside the journal come back as ``checkpoints.tar.gz`` (paths as under ``.gpu/study``, so that
-    extracting it there resumes them); over the device tool's 16 MiB a file they stay, and the summary says so."""
-    study, out = tmp_path / "study", tmp_path / "out"
+    """A study's checkpoints come back as ``checkpoints.tar.gz`` (paths relative to their folder, so that extracting
+    it into the folder ``tune --checkpoint-dir`` names resumes them); over the device tool's 16 MiB a file they
+    stay, and the summary says so."""
+    checkpoints, out = tmp_path / "device-checkpoints", tmp_path / "out"
     out.mkdir()
-    assert gpu_check.return_checkpoints(study, out) == {"files": 0, "bytes": 0, "returned": False}
-    folder = study / "checkpoints" / "movielens-100k_comet"
+    assert gpu_check.return_checkpoints(checkpoints, out) == {"files": 0, "bytes": 0, "returned": False}
+    folder = checkpoints / "movielens-100k_comet"
     folder.mkdir(parents=True)
     (folder / "host-1.pt").write_bytes(b"\0" * 1000)
-    assert gpu_check.return_checkpoints(study, out) == {"files": 1, "bytes": 1000, "returned": True}
+    assert gpu_check.return_checkpoints(checkpoints, out) == {"files": 1, "bytes": 1000, "returned": True}
     with tarfile.open(out / "checkpoints.tar.gz") as archive:
-        assert archive.getnames() == ["checkpoints/movielens-100k_comet/host-1.pt"]
+        assert archive.getnames() == ["movielens-100k_comet/host-1.pt"]
     (out / "checkpoints.tar.gz").unlink()
     monkeypatch.setattr(gpu_check, "RETURN_LIMIT", 999)
-    assert gpu_check.return_checkpoints(study, out)["returned"] is False
+    assert gpu_check.return_checkpoints(checkpoints, out)["returned"] is False
     assert not list(out.iterdir())
 
 

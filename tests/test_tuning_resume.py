@@ -68,20 +68,23 @@ def test_a_pack_resumed_after_sigterm_computes_what_the_uninterrupted_pack_compu
     """4 configurations in a pack of 3 (one refill), dropout on, ``comet+`` with local search's window of 1 epoch:
     the study SIGTERMed after its first epoch, then run again, gives each configuration the same per-epoch
     metrics (``metrics.csv`` byte for byte), learning curve, objective and test loss as the same study run
-    without a stop; the interrupted trials carry their checkpoint, and it is removed once the study is done."""
+    without a stop; the interrupted trials carry their checkpoint, written where ``--checkpoint-dir`` says (not
+    beside the storage), and it is removed once the study is done."""
     root, tmp = root_and_tmp
     gate, extra = "comet+", [*SHORT, "--pack", "3", "--model.perm_epochs=1"]
     whole = f"sqlite:///{tmp / 'whole.db'}"
     tune_here(tune_args(whole, root, tmp / "whole", *extra, trials=4, gate=gate, name=NAME))
 
     url = f"sqlite:///{tmp / 'cut.db'}"
-    args = tune_args(url, root, tmp / "cut", *extra, *SLEEP, trials=4, gate=gate, name=NAME)
+    args = tune_args(url, root, tmp / "cut", *extra, *SLEEP, "--checkpoint-dir", str(tmp / "node"), trials=4,
+                     gate=gate, name=NAME)
     assert sigterm_after_epochs(args, tmp, root, url, 1) == 143
     interrupted = [t for t in trials_of(url, NAME) if t.state == TrialState.FAIL]
     assert interrupted and all(t.user_attrs.get("interrupted") for t in interrupted)
     saved = [t for t in interrupted if "checkpoint" in t.user_attrs]
     assert saved, "no interrupted trial was checkpointed"
-    folder = tmp / "checkpoints" / NAME
+    assert not (tmp / "checkpoints").exists()
+    folder = tmp / "node" / NAME
     [checkpoint] = folder.glob("*.pt")
     assert Path(saved[0].user_attrs["checkpoint"]) == checkpoint
     content = torch.load(checkpoint, weights_only=True)
@@ -113,13 +116,26 @@ def test_without_checkpoints_an_interrupted_trial_reruns_from_its_first_epoch(ro
     assert results(url) == results(whole)
 
 
-def test_no_checkpoints_and_checkpoint_every_are_refused_together(root_and_tmp, capsys) -> None:
+@pytest.mark.parametrize("given, value", [("--checkpoint-every", "60"), ("--checkpoint-dir", "node")])
+def test_no_checkpoints_and_a_checkpoint_setting_are_refused_together(root_and_tmp, capsys, given: str,
+                                                                     value: str) -> None:
     root, tmp = root_and_tmp
     url = f"sqlite:///{tmp / 'refused.db'}"
-    code = run_cli(tune_args(url, root, tmp / "runs", "--no-checkpoints", "--checkpoint-every", "60", trials=2,
+    code = run_cli(tune_args(url, root, tmp / "runs", "--no-checkpoints", given, value, trials=2, name=NAME))
+    err = capsys.readouterr().err
+    assert code == 2 and err.strip().startswith(f"error: {given} and --no-checkpoints"), err
+    assert not (tmp / "refused.db").exists()
+
+
+def test_a_checkpoint_dir_that_is_a_file_is_one_line(root_and_tmp, capsys) -> None:
+    root, tmp = root_and_tmp
+    (tmp / "a-file").write_text("")
+    url = f"sqlite:///{tmp / 'refused.db'}"
+    code = run_cli(tune_args(url, root, tmp / "runs", "--checkpoint-dir", str(tmp / "a-file" / "x"), trials=2,
                              name=NAME))
     err = capsys.readouterr().err
-    assert code == 2 and err.strip().startswith("error: --checkpoint-every and --no-checkpoints"), err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"error: cannot write the checkpoints to {tmp / 'a-file' / 'x'}: ") and "--checkpoint-dir" in err
     assert not (tmp / "refused.db").exists()
 
 
@@ -162,11 +178,13 @@ def test_a_checkpoint_is_resumed_only_by_the_same_settings_and_configuration(tmp
     assert "checkpoint " + str(tmp_path / "torn.pt") + " cannot be read" in capsys.readouterr().err
 
 
-def test_checkpoints_live_beside_a_file_storage_else_in_the_log_folder(tmp_path: Path) -> None:
+def test_checkpoints_live_in_checkpoint_dir_else_beside_a_file_storage_else_in_the_log_folder(tmp_path: Path) -> None:
     assert checkpoint_folder(f"journal:{tmp_path}/s.journal", "ml/comet", tmp_path / "runs") == \
         tmp_path / "checkpoints" / "ml_comet"
     assert checkpoint_folder(f"sqlite:///{tmp_path}/o.db", "x", tmp_path / "runs") == tmp_path / "checkpoints" / "x"
     assert checkpoint_folder("postgresql://u@h/db", "x", tmp_path / "runs") == tmp_path / "runs" / "checkpoints" / "x"
+    assert checkpoint_folder("postgresql://u@h/db", "ml/comet", tmp_path / "runs", tmp_path / "node") == \
+        tmp_path / "node" / "ml_comet"
 
 
 def test_no_checkpoints_is_refused_while_an_earlier_tunes_checkpoints_are_kept(root_and_tmp, capsys) -> None:

@@ -406,19 +406,20 @@ class PackEngine:
                 "trials": [None if trial is None else {name: getattr(trial, name) for name in self.TRIAL_PROGRESS}
                            for trial in self.slots]}
 
-    def checkpoint(self) -> list[tuple[Any, dict[str, Any]]]:
-        """Each running trial that has trained an epoch, with its state on the host as it stands (an epoch's end):
+    def checkpoint(self, to: torch.device | str = "cpu") -> list[tuple[Any, dict[str, Any]]]:
+        """Each running trial that has trained an epoch, with its state copied to ``to`` as it stands (an epoch's end;
+        the host by default, the engine's own device for a snapshot without a transfer):
         parameters and buffers (its random stream's counters, local search's matrices and step), Adam's moments,
         step count, learning rate and epsilon, its best weights, its recorded routing selections, and its progress (:attr:`TRIAL_PROGRESS`: epochs,
         early stopping's best, best epoch and wait, metric history; its step count). The pack's tensors are copied
         once each, then viewed per trial; :meth:`load` continues a trial from its state (``Trial.saved``) in any
         slot, and its data order follows from its epoch (:func:`mtmoe.data.base.shuffled_order`)."""
-        def host(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
-            return {name: tensor.to("cpu", copy=True) for name, tensor in tensors.items()}
+        def copied(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+            return {name: tensor.to(to, copy=True) for name, tensor in tensors.items()}
 
-        tensors, adam = host(self.stack.tensors()), host(self.adam.state_dict())
-        previous, recorded = (t.to("cpu", copy=True) for t in (self.eval_metrics.previous, self.eval_metrics.recorded))
-        best = None if self.best is None else host(self.best)
+        tensors, adam = copied(self.stack.tensors()), copied(self.adam.state_dict())
+        previous, recorded = (t.to(to, copy=True) for t in (self.eval_metrics.previous, self.eval_metrics.recorded))
+        best = None if self.best is None else copied(self.best)
         out = []
         for slot, trial in self.running:
             if trial.epochs_run == 0:

@@ -2,10 +2,11 @@
 running trials' state, and the next ``tune`` on the same storage continues them from the epoch they reached
 instead of from their first.
 
-* **What.** At every pack epoch's end the worker keeps each running trial's state on the host
+* **What.** At every pack epoch's end the worker keeps a copy of each running trial's state on the pack's device
   (:meth:`mtmoe.pack.engine.PackEngine.checkpoint`: parameters, buffers with the random stream's counters and local
-  search's state, Adam's moments and step, early stopping's best and wait, best weights, metric history, epochs).
-  Interrupted, it writes the latest of them to ``<folder>/<host>-<pid>.pt`` atomically (:func:`checkpoint_folder`:
+  search's state, Adam's moments and step, early stopping's best and wait, best weights, metric history, epochs): on
+  a GPU a device-to-device copy, with no transfer to the host until a write. Interrupted, it writes the latest of
+  them to ``<folder>/<host>-<pid>.pt`` atomically (:func:`checkpoint_folder`: ``tune --checkpoint-dir``, else
   beside a file storage, ``checkpoints/<study>/``), and marks the interrupted trials with a ``checkpoint``
   attribute; ``--checkpoint-every S`` also writes it at the first epoch end ``S`` seconds after the last write.
 * **Resume.** A worker reads the study's checkpoints when it starts, claims their configurations before the rest
@@ -35,8 +36,11 @@ from mtmoe.files import save_torch_atomic
 FORMAT = 1
 
 
-def checkpoint_folder(url: str, study_name: str, log_dir: Path) -> Path:
-    """``checkpoints/<study>/`` beside a file storage (SQLite, journal), else in the study's log folder."""
+def checkpoint_folder(url: str, study_name: str, log_dir: Path, base: Path | None = None) -> Path:
+    """``<base>/<study>/`` (``tune --checkpoint-dir``), else ``checkpoints/<study>/`` beside a file storage (SQLite,
+    journal), else in the study's log folder."""
+    if base is not None:
+        return Path(base) / study_name.replace("/", "_")
     path = None
     if url.startswith("journal:"):
         path = url.removeprefix("journal:")
@@ -141,9 +145,10 @@ def epochs(entry: dict[str, Any]) -> int:
 
 
 def clone(value: Any) -> Any:
-    """``value`` with every tensor a copy of its own (a view saved alone would save its whole pack's storage)."""
+    """``value`` with every tensor a copy of its own on the host (a view saved alone would save its whole pack's
+    storage; a GPU's snapshot is moved here)."""
     if isinstance(value, torch.Tensor):
-        return value.clone()
+        return value.to("cpu", copy=True)
     if isinstance(value, dict):
         return {key: clone(item) for key, item in value.items()}
     return value

@@ -387,7 +387,7 @@ class PackWorker:
         self.still_running = None
         if self.checkpoints is not None:
             self.checkpoints.keep([(key[2], self.keys[key[2]], key[0].user_attrs["config_hash"], state)
-                                   for key, state in module.engine.checkpoint()])
+                                   for key, state in module.engine.checkpoint(to=module.engine.device)])
         self.progress(module)
 
     def _log_epoch(self, seconds: dict[str, float]) -> None:

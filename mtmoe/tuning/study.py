@@ -206,6 +206,7 @@ class WorkerSettings:
     checkpoint_every: float | None = None
     keep_checkpoints: bool = True
     deadline: float | None = None  # a time.time() (--timeout): no trial is claimed after it
+    checkpoint_dir: Path | None = None  # --checkpoint-dir (default: mtmoe.tuning.checkpoints.checkpoint_folder's)
 
 
 def run_worker(settings: WorkerSettings) -> None:
@@ -232,8 +233,8 @@ def run_worker(settings: WorkerSettings) -> None:
 
     bar = settings.workers == 1 and sys.stderr.isatty()  # a progress bar at a terminal; N workers' would fight
     identity = {key: study.user_attrs.get(key) for key in ("space_fingerprint", "seed", "settings")}
-    checkpoints = PackCheckpoints(checkpoint_folder(settings.url, settings.study_name, log_dir), identity,
-                                  settings.checkpoint_every) if settings.keep_checkpoints else None
+    checkpoints = PackCheckpoints(checkpoint_folder(settings.url, settings.study_name, log_dir, settings.checkpoint_dir),
+                                  identity, settings.checkpoint_every) if settings.keep_checkpoints else None
     PackWorker(study, storage, space, settings.overrides, settings.seed, log_dir, settings.pack, configurations,
                reclaim, bar, checkpoints, settings.deadline).run()
 
@@ -444,13 +445,16 @@ def parse_tune_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--checkpoint-every", type=float, default=None, metavar="SECONDS",
                         help="also save the running trials' state at the first epoch end this long after the last "
                              "save (always saved on Ctrl-C or SIGTERM; a rerun continues them)")
+    parser.add_argument("--checkpoint-dir", default=None, metavar="FOLDER",
+                        help="where the checkpoints go, in a folder per study (default: checkpoints/ beside a file "
+                             "storage, else in the trials' log folder), e.g. a node's local disk")
     parser.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                         help="claim no trial this long after the start: the running ones finish, the same tune "
                              "resumes the study (Optuna's study.optimize(timeout=...); a job's time limit)")
     parser.add_argument("--no-checkpoints", action="store_true",
                         help="keep no state of the running trials (an interrupted trial reruns from its first "
-                             "epoch): spares the copy of the pack's state to the host at every epoch end and its "
-                             "write on Ctrl-C or SIGTERM, e.g. where the checkpoints could not be kept anyway; "
+                             "epoch): spares the copy of the pack's state at every epoch end and its write on "
+                             "Ctrl-C or SIGTERM, e.g. where the checkpoints could not be kept anyway; "
                              "refused while an earlier tune's checkpoints of the study are kept (resume them, or "
                              "delete their folder)")
     args, overrides = parser.parse_known_args(argv)
@@ -626,8 +630,11 @@ def _tune(argv: list[str], touched: list[str]) -> None:
         raise UsageError(f"--checkpoint-every must be a positive number of seconds, got {args.checkpoint_every}")
     if args.timeout is not None and not args.timeout > 0:
         raise UsageError(f"--timeout must be a positive number of seconds, got {args.timeout}")
-    if args.checkpoint_every is not None and args.no_checkpoints:
-        raise UsageError("--checkpoint-every and --no-checkpoints contradict each other: give one of them")
+    if args.no_checkpoints and (args.checkpoint_every is not None or args.checkpoint_dir is not None):
+        given = "--checkpoint-every" if args.checkpoint_every is not None else "--checkpoint-dir"
+        raise UsageError(f"{given} and --no-checkpoints contradict each other: give one of them")
+    checkpoint_dir = None if args.checkpoint_dir is None else writable_folder(
+        Path(args.checkpoint_dir), "--checkpoint-dir", "the checkpoints")
     pack = pack_size(args.pack)
     log_dir = writable_folder(Path(args.log_dir) if args.log_dir else DEFAULT_LOG_DIR, "--log-dir",
                               "the trials' logs")
@@ -663,7 +670,8 @@ def _tune(argv: list[str], touched: list[str]) -> None:
     print(f"study {study_name!r}: {trials} configurations, settings: {describe_settings(settings)}; storage "
           f"{display_url(url)}, {args.workers} worker(s)", flush=True)
     run_until_accounted(WorkerSettings(url, study_name, space, overrides, args.seed, args.workers, log_dir, pack,
-                                       args.checkpoint_every, not args.no_checkpoints, deadline), configurations)
+                                       args.checkpoint_every, not args.no_checkpoints, deadline, checkpoint_dir),
+                        configurations)
 
 
 def run_until_accounted(settings: WorkerSettings, configurations: list[dict]) -> None:
