@@ -111,25 +111,50 @@ def epoch_costs(logs: list[str]) -> tuple[float, float, float, int]:
     return float(a), float(b), float(c), len(rows)
 
 
-def completed(pack: int, epochs: list[int], claim_s: float, stop_s: float, a: float, b: float) -> int:
-    """Trials of ``epochs`` (in claim order) complete within ``stop_s`` seconds of a call, ``tune``'s way."""
-    waiting, now, capacity, running, done = list(epochs), STARTUP_S, pack, [], 0
+def call(pack: int, waiting: list[int], running: list[list[int]], claim_s: float, stop_s: float, a: float,
+         b: float) -> int:
+    """One ``gpu_check`` call's study, ``tune``'s way: trials that ``running`` holds (``[epochs left, epochs]``,
+    continued from checkpoints) and ``waiting`` gives (epochs each, claimed from its end) train in a pack of at most
+    ``pack``; trials complete until ``stop_s`` seconds; no claim after ``claim_s``. Both lists are left as the call
+    leaves them (the trials in flight at its stop stay in ``running``). The trials completed."""
+    now, capacity, done = STARTUP_S, min(pack, len(waiting) + len(running)), 0
+    now += SETUP_S * len(running)
 
     def refill() -> None:
         nonlocal now
         while waiting and len(running) < capacity and now < claim_s:
-            running.append(waiting.pop())
+            epochs = waiting.pop()
+            running.append([epochs, epochs])
             now += SETUP_S
 
     refill()
     while running and now + a + b * capacity <= stop_s:
         now += a + b * capacity
-        running = [left - 1 for left in running]
-        done += running.count(0)
-        running = [left for left in running if left]
+        for trial in running:
+            trial[0] -= 1
+        done += sum(left == 0 for left, _ in running)
+        running[:] = [trial for trial in running if trial[0]]
         refill()
         if 4 * (capacity - len(running)) >= capacity and not (waiting and now < claim_s):
             capacity = len(running)
+    return done
+
+
+def completed(pack: int, epochs: list[int], claim_s: float, stop_s: float, a: float, b: float) -> int:
+    """Trials of ``epochs`` (in claim order) complete within ``stop_s`` seconds of a call."""
+    return call(pack, list(epochs), [], claim_s, stop_s, a, b)
+
+
+def lease(pack: int, epochs: list[int], calls: list[tuple[float, float]], a: float, b: float, resume: bool) -> int:
+    """Trials of ``epochs`` complete over a lease's calls (``(claim_s, stop_s)`` each); the trials a call's stop
+    interrupts continue in the next from their checkpoints (``resume``: the same warm machine) or rerun from their
+    first epoch (claimed first, as a lost trial's configuration is)."""
+    waiting, running, done = list(epochs), [], 0
+    for claim_s, stop_s in calls:
+        if not resume:
+            waiting += [total for _, total in running]
+            running = []
+        done += call(pack, waiting, running, claim_s, stop_s, a, b)
     return done
 
 
@@ -147,6 +172,10 @@ def main() -> None:
                         "500 less its complete ones)")
     parser.add_argument("--epoch-s", default=None, help="A,B: a pack epoch's A + B x P seconds instead of the fit "
                         "to the logs (another GPU's, say)")
+    parser.add_argument("--lease", default=None, metavar="T1,T2",
+                        help="also a lease of two calls, --steps preflight,study --total T1 then --steps "
+                             "study,report,bootstrap --total T2: its interrupted trials continued from the device's "
+                             "checkpoints (the first call's --drain 0) or rerun (--drain 120 in both)")
     parser.add_argument("--draws", type=int, default=200)
     args = parser.parse_args()
     folders = sorted((p for p in RESULTS.glob("gpu-*") if p.is_dir()), key=lambda p: gpu_check.lease_order(p.name))
@@ -185,6 +214,25 @@ def main() -> None:
         for drain in (int(d) for d in args.drains.split(",")):
             done = sorted(completed(pack, epochs, stop_s - drain, stop_s, a, b) for epochs in draws)
             print(f"| {pack} | {drain} | {statistics.fmean(done):.0f} of {waiting} | {done[len(done) // 10]} |")
+    if args.lease is None:
+        return
+
+    def stop(total: int, steps: tuple[str, ...]) -> float:
+        budget = (total - gpu_check.SUMMARY_S - gpu_check.reserved_after("study", steps, gpu_check.GPU.budgets)
+                  - (PREFLIGHT_S if "preflight" in steps else 0))
+        return budget - gpu_check.GPU.stop
+
+    first, second = (int(t) for t in args.lease.split(","))
+    stops = stop(first, ("preflight", "study")), stop(second, ("study", "report", "bootstrap"))
+    drain = gpu_check.GPU.drain
+    print(f"\na lease: --steps preflight,study --total {first}, then --steps study,report,bootstrap --total {second}\n"
+          "| pack | interrupted trials | trials complete, mean | 10th percentile |\n|---|---|---|---|")
+    for pack in (int(p) for p in args.packs.split(",")):
+        for resume in (True, False):
+            calls = [(stops[0] - (0 if resume else drain), stops[0]), (stops[1] - drain, stops[1])]
+            done = sorted(lease(pack, epochs, calls, a, b, resume) for epochs in draws)
+            how = "continued (first call --drain 0)" if resume else f"rerun (--drain {drain})"
+            print(f"| {pack} | {how} | {statistics.fmean(done):.0f} of {waiting} | {done[len(done) // 10]} |")
 
 
 if __name__ == "__main__":

@@ -60,14 +60,30 @@ def test_the_simulated_call_completes_what_fits_before_its_stop() -> None:
     assert lease_plan.completed(1, [3, 3], 0, 1000, 1.0, 0.0) == 0  # nothing claimed
 
 
+def test_a_lease_continues_the_trials_its_first_call_interrupted_only_from_checkpoints() -> None:
+    """A trial of 3 epochs, epochs of 1 s, each call stopping 2.5 s after its trials are loaded: the first call
+    trains 2 epochs; the second finishes it from its checkpoint (1 epoch), or reruns it from its first epoch (3
+    epochs: cut off again)."""
+    stop = lease_plan.STARTUP_S + lease_plan.SETUP_S + 2.5
+    calls = [(1000, stop), (1000, stop)]
+    assert lease_plan.lease(1, [3], calls, 1.0, 0.0, resume=True) == 1
+    assert lease_plan.lease(1, [3], calls, 1.0, 0.0, resume=False) == 0
+    running = []  # what a call leaves in flight is the next call's to continue
+    assert lease_plan.call(1, [3], running, 1000, stop, 1.0, 0.0) == 0 and running == [[1, 3]]
+
+
 @pytest.mark.integration
 def test_the_script_models_the_kept_study() -> None:
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "lease_plan.py"), "--packs", "128,256",
-                             "--draws", "20"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+                             "--draws", "20", "--lease", "585,200"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     rows = re.findall(r"^\| (\d+) \| (\d+) \| (\d+) of (\d+) \| (\d+) \|$", result.stdout, re.M)
     assert [int(r[0]) for r in rows] == [128, 256], result.stdout
     assert all(int(r[4]) <= int(r[2]) <= int(r[3]) for r in rows), rows
     assert re.search(r"epochs per trial \d+\.\d \(complete ones\), \d+\.\d \(Kaplan-Meier\)", result.stdout)
+    leases = re.findall(r"^\| (\d+) \| (continued|rerun) .* \| (\d+) of (\d+) \| (\d+) \|$", result.stdout, re.M)
+    assert [(int(r[0]), r[1]) for r in leases] == [(128, "continued"), (128, "rerun"), (256, "continued"),
+                                                    (256, "rerun")], result.stdout
     assert re.search(r"^of which: \d+\.\d\d \+ \d\.\d{4} x P seconds an epoch, plus \d\.\d{3} s per trial that ends",
                      result.stdout, re.M), result.stdout
