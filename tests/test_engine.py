@@ -540,6 +540,41 @@ def test_a_checkpointed_trial_continues_in_another_slot_and_pack_exactly() -> No
             assert torch.equal(row, whole_engine.adam.slot_state(p)[name]), name
 
 
+def test_a_checkpoint_kept_on_the_device_is_the_host_checkpoint_in_buffers_it_reuses() -> None:
+    """``checkpoint(on_device=True)`` (what ``tune`` keeps at each epoch end): every tensor of every trial's state
+    equal to the host checkpoint's, in buffers the next call overwrites (no new memory an epoch), which then hold
+    the later state."""
+    def flat(checkpoint) -> dict[str, torch.Tensor]:
+        out = {}
+
+        def walk(value, prefix: str) -> None:
+            if isinstance(value, torch.Tensor):
+                out[prefix] = value
+            elif isinstance(value, (dict, list, tuple)):
+                for key, item in (value.items() if isinstance(value, dict) else enumerate(value)):
+                    walk(item, f"{prefix}/{key}")
+
+        for key, state in checkpoint:
+            walk(state, str(key))
+        return out
+
+    pack = trials("comet", 0.5, 3)
+    engine = engine_of(pack)
+    data = [batches(p, 2 * STEPS_PER_EPOCH) for p in range(3)]
+    for epoch in range(2):
+        engine.start_epoch()
+        for i in range(epoch * STEPS_PER_EPOCH, (epoch + 1) * STEPS_PER_EPOCH):
+            step(engine, data, i)
+        engine.end_epoch([{"loss": 1.0 - epoch / 10 - p / 100} for p in range(3)])
+        kept, host = flat(engine.checkpoint(on_device=True)), flat(engine.checkpoint())
+        assert kept.keys() == host.keys() and len(kept) > 30
+        assert all(torch.equal(kept[name], host[name]) for name in host)
+        if epoch == 0:
+            first, first_host = kept, host
+    assert all(kept[name].untyped_storage().data_ptr() == first[name].untyped_storage().data_ptr() for name in kept)
+    assert any(not torch.equal(first_host[name], host[name]) for name in host)  # overwritten with the later state
+
+
 class AccumulatingEngine(PackEngine):
     """The training step as it was before gradients were written in place: the flat gradient zeroed, then autograd
     accumulating into the leaves' ``.grad`` views of it."""

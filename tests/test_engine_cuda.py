@@ -153,7 +153,7 @@ def test_a_capture_survives_a_graph_dying_during_it() -> None:
 
 
 def test_a_checkpoint_kept_on_the_device_is_the_host_checkpoint_and_is_written_to_the_host(tmp_path) -> None:
-    """``tune`` keeps each epoch end's checkpoint on the GPU (``PackEngine.checkpoint(to=device)``: no transfer per
+    """``tune`` keeps each epoch end's checkpoint on the GPU (``PackEngine.checkpoint(on_device=True)``: no transfer per
     epoch); it holds what the host checkpoint holds, later steps leave it as it was, and a write moves it to the
     host."""
     from mtmoe.tuning.checkpoints import PackCheckpoints
@@ -173,7 +173,7 @@ def test_a_checkpoint_kept_on_the_device_is_the_host_checkpoint_and_is_written_t
     for step in range(5):
         engine.train_step(pack_batch(step, 3))
     engine.end_epoch([{"loss": 1.0}] * 3)
-    device, host = engine.checkpoint(to=engine.device), engine.checkpoint()
+    device, host = engine.checkpoint(on_device=True), engine.checkpoint()
     for step in range(5, 8):  # the pack trains on: the snapshot is a copy
         engine.train_step(pack_batch(step, 3))
     on_device = {k: v for slot, (_, state) in enumerate(device) for k, v in tensors(state, {}, str(slot)).items()}

@@ -158,6 +158,7 @@ class PackEngine:
                                     for prefix, module in self.template.named_modules()
                                     for name in getattr(module, "autocast_parameters", ()))
         self._copies: dict[str, Tensor] = {}
+        self._snapshot: dict[str, dict[str, Tensor]] = {}  # checkpoint(on_device=True)'s buffers
         self._forward = vmap(self._trial_losses, in_dims=(0, 0, 0, None), randomness="error")
 
     def _metrics(self, capacity: int, task_weights: Tensor) -> PackMetrics:
@@ -406,20 +407,30 @@ class PackEngine:
                 "trials": [None if trial is None else {name: getattr(trial, name) for name in self.TRIAL_PROGRESS}
                            for trial in self.slots]}
 
-    def checkpoint(self, to: torch.device | str = "cpu") -> list[tuple[Any, dict[str, Any]]]:
-        """Each running trial that has trained an epoch, with its state copied to ``to`` as it stands (an epoch's end;
-        the host by default, the engine's own device for a snapshot without a transfer):
+    def checkpoint(self, on_device: bool = False) -> list[tuple[Any, dict[str, Any]]]:
+        """Each running trial that has trained an epoch, with its state copied as it stands (an epoch's end) to the
+        host, or ``on_device``: into buffers on the engine's device that the next such call overwrites (a snapshot
+        without a transfer, and no new memory each epoch):
         parameters and buffers (its random stream's counters, local search's matrices and step), Adam's moments,
         step count, learning rate and epsilon, its best weights, its recorded routing selections, and its progress (:attr:`TRIAL_PROGRESS`: epochs,
         early stopping's best, best epoch and wait, metric history; its step count). The pack's tensors are copied
         once each, then viewed per trial; :meth:`load` continues a trial from its state (``Trial.saved``) in any
         slot, and its data order follows from its epoch (:func:`mtmoe.data.base.shuffled_order`)."""
-        def copied(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
-            return {name: tensor.to(to, copy=True) for name, tensor in tensors.items()}
+        def copied(group: str, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+            if not on_device:
+                return {name: tensor.to("cpu", copy=True) for name, tensor in tensors.items()}
+            kept = self._snapshot.setdefault(group, {})
+            for name, tensor in tensors.items():
+                if name not in kept or kept[name].shape != tensor.shape or kept[name].dtype != tensor.dtype:
+                    kept[name] = torch.empty_like(tensor)
+                kept[name].copy_(tensor)
+            return {name: kept[name] for name in tensors}
 
-        tensors, adam = copied(self.stack.tensors()), copied(self.adam.state_dict())
-        previous, recorded = (t.to(to, copy=True) for t in (self.eval_metrics.previous, self.eval_metrics.recorded))
-        best = None if self.best is None else copied(self.best)
+        tensors, adam = copied("tensors", self.stack.tensors()), copied("adam", self.adam.state_dict())
+        selections = copied("selections", {"previous": self.eval_metrics.previous,
+                                           "recorded": self.eval_metrics.recorded})
+        previous, recorded = selections["previous"], selections["recorded"]
+        best = None if self.best is None else copied("best", self.best)
         out = []
         for slot, trial in self.running:
             if trial.epochs_run == 0:

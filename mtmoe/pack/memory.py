@@ -10,10 +10,12 @@ from mtmoe.pack.engine import PackEngine, Trial
 
 
 def memory_per_trial(net: MMoE, datamodule, device: torch.device, precision: str = "32",
-                     fused_adam: bool = True) -> int:
+                     fused_adam: bool = True, checkpoints: bool = False) -> int:
     """Bytes per trial on a GPU: the difference of the peaks of a training step and an evaluation batch in packs
     of three and of one throwaway copy of ``net`` (each measured after a first pack of one has made the one-time
-    allocations: cuBLAS's workspace, compiled kernels), halved, plus its best-weights snapshot."""
+    allocations: cuBLAS's workspace, compiled kernels), halved, plus its best-weights snapshot and, with
+    ``checkpoints``, the state ``tune`` keeps on the device at each epoch end (``PackEngine.checkpoint(on_device=
+    True)``: its parameters and buffers, best weights and Adam's two moments)."""
     split = datamodule.splits["train"]
     size = datamodule.batch_size
 
@@ -39,4 +41,5 @@ def memory_per_trial(net: MMoE, datamodule, device: torch.device, precision: str
     peak(1)
     one = peak(1)
     snapshot = sum(t.numel() * t.element_size() for t in (*net.parameters(), *net.buffers()))
-    return max((peak(3) - one) // 2, 1) + snapshot
+    moments = 2 * 4 * sum(p.numel() for p in net.parameters())  # float32
+    return max((peak(3) - one) // 2, 1) + snapshot + (2 * snapshot + moments if checkpoints else 0)

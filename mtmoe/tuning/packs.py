@@ -244,7 +244,8 @@ class PackWorker:
         waiting = sum(1 for t in self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
                       if self.keys.get(t.user_attrs.get("config_id")) == key)
         with matmul_precision(run.config.model.matmul_precision):  # the pack size is measured as it will train
-            capacity = 1 if alone else resolve_capacity(self.capacity, run, waiting + 1)
+            capacity = 1 if alone else resolve_capacity(self.capacity, run, waiting + 1,
+                                                        checkpoints=self.checkpoints is not None)
             module = PackModule(datamodule.info, datamodule.splits, datamodule.batch_size,
                                 datamodule.eval_batch_size, capacity, next_trial, self._finished, self._epoch,
                                 run.config.model.cuda_graphs, run.config.model.fused_adam,
@@ -387,7 +388,7 @@ class PackWorker:
         self.still_running = None
         if self.checkpoints is not None:
             self.checkpoints.keep([(key[2], self.keys[key[2]], key[0].user_attrs["config_hash"], state)
-                                   for key, state in module.engine.checkpoint(to=module.engine.device)])
+                                   for key, state in module.engine.checkpoint(on_device=True)])
         self.progress(module)
 
     def _log_epoch(self, seconds: dict[str, float]) -> None:
@@ -582,7 +583,8 @@ def fastest_capacity(run: Run, limit: int) -> int:
     return best
 
 
-def resolve_capacity(requested: int | str, run: Run, trials: int, measure: bool = True) -> int:
+def resolve_capacity(requested: int | str, run: Run, trials: int, measure: bool = True,
+                     checkpoints: bool = True) -> int:
     """``--pack``'s number of slots: ``auto`` is the fastest pack size that fits the device and the trials there are
     to run, measured (:func:`fastest_capacity`; on a GPU what fits is what 80% of its free memory holds,
     :func:`mtmoe.pack.memory.memory_per_trial`; ``measure=False``: the largest of them); a number is checked against
@@ -591,7 +593,7 @@ def resolve_capacity(requested: int | str, run: Run, trials: int, measure: bool 
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         per_trial = memory_per_trial(run.model.net, datamodule, device, str(run.trainer.precision),
-                                     run.config.model.fused_adam)
+                                     run.config.model.fused_adam, checkpoints)
         fits = int(0.8 * free / per_trial)
     else:
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
