@@ -549,7 +549,7 @@ def pack_epochs(runs: Path, logs: Path) -> dict:
     with open(found[0]) as file:
         rows = list(csv.DictReader(file))
     sums = {key: round(sum(float(row[key]) for row in rows), 2)
-            for key in rows[0] if key in ("trained", "ended") or key.endswith("_s")} if rows else {}
+            for key in rows[0] if key in ("trained", "ended", "tested") or key.endswith("_s")} if rows else {}
     return {"pack_epochs": len(rows), **sums}
 
 

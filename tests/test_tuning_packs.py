@@ -65,7 +65,7 @@ def test_a_packed_study_is_the_unpacked_study(tiny_root: Path, tmp_path: Path, c
         # where each pack epoch's time went: a row per epoch, every trial-epoch and every ended trial in them
         epochs = pd.read_csv(tmp_path / f"runs{pack}" / f"movielens-100k_{gate}" / "pack-epochs.csv")
         assert epochs["trained"].sum() == sum(t.user_attrs["epochs_run"] for t in studies[pack].values())
-        assert epochs["ended"].sum() == n and (epochs["slots"] <= int(pack)).all()
+        assert epochs["ended"].sum() == epochs["tested"].sum() == n and (epochs["slots"] <= int(pack)).all()
         assert (epochs.filter(like="_s") >= 0).all().all() and (epochs["train_val_s"] > 0).all()
     for config_id, alone in studies["1"].items():
         packed = studies[size][config_id]

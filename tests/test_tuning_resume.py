@@ -99,6 +99,29 @@ def test_a_pack_resumed_after_sigterm_computes_what_the_uninterrupted_pack_compu
 
 
 @pytest.mark.integration
+def test_trials_that_ended_before_a_stop_are_tested_and_told_on_it(root_and_tmp, tune_here) -> None:
+    """A pack tests the trials that ended together, a few epochs later (``PackModule.test_every``): 4 configurations
+    of 2 epochs in a pack of 3, SIGTERM once the fourth (the refill) has trained an epoch, while the first three
+    wait for their test pass. The stop tests and tells them (complete, not rerun); only the fourth is interrupted,
+    and the rerun ends with the results of the study run without a stop."""
+    root, tmp = root_and_tmp
+    extra = [*SHORT, "--pack", "3"]
+    whole = f"sqlite:///{tmp / 'whole.db'}"
+    tune_here(tune_args(whole, root, tmp / "whole", *extra, trials=4, name=NAME))
+    url = f"sqlite:///{tmp / 'cut.db'}"
+    args = tune_args(url, root, tmp / "cut", *extra, *SLEEP, trials=4, name=NAME)
+    code, _, _ = interrupt_while_running(
+        args, tmp, root, url, NAME, signum=signal.SIGTERM, timeout=300,
+        ready=lambda trial: trial.user_attrs.get("config_id") == 3 and len(trial.intermediate_values) >= 1)
+    assert code == 143
+    states = {t.user_attrs["config_id"]: t.state for t in trials_of(url, NAME)}
+    assert states == {0: TrialState.COMPLETE, 1: TrialState.COMPLETE, 2: TrialState.COMPLETE, 3: TrialState.FAIL}
+    assert {c: v for c, v in results(url).items()} == {c: v for c, v in results(whole).items() if c != 3}
+    tune_here(args)
+    assert results(url) == results(whole)
+
+
+@pytest.mark.integration
 def test_without_checkpoints_an_interrupted_trial_reruns_from_its_first_epoch(root_and_tmp, tune_here) -> None:
     """``--no-checkpoints``: SIGTERM after the first epoch leaves no checkpoint and no ``checkpoint`` attribute; the
     rerun trains the interrupted trials from their first epoch, to the results of the study run without a stop."""

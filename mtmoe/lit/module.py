@@ -35,8 +35,12 @@ from mtmoe.data.base import epoch_orders
 from mtmoe.dataset_info import DatasetInfo
 from mtmoe.errors import UsageError
 from mtmoe.mmoe import MMoE, build_net
-from mtmoe.pack.engine import EarlyStopping, PackEngine, Trial, TrialResult
+from mtmoe.pack.engine import EarlyStopping, PackEngine, Trial, TrialResult, Untested
 from mtmoe.pack.settings import EngineSettings, ModelSettings, OptimSettings, new_trial, settings_of
+
+
+#: Pack epochs the first trial that ended waits for others to share its test pass (:class:`PackModule`).
+TEST_EVERY = 8
 
 
 class EngineStep(torch.optim.Optimizer):
@@ -321,6 +325,11 @@ class PackModule(EngineModule):
     back); when it has none and a quarter of the slots stand empty, the pack shrinks to its running trials (each
     shrink captures the step's CUDA graphs again), and the fit stops when no trial is left.
 
+    The trials that ended are tested together (:meth:`test_untested`: one evaluation pass, whose host cost is the
+    same for one trial or many), once the first of them has waited ``test_every`` pack epochs, or when no trial is
+    left running; their results reach ``finished`` then. A trial's results are its own whatever the trials tested
+    beside it; its slot is refilled at once.
+
     Args:
         info: the dataset's description.
         splits: the dataset's train/val/test tensors.
@@ -328,13 +337,17 @@ class PackModule(EngineModule):
         capacity: P.
         next_trial: the next trial to train (built on the CPU), or ``None`` when there is none.
         cuda_graphs, fused_adam, dense_selection: as :class:`mtmoe.pack.settings.EngineSettings`'.
+        test_every: pack epochs the first trial that ended waits for others to be tested with (1: each epoch's).
     """
 
     def __init__(self, info: DatasetInfo, splits: dict[str, dict[str, Tensor]], batch_size: int,
                  eval_batch_size: int, capacity: int, next_trial: Callable[[], Trial | None],
                  finished: Callable[[TrialResult], None], on_epoch: Callable[[PackModule], None] | None = None,
-                 cuda_graphs: bool = True, fused_adam: bool = True, dense_selection: str = "topk") -> None:
+                 cuda_graphs: bool = True, fused_adam: bool = True, dense_selection: str = "topk",
+                 test_every: int = TEST_EVERY) -> None:
         super().__init__()
+        self.test_every, self.epochs_done = test_every, 0
+        self.untested: list[tuple[int, Untested]] = []  # (the pack epoch it ended in, the trial)
         self.info, self.splits, self.capacity = info, splits, capacity
         self.batch_size, self.eval_batch_size = batch_size, eval_batch_size
         self.next_trial, self.finished, self.on_epoch = next_trial, finished, on_epoch
@@ -365,6 +378,11 @@ class PackModule(EngineModule):
         self.engine.load(0, first)
         self._refill()
 
+    def test_untested(self) -> list[TrialResult]:
+        """The trials that ended and wait for their test pass, tested together now: their results."""
+        untested, self.untested = [trial for _, trial in self.untested], []
+        return self.engine.test(untested, self.test_batches()) if untested else []
+
     def _refill(self) -> None:
         for slot in self.engine.free_slots():
             trial = self.next_trial()
@@ -382,18 +400,24 @@ class PackModule(EngineModule):
     def on_train_epoch_end(self) -> None:
         start = time.perf_counter()
         ended = self.engine.end_epoch(self.val_results)
-        results = self.engine.finish(ended, self.test_batches()) if ended else []
+        self.untested += [(self.epochs_done, trial) for trial in self.engine.release(ended)]
+        trained = len(self.engine.running) + len(ended)
+        released = time.perf_counter()
+        self._refill()
+        refilled = tested = time.perf_counter()
+        due = self.untested and (not self.engine.running
+                                 or self.epochs_done - self.untested[0][0] + 1 >= self.test_every)
+        results = self.test_untested() if due else []
         tested = time.perf_counter()
         for result in results:
             self.finished(result)
-        told = time.perf_counter()
-        running = len(self.engine.running)
-        self._refill()
+        self.epochs_done += 1
         # where this epoch's wall time went (host clock; the epoch end reads device values, so each part includes
         # the device work it waited for): tune's pack-epochs.csv
-        self.epoch_seconds = {"slots": self.engine.capacity, "trained": running + len(ended), "ended": len(ended),
-                              "train_val_s": start - self.epoch_started, "end_test_s": tested - start,
-                              "results_s": told - tested, "refill_s": time.perf_counter() - told}
+        self.epoch_seconds = {"slots": self.engine.capacity, "trained": trained, "ended": len(ended),
+                              "tested": len(results), "train_val_s": start - self.epoch_started,
+                              "end_s": released - start, "refill_s": refilled - released, "test_s": tested - refilled,
+                              "results_s": time.perf_counter() - tested}
         if self.on_epoch is not None:
             self.on_epoch(self)
         if not self.engine.running:

@@ -109,6 +109,17 @@ class TrialResult:
     wall_time_s: float
 
 
+@dataclass
+class Untested:
+    """A trial ended and released (:meth:`PackEngine.release`), its test pass to come: its result so far and, if it
+    has best weights to test, a copy of them and of its task weights, and local search's final permutation."""
+
+    result: TrialResult
+    best: dict[str, Tensor] | None = None
+    task_weights: Tensor | None = None
+    permutation: dict[str, Any] | None = None
+
+
 class PackEngine:
     """``capacity`` slots of one model structure, on ``device``.
 
@@ -337,19 +348,16 @@ class PackEngine:
         self.eval_metrics.update(predictions, task_losses, counts, loss, batch, weights)
 
     @torch.no_grad()
-    def evaluate(self, slots: list[int], state: dict[str, Tensor], batches) -> list[dict[str, Any]]:
-        """The results of ``slots`` with their tensors taken from ``state`` (a best-weights snapshot, say) on
-        ``batches``: the same vmapped forward pass and metrics as :meth:`eval_step`, for those trials alone."""
-        index = torch.tensor(slots, device=self.device)
-        tensors = {name: tensor[index] for name, tensor in state.items()}
-        task_weights = self.task_weights[index]
-        metrics = self._metrics(len(slots), task_weights)
+    def evaluate(self, tensors: dict[str, Tensor], task_weights: Tensor, batches) -> list[dict[str, Any]]:
+        """The results on ``batches`` of the trials whose stacked tensors (``[K, ...]``, best weights say) and task
+        weights are given: the same vmapped forward pass and metrics as :meth:`eval_step`, for those trials alone."""
+        metrics = self._metrics(len(task_weights), task_weights)
         for prefix, schedule in self.schedules:
             schedule.before_evaluation(local_state(prefix, tensors), None)
         self.template.eval()
         for batch in batches:
             loss, _, task_losses, counts, predictions, weights = self._forward(
-                tensors, shared(batch, len(slots)), task_weights, False)
+                tensors, shared(batch, len(task_weights)), task_weights, False)
             metrics.update(predictions, task_losses, counts, loss, batch, weights)
         return metrics.results()
 
@@ -469,21 +477,41 @@ class PackEngine:
             self.stack.restore(slot, self.best)
 
     def finish(self, slots: list[int], test_batches) -> list[TrialResult]:
-        """End ``slots``' trials: test their best weights (all of them in one pass), give each net its own copy of
-        them (refilling the slot can no longer change it) and free the slots."""
-        tested = [slot for slot in slots if self.slots[slot].diverged is None and self.slots[slot].best_epoch >= 0]
-        tests = dict(zip(tested, self.evaluate(tested, self.best, test_batches))) if tested else {}
+        """End ``slots``' trials and test them, all in one pass: :meth:`release`, then :meth:`test`."""
+        return self.test(self.release(slots), test_batches)
+
+    def release(self, slots: list[int]) -> list[Untested]:
+        """End ``slots``' trials untested: give each net its own copy of its best weights (refilling the slot can no
+        longer change it), keep another for its test pass (:meth:`test`, which may test the trials of several
+        epochs' ends together) and free the slots. A trial's wall time ends here."""
         out = []
         for slot in slots:
             trial = self.slots[slot]
             results = {**self.summary(slot), "history": trial.history}
-            state = self.best if slot in tests else None
-            self.stack.unload(slot, trial.net, state)
-            if slot in tests:
-                results["test"] = tests[slot]
-                if trial.net.local_search is not None:
-                    results["permutation"] = {"assignment": trial.net.local_search.assignment(),
-                                              **trial.net.local_search.statistics()}
-            out.append(TrialResult(trial.key, results, trial.diverged, round(time.perf_counter() - trial.started, 2)))
+            tested = trial.diverged is None and trial.best_epoch >= 0
+            untested = Untested(TrialResult(trial.key, results, trial.diverged,
+                                            round(time.perf_counter() - trial.started, 2)))
+            if tested:
+                untested.best = {name: tensor[slot:slot + 1].clone() for name, tensor in self.best.items()}
+                untested.task_weights = self.task_weights[slot:slot + 1].clone()
+            self.stack.unload(slot, trial.net, self.best if tested else None)
+            if tested and trial.net.local_search is not None:
+                untested.permutation = {"assignment": trial.net.local_search.assignment(),
+                                        **trial.net.local_search.statistics()}
+            out.append(untested)
             self.slots[slot] = None
         return out
+
+    def test(self, untested: list[Untested], test_batches) -> list[TrialResult]:
+        """The results of released trials (:meth:`release`), the best weights of those that have them tested on
+        ``test_batches`` in one pass of the pack's vmapped evaluation (a trial's results are its own whatever the
+        trials beside it)."""
+        tested = [item for item in untested if item.best is not None]
+        if tested:
+            best = {name: torch.cat([item.best[name] for item in tested]) for name in tested[0].best}
+            weights = torch.cat([item.task_weights for item in tested])
+            for item, test in zip(tested, self.evaluate(best, weights, test_batches)):
+                item.result.results["test"] = test
+                if item.permutation is not None:
+                    item.result.results["permutation"] = item.permutation
+        return [item.result for item in untested]

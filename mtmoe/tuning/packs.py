@@ -172,6 +172,7 @@ class PackWorker:
         self.dropped: list[optuna.Trial] = []  # taken over by another worker since the last epoch's end
         self.still_running: set[int] | None = None  # the numbers of the storage's RUNNING trials at this epoch's end
         self.worker = f"{socket.gethostname()}:{os.getpid()}"
+        self.module: PackModule | None = None  # the pack training now
         self.reports = OrderedWrites()  # the trials' intermediate values, written while the pack trains on
 
     def run(self) -> None:
@@ -202,6 +203,7 @@ class PackWorker:
                 self.checkpoints.clear()
         except (KeyboardInterrupt, SystemExit) as interrupt:  # Lightning answers Ctrl-C with sys.exit(1), SIGTERM
             # with its SIGTERMException (mtmoe.interrupts)
+            self._test_untested()
             self._release(saved=self.checkpoints.write() if self.checkpoints is not None else [])
             raise TrialInterrupted(f"{len(self.running)} packed trial(s) interrupted") from interrupt
         except torch.OutOfMemoryError:
@@ -253,7 +255,24 @@ class PackWorker:
             # the structure's configuration (config.yaml) goes with the trials' logs, not into the working directory
             trainer = run.cli.instantiate_trainer(**PACK_TRAINER, default_root_dir=str(self.log_dir))
             trainer.callbacks.append(self.progress)
+            self.module = module
             trainer.fit(module)
+            self.module = None
+
+    def _test_untested(self) -> None:
+        """On a stop: the trials that ended and wait for their test pass (:meth:`PackModule.test_untested`) tested
+        and told now, rather than failed and rerun. If the test pass fails, they are failed as the running ones."""
+        module, self.module = self.module, None
+        if module is None or not module.untested:
+            return
+        try:
+            results = module.test_untested()
+        except Exception as error:  # noqa: BLE001 - they rerun, as the running trials do
+            self.progress.write(f"warning: [{self.study.study_name}] the test pass of the trials that ended failed "
+                                f"on the stop ({type(error).__name__}): they run again", warning=True)
+            return
+        for result in results:
+            self._finished(result)
 
     def _release(self, saved: list[int] = ()) -> None:
         """Fail the running trials as interrupted (no reason, no lost attempt): ``tune`` runs them again, those of
@@ -393,9 +412,9 @@ class PackWorker:
 
     def _log_epoch(self, seconds: dict[str, float]) -> None:
         """A row of ``pack-epochs.csv`` in the study's log folder, one per pack epoch of every worker: when it ended,
-        the worker, the pack's slots, the trials it trained and those that ended in it, and where its wall time went
-        (training and validation; the epoch's end with the ended trials' test pass; their results told and logged;
-        the free slots refilled: claims and set-ups)."""
+        the worker, the pack's slots, the trials it trained, that ended in it and that it tested, and where its wall
+        time went (training and validation; early stopping and the ended trials' release; the free slots refilled:
+        claims and set-ups; the test pass; the tested trials' results told and logged)."""
         path = self.log_dir / "pack-epochs.csv"
         row = {"time": round(time.time(), 3), "worker": self.worker,
                **{k: round(v, 4) if isinstance(v, float) else v for k, v in seconds.items()}}
