@@ -47,6 +47,10 @@ one trial, operation counts, per-trial set-up, a whole study.
    precision=Y projected_ms=T``: an epoch's training steps and validation batches projected, per trial (a study's
    cost per trial-epoch, to set against another dataset's, ``--data``); then the bytes of each training step by
    kernel. The definitions (what is counted, the rates, the floor) are in ``benchmarks/README.md``.
+8. **A test pass** (``--test-pass K[,K...]``, with ``--device`` and ``--trial-args``): the test split's pass of K
+   trials that ended (:meth:`mtmoe.pack.engine.PackEngine.test`, what a pack runs for the trials it tests together),
+   one line ``test-pass gate=G K=K device=D batches=N ms=T`` each (median of 3, after one warm-up pass;
+   ``--limit-batches``: the first N test batches).
 
 Prints the tables and writes them with a JSON copy to ``benchmarks/out/packs.{md,json}``.
 """
@@ -349,6 +353,34 @@ def setup_milliseconds(gate: str, n: int) -> float:
     return 1000 * seconds
 
 
+def test_pass_milliseconds(gate: str, sizes: list[int], device: str, trial_args: tuple[str, ...],
+                           limit: int | None = None) -> tuple[int, dict]:
+    """A test pass of K released trials of a pack of max(sizes), each K, on the test split (its first ``limit``
+    batches): the batches, and the median of 3 passes' milliseconds by K (after a warm-up pass)."""
+    engine, data = loaded_engine(gate, max(sizes), 308, device, trial_args)
+    engine.best = {name: tensor.clone() for name, tensor in engine.stack.tensors().items()}
+    for _, trial in engine.running:
+        trial.best_epoch, trial.epochs_run = 0, 1
+    split = {key: tensor.to(device) for key, tensor in data.splits["test"].items()}
+    rows = len(next(iter(split.values())))
+    batches = [{key: tensor[start:start + data.eval_batch_size] for key, tensor in split.items()}
+               for start in range(0, rows, data.eval_batch_size)][:limit]
+    released = engine.release([slot for slot, _ in engine.running])
+
+    def seconds(k: int) -> float:
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        engine.test(released[:k], batches)  # reads its metrics on the host: the device's work is done at its end
+        return time.perf_counter() - start
+
+    out = {}
+    for k in sizes:
+        seconds(k)
+        out[k] = 1000 * sorted(seconds(k) for _ in range(3))[1]
+    return len(batches), out
+
+
 def study(gate: str, trials: int, epochs: int, pack: str, device: str, scratch: Path,
           trial_args: tuple[str, ...] = ()) -> tuple[float, dict]:
     """Wall time of a whole ``tune`` command on a fresh journal storage (``trial_args``: its overrides), and its
@@ -402,6 +434,7 @@ def main() -> None:
                         help="fused, elementwise or fused,elementwise (PackedAdam's kernels)")
     parser.add_argument("--ops", action="store_true", help="operation counts per phase, instead of timings")
     parser.add_argument("--setup", type=int, default=0, help="per-trial set-up time over N trials")
+    parser.add_argument("--test-pass", default="", help="K[,K...]: a test pass of K trials that ended, each K")
     parser.add_argument("--study", default=None, help="NxE: a whole N-trial study of E epochs, packed and not")
     parser.add_argument("--study-pack", default="auto", help="--pack of the packed study")
     parser.add_argument("--floor", action="store_true", help="the expert matmuls' time per trial-epoch")
@@ -414,11 +447,12 @@ def main() -> None:
     parser.add_argument("--adam-repeats", type=int, default=20, help="--profile: each Adam kernel's median of N")
     parser.add_argument("--matmul-precision", default="highest", choices=["highest", "high"],
                         help="--packs: float32 matmuls in float32 or TF32 (--model.matmul_precision)")
-    parser.add_argument("--limit-batches", type=int, default=None, help="--packs: batches per epoch (default all)")
+    parser.add_argument("--limit-batches", type=int, default=None,
+                        help="--packs: batches per epoch; --test-pass: test batches (default all)")
     parser.add_argument("--profile-epoch", action="store_true",
                         help="--packs: a fourth epoch under cProfile, the host's time by function")
     parser.add_argument("--trial-args", default="",
-                        help="--packs, --ops, --roofline, --profile, --study: `fit` options of every trial, "
+                        help="--packs, --ops, --roofline, --profile, --study, --test-pass: `fit` options of every trial, "
                         "space-separated (--trial-args='--data.batch_size=8 --model.n_experts=4')")
     parser.add_argument("--data", default=DATA, help="--roofline: the dataset (the other modes time MovieLens-100K)")
     parser.add_argument("--out", type=Path, default=OUT, help="folder of packs.md and packs.json")
@@ -525,6 +559,15 @@ def main() -> None:
                         print(line, flush=True)
         tables += ["", *breakdown]
         print(*breakdown, sep="\n", flush=True)
+    if args.test_pass:
+        sizes = [int(k) for k in args.test_pass.split(",")]
+        batches, passes = test_pass_milliseconds(gates[0], sizes, args.device, tuple(args.trial_args.split()),
+                                                 args.limit_batches)
+        for k, milliseconds in passes.items():
+            line = f"test-pass gate={gates[0]} K={k} device={args.device} batches={batches} ms={milliseconds:.1f}"
+            rows.append({"test_pass_K": k, "device": args.device, "batches": batches, "ms": milliseconds})
+            tables.append(line)
+            print(line, flush=True)
     if args.setup:
         milliseconds = setup_milliseconds(gates[0], args.setup)
         rows.append({"setup_ms": milliseconds, "trials": args.setup})

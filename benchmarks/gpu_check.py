@@ -105,6 +105,7 @@ class Sizes:
     stop: int = 30  # the study's SIGTERM comes this long before its budget ends
     drain: int = 10  # tune --timeout: no trial is claimed this long before the SIGTERM (one could not finish)
     last_pack: int | None = None  # with at most 5/4 of it left to run, the study's --pack (study_args)
+    test_passes: str = "1,2"  # the bench's --test-pass: trials a test pass tests together
 
 
 def study_args(sizes: Sizes, complete: int) -> list[str]:
@@ -129,7 +130,7 @@ GPU = Sizes("1,256", 500, ["--device", "cuda"], ["--trainer.accelerator=gpu", "-
                                                "--pack=128"], ["--device", "cuda"],
             {"install": 40, "tests": 180, "bench": 110, "preflight": 60, "report": 30, "bootstrap": 30},
             drain=120,  # a trial's 26 epochs at least (33 the fewest seen), a pack of 128's about 4 s each (H200)
-            last_pack=256)
+            last_pack=256, test_passes="1,16,64")
 # the interpreter's pace: each program of a kernel costs milliseconds, each 1,024 parameters one Adam program
 TINY = "--data.batch_size=8 --model.n_experts=4 --model.embedding_dim=4 --model.expert_units=8 --model.tower_units=8"
 DRY = Sizes("2", 2, ["--limit-batches", "1", "--profile-steps", "1", "--adam-repeats", "3", f"--trial-args={TINY}"],
@@ -453,16 +454,17 @@ def run(out: Path, sizes: Sizes, study_dir: Path, dry_run: bool = False, chosen:
                            "--durations=10", *CUDA_TESTS],
                  budgets["tests"])
     summary["tests"] = tests_summary(tests.output)
-    rows, profiles = [], []
+    rows, profiles, test_passes = [], [], []
     for precision in precisions:
         bench = step(f"bench-{precision}", [python, "benchmarks/bench_packs.py", "--gates", GATE, "--packs",
                                             sizes.packs, "--graphs", "on", "--profile-epoch",
-                                            "--profile", sizes.packs,
+                                            "--profile", sizes.packs, "--test-pass", sizes.test_passes,
                                             "--out", str(scratch / f"bench-{precision}"),
                                             *PRECISIONS[precision], *sizes.bench_args], budgets["bench"])
         rows += throughput(bench.output, precision)
         profiles += key_value_lines(bench.output, "profile")
-    summary["throughput"], summary["profile"] = rows, profiles
+        test_passes += [{**line, "precision": precision} for line in key_value_lines(bench.output, "test-pass")]
+    summary["throughput"], summary["profile"], summary["test_pass"] = rows, profiles, test_passes
     preflight = step("preflight", [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "-rfE",
                                    *PREFLIGHT], budgets["preflight"]) if PREFLIGHT else None
     summary["preflight"] = tests_summary(preflight.output) if preflight is not None else {}

@@ -71,6 +71,9 @@ def test_the_dry_run_runs_every_step_and_writes_the_summary(tmp_path: Path) -> N
     assert {row["precision"] for row in summary["throughput"]} == set(gpu_check.GPU_PRECISIONS)
     assert {row["precision"] for row in summary["profile"]} == set(gpu_check.GPU_PRECISIONS)
     assert all(row["step_ms"] > 0 and row["P"] == int(gpu_check.DRY.packs) for row in summary["profile"])
+    assert sorted((row["precision"], row["K"]) for row in summary["test_pass"]) == sorted(
+        (precision, k) for precision in gpu_check.GPU_PRECISIONS for k in (1.0, 2.0))
+    assert all(row["ms"] > 0 and row["batches"] == 1 for row in summary["test_pass"])  # --limit-batches 1
     for row in summary["throughput"]:  # the epoch's phases sum to it (bench_packs.py's rounding to 0.01 s)
         assert set(row["phases_s"]) == {"between", "train", "val", "end"}
         assert row["train_steps"] == row["val_batches"] == 1  # --limit-batches 1
