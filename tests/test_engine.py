@@ -215,7 +215,7 @@ def test_a_finished_trial_keeps_its_best_weights_when_its_slot_is_refilled() -> 
             validation[0]["loss"] = -1.0  # trial 0's best epoch, whatever its loss
         ended = engine.end_epoch(validation)
     engine.slots[0].wait = engine.slots[0].patience  # it stops now
-    (result,) = engine.finish([0], [batches(6, 1)[0]])
+    (result,) = engine.test(engine.release([0]), [batches(6, 1)[0]])
     assert result.results["best_epoch"] == 1
     finished = dict(pack[0].net.named_parameters()) | dict(pack[0].net.named_buffers())
     for name, value in best.items():

@@ -404,7 +404,7 @@ class PackModule(EngineModule):
         trained = len(self.engine.running) + len(ended)
         released = time.perf_counter()
         self._refill()
-        refilled = tested = time.perf_counter()
+        refilled = time.perf_counter()
         due = self.untested and (not self.engine.running
                                  or self.epochs_done - self.untested[0][0] + 1 >= self.test_every)
         results = self.test_untested() if due else []

@@ -476,10 +476,6 @@ class PackEngine:
         if self.best is not None and self.slots[slot].best_epoch >= 0:
             self.stack.restore(slot, self.best)
 
-    def finish(self, slots: list[int], test_batches) -> list[TrialResult]:
-        """End ``slots``' trials and test them, all in one pass: :meth:`release`, then :meth:`test`."""
-        return self.test(self.release(slots), test_batches)
-
     def release(self, slots: list[int]) -> list[Untested]:
         """End ``slots``' trials untested: give each net its own copy of its best weights (refilling the slot can no
         longer change it), keep another for its test pass (:meth:`test`, which may test the trials of several

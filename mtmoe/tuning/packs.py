@@ -419,7 +419,7 @@ class PackWorker:
         row = {"time": round(time.time(), 3), "worker": self.worker,
                **{k: round(v, 4) if isinstance(v, float) else v for k, v in seconds.items()}}
         if not path.exists():  # the columns' names, in place before any row: linked in whole, or not at all
-            header = path.with_name(f".{path.name}.{os.getpid()}")
+            header = path.with_name(f".{path.name}.{socket.gethostname()}-{os.getpid()}")
             header.write_text(",".join(row) + "\n")
             try:
                 os.link(header, path)
