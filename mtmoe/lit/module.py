@@ -11,8 +11,9 @@ checkpoints and the progress bar.
   it logs every epoch's results, stops when its trial ends, and restores the best epoch's weights at the end of fit;
   checkpoints hold the net's weights and the engine's state (Adam's moments, the trial's progress and best weights),
   so a resumed run continues exactly.
-* :class:`PackModule` (``tune --pack P``): P slots filled from a trial source, each finished trial tested and handed
-  back to the source, its slot refilled at the epoch's end, until the source runs dry.
+* :class:`PackModule` (``tune --pack P``): P slots filled from a trial source, each finished trial's slot refilled
+  at the epoch's end and the trial tested (with others that ended near it) and handed back to the source, until the
+  source runs dry.
 
 The loss (comet-protocol.md §5): ``sum_t w_t L_t`` plus the gates' auxiliary losses in training; validation and test
 losses are pure task losses, and ``loss`` is the official code's batch-size-weighted mean of per-batch losses
