@@ -3,6 +3,7 @@
 
     python benchmarks/lease_plan.py                     # the kept journal and logs of docs/results/gpu-*/
     python benchmarks/lease_plan.py --packs 128,256 --drains 120,200 --total 585
+    python benchmarks/lease_plan.py --packs 128,256 --steps study --lease 585,200   # a lease's two calls as well
 
 * **Epochs per trial**: the Kaplan-Meier estimate from the study's journal: a complete trial's epochs are an
   event, a failed (interrupted) trial's epochs so far a censored observation. The complete trials alone are biased
@@ -17,7 +18,10 @@
   with ``min(P, waiting)`` trials, refills a freed slot while it may claim, and shrinks to its running trials once a
   quarter of it is free with nothing to claim (``mtmoe.lit.module``), as ``tune`` does.
 
-Prints, per pack and drain, the trials completed (mean and 10th percentile over ``--draws`` simulated calls).
+Prints, per pack and drain, the trials completed (mean and 10th percentile over ``--draws`` simulated calls); with
+``--lease T1,T2``, per pack, those a lease of two calls completes (``--steps preflight,study --total T1``, then
+``--steps study,report,bootstrap --total T2``), the first call's interrupted trials continued in the second from the
+device's checkpoints (its ``--drain 0``) or rerun from their first epoch (:func:`lease`).
 """
 from __future__ import annotations
 
