@@ -122,6 +122,49 @@ def test_trials_that_ended_before_a_stop_are_tested_and_told_on_it(root_and_tmp,
 
 
 @pytest.mark.integration
+def test_a_rerun_without_the_checkpoint_dir_says_where_the_saved_states_are(root_and_tmp, tune_here) -> None:
+    """Interrupted with ``--checkpoint-dir``, rerun without it: one warning names the files this tune does not read
+    and the flag that would continue them; the study still completes (its trials rerun from their first epoch)."""
+    root, tmp = root_and_tmp
+    url = f"sqlite:///{tmp / 'cut.db'}"
+    args = tune_args(url, root, tmp / "cut", *SHORT, *SLEEP, "--pack", "2", trials=2, name=NAME)
+    assert sigterm_after_epochs([*args, "--checkpoint-dir", str(tmp / "node")], tmp, root, url, 1) == 143
+    [saved] = (tmp / "node" / NAME).glob("*.pt")
+    err = tune_here(args)
+    warnings = [line for line in err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and str(saved) in warnings[0], err
+    assert f"pass --checkpoint-dir {tmp / 'node'}" in warnings[0]
+    assert_each_config_once(trials_of(url, NAME), 2)
+
+
+def test_saved_elsewhere_lists_the_existing_files_of_unfinished_configurations(tmp_path: Path) -> None:
+    import optuna
+    from optuna.distributions import FloatDistribution
+
+    from mtmoe.tuning.checkpoints import saved_elsewhere
+
+    here, there = tmp_path / "here", tmp_path / "there"
+    for folder in (here, there):
+        folder.mkdir()
+        (folder / "host-1.pt").write_bytes(b"")
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path / 's.db'}")
+
+    def attempt(state, config_id: int, checkpoint: Path | None) -> None:
+        attrs = {"config_id": config_id, **({"checkpoint": str(checkpoint)} if checkpoint else {})}
+        study.add_trial(optuna.trial.create_trial(state=state, user_attrs=attrs, params={"x": 0.5},
+                                                  distributions={"x": FloatDistribution(0, 1)},
+                                                  value=1.0 if state == TrialState.COMPLETE else None))
+
+    attempt(TrialState.FAIL, 0, there / "host-1.pt")  # listed: elsewhere, exists, config 0 unfinished
+    attempt(TrialState.FAIL, 1, there / "host-1.pt")
+    attempt(TrialState.COMPLETE, 1, None)  # config 1 finished since: its file is no loss
+    attempt(TrialState.FAIL, 2, here / "host-1.pt")  # in the folder this tune reads
+    attempt(TrialState.FAIL, 3, there / "gone.pt")  # on a machine that is gone
+    assert saved_elsewhere(study, here) == [there / "host-1.pt"]
+    assert saved_elsewhere(study, there) == [here / "host-1.pt"]
+
+
+@pytest.mark.integration
 def test_without_checkpoints_an_interrupted_trial_reruns_from_its_first_epoch(root_and_tmp, tune_here) -> None:
     """``--no-checkpoints``: SIGTERM after the first epoch leaves no checkpoint and no ``checkpoint`` attribute; the
     rerun trains the interrupted trials from their first epoch, to the results of the study run without a stop."""

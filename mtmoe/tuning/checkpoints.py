@@ -60,6 +60,20 @@ def refuse_saved_states(folder: Path) -> None:
                          "delete that folder to rerun them from their first epoch")
 
 
+def saved_elsewhere(study: Any, folder: Path) -> list[Path]:
+    """The checkpoint files outside ``folder`` that the study's interrupted trials name (their ``checkpoint``
+    attribute) and that still exist, for configurations not yet complete: states a ``tune`` reading ``folder``
+    would not continue (an earlier run's ``--checkpoint-dir`` not given again)."""
+    from optuna.trial import TrialState
+
+    trials = study.get_trials(deepcopy=False)
+    complete = {t.user_attrs.get("config_id") for t in trials if t.state == TrialState.COMPLETE}
+    files = {Path(t.user_attrs["checkpoint"]) for t in trials
+             if t.state == TrialState.FAIL and "checkpoint" in t.user_attrs
+             and t.user_attrs.get("config_id") not in complete}
+    return sorted(path for path in files if path.parent.resolve() != folder.resolve() and path.is_file())
+
+
 def warn(message: str) -> None:
     print(f"warning: {message}", file=sys.stderr, flush=True)
 

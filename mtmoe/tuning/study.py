@@ -669,6 +669,15 @@ def _tune(argv: list[str], touched: list[str]) -> None:
         prepare_study(url, study_name, space, args.seed, configurations, settings, alpha)
     print(f"study {study_name!r}: {trials} configurations, settings: {describe_settings(settings)}; storage "
           f"{display_url(url)}, {args.workers} worker(s)", flush=True)
+    if not args.no_checkpoints:
+        from mtmoe.tuning.checkpoints import checkpoint_folder, saved_elsewhere, warn
+
+        folder = checkpoint_folder(url, study_name, study_log_folder(log_dir, study_name), checkpoint_dir)
+        elsewhere = saved_elsewhere(optuna.load_study(study_name=study_name, storage=storage_for(url)), folder)
+        if elsewhere:
+            warn(f"{len(elsewhere)} checkpoint file(s) of this study's interrupted trials are outside {folder}, "
+                 f"which this tune reads: {', '.join(map(str, elsewhere))}; to continue those trials from their "
+                 f"saved epoch, stop and pass --checkpoint-dir {elsewhere[0].parent.parent}; else they rerun")
     run_until_accounted(WorkerSettings(url, study_name, space, overrides, args.seed, args.workers, log_dir, pack,
                                        args.checkpoint_every, not args.no_checkpoints, deadline, checkpoint_dir),
                         configurations)
