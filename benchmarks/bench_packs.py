@@ -614,4 +614,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    main()
+    with tempfile.TemporaryDirectory(prefix="bench-packs-") as scratch:
+        tempfile.tempdir = scratch  # every scratch folder of the run (trials' log folders, storages) goes, and goes
+        main()  # away, with it
