@@ -204,18 +204,17 @@ class WorkerSettings:
     log_dir: Path | None = None
     pack: int | str = 1
     checkpoint_every: float | None = None
-    keep_checkpoints: bool = True
+    checkpoints: Path | None = None  # the study's checkpoint folder (checkpoint_folder); None: --no-checkpoints
     deadline: float | None = None  # a time.time() (--timeout): no trial is claimed after it
-    checkpoint_dir: Path | None = None  # --checkpoint-dir (default: mtmoe.tuning.checkpoints.checkpoint_folder's)
 
 
 def run_worker(settings: WorkerSettings) -> None:
     """One worker: pops enqueued configurations until none is left (or, past ``settings.deadline``, until its
     running trials end), ``settings.pack`` at a time (:mod:`mtmoe.tuning.packs`);
     every heartbeat interval it also takes back the trials of workers that died (:func:`reclaim_lost_trials`).
-    Interrupted, it saves its trials' state for the next one (:mod:`mtmoe.tuning.checkpoints`), unless
-    ``settings.keep_checkpoints`` is false: then it neither keeps, writes nor resumes any."""
-    from mtmoe.tuning.checkpoints import PackCheckpoints, checkpoint_folder
+    Interrupted, it saves its trials' state for the next one in ``settings.checkpoints``
+    (:mod:`mtmoe.tuning.checkpoints`); without that folder it neither keeps, writes nor resumes any."""
+    from mtmoe.tuning.checkpoints import PackCheckpoints
     from mtmoe.tuning.packs import PackWorker
 
     quiet_libraries()
@@ -233,8 +232,8 @@ def run_worker(settings: WorkerSettings) -> None:
 
     bar = settings.workers == 1 and sys.stderr.isatty()  # a progress bar at a terminal; N workers' would fight
     identity = {key: study.user_attrs.get(key) for key in ("space_fingerprint", "seed", "settings")}
-    checkpoints = PackCheckpoints(checkpoint_folder(settings.url, settings.study_name, log_dir, settings.checkpoint_dir),
-                                  identity, settings.checkpoint_every) if settings.keep_checkpoints else None
+    checkpoints = None if settings.checkpoints is None else PackCheckpoints(settings.checkpoints, identity,
+                                                                             settings.checkpoint_every)
     PackWorker(study, storage, space, settings.overrides, settings.seed, log_dir, settings.pack, configurations,
                reclaim, bar, checkpoints, settings.deadline).run()
 
@@ -342,9 +341,9 @@ def enqueue_missing(study: optuna.Study, space: SearchSpace, configurations: lis
 
 
 def prepare_study(url: str, study_name: str, space: SearchSpace, seed: int, configurations: list[dict],
-                  settings: dict[str, Any] | None = None, alpha: str | None = None) -> None:
+                  settings: dict[str, Any] | None = None, alpha: str | None = None) -> optuna.Study:
     """Create the study (or check that an existing one has the same identity: space, seed and settings) and enqueue
-    what is missing. Run it under :func:`~mtmoe.tuning.storage.setup_lock`.
+    what is missing; the study. Run it under :func:`~mtmoe.tuning.storage.setup_lock`.
 
     A configuration is missing when it has no completed, failed, waiting or running trial: never enqueued, or
     lost to a crash or an interrupt (resume).
@@ -366,6 +365,7 @@ def prepare_study(url: str, study_name: str, space: SearchSpace, seed: int, conf
         study.set_user_attr(key, value)
     reclaim_lost_trials(study, storage)
     enqueue_missing(study, space, configurations)
+    return study
 
 
 def _as_json(value: Any) -> Any:
@@ -654,10 +654,11 @@ def _tune(argv: list[str], touched: list[str]) -> None:
     space = SearchSpace(space.data, space.gate, trials, space.fixed, space.distributions)
     given_alpha = _option_value(overrides, "model.alpha")
     study_name = args.study_name or f"{args.data}/{args.gate}" + (f"/alpha={given_alpha}" if given_alpha else "")
-    if args.no_checkpoints:
-        from mtmoe.tuning.checkpoints import checkpoint_folder, refuse_saved_states
+    from mtmoe.tuning.checkpoints import checkpoint_folder, refuse_saved_states, saved_elsewhere, warn
 
-        refuse_saved_states(checkpoint_folder(url, study_name, study_log_folder(log_dir, study_name)))
+    checkpoints = checkpoint_folder(url, study_name, study_log_folder(log_dir, study_name), checkpoint_dir)
+    if args.no_checkpoints:
+        refuse_saved_states(checkpoints)
     space, pinned = pin_overrides(space, overrides)
     configurations = plan_configurations(space, trials, args.seed)
     settings, alpha = check_overrides(space, configurations, overrides, args.seed, pack)
@@ -666,20 +667,17 @@ def _tune(argv: list[str], touched: list[str]) -> None:
     if args.storage is None:  # made once the overrides are checked: bad input leaves no empty studies/ behind
         STUDIES_DIR.mkdir(exist_ok=True)
     with setup_lock(url), readable(url):
-        prepare_study(url, study_name, space, args.seed, configurations, settings, alpha)
+        study = prepare_study(url, study_name, space, args.seed, configurations, settings, alpha)
     print(f"study {study_name!r}: {trials} configurations, settings: {describe_settings(settings)}; storage "
           f"{display_url(url)}, {args.workers} worker(s)", flush=True)
     if not args.no_checkpoints:
-        from mtmoe.tuning.checkpoints import checkpoint_folder, saved_elsewhere, warn
-
-        folder = checkpoint_folder(url, study_name, study_log_folder(log_dir, study_name), checkpoint_dir)
-        elsewhere = saved_elsewhere(optuna.load_study(study_name=study_name, storage=storage_for(url)), folder)
+        elsewhere = saved_elsewhere(study, checkpoints)
         if elsewhere:
-            warn(f"{len(elsewhere)} checkpoint file(s) of this study's interrupted trials are outside {folder}, "
+            warn(f"{len(elsewhere)} checkpoint file(s) of this study's interrupted trials are outside {checkpoints}, "
                  f"which this tune reads: {', '.join(map(str, elsewhere))}; to continue those trials from their "
                  f"saved epoch, stop and pass --checkpoint-dir {elsewhere[0].parent.parent}; else they rerun")
     run_until_accounted(WorkerSettings(url, study_name, space, overrides, args.seed, args.workers, log_dir, pack,
-                                       args.checkpoint_every, not args.no_checkpoints, deadline, checkpoint_dir),
+                                       args.checkpoint_every, None if args.no_checkpoints else checkpoints, deadline),
                         configurations)
 
 
