@@ -361,10 +361,10 @@ def test_pass_milliseconds(gate: str, sizes: list[int], device: str, trial_args:
     engine.best = {name: tensor.clone() for name, tensor in engine.stack.tensors().items()}
     for _, trial in engine.running:
         trial.best_epoch, trial.epochs_run = 0, 1
+    from mtmoe.lit.module import EvalBatches
+
     split = {key: tensor.to(device) for key, tensor in data.splits["test"].items()}
-    rows = len(next(iter(split.values())))
-    batches = [{key: tensor[start:start + data.eval_batch_size] for key, tensor in split.items()}
-               for start in range(0, rows, data.eval_batch_size)][:limit]
+    batches = EvalBatches(split, data.eval_batch_size).batches[:limit]  # as a pack's test pass cuts them
     released = engine.release([slot for slot, _ in engine.running])
 
     def seconds(k: int) -> float:
@@ -452,8 +452,8 @@ def main() -> None:
     parser.add_argument("--profile-epoch", action="store_true",
                         help="--packs: a fourth epoch under cProfile, the host's time by function")
     parser.add_argument("--trial-args", default="",
-                        help="--packs, --ops, --roofline, --profile, --study, --test-pass: `fit` options of every trial, "
-                        "space-separated (--trial-args='--data.batch_size=8 --model.n_experts=4')")
+                        help="--packs, --ops, --roofline, --profile, --study, --test-pass: `fit` options of every "
+                        "trial, space-separated (--trial-args='--data.batch_size=8 --model.n_experts=4')")
     parser.add_argument("--data", default=DATA, help="--roofline: the dataset (the other modes time MovieLens-100K)")
     parser.add_argument("--out", type=Path, default=OUT, help="folder of packs.md and packs.json")
     args = parser.parse_args()

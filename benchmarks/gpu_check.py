@@ -82,7 +82,8 @@ CUDA_TESTS = ["tests/test_engine_cuda.py",
 # The float32 CUDA tests of the kernels a study's training step launches that changed since a GPU last ran them:
 # ``--steps preflight,study`` runs them first and skips the study if they fail, so that no trial of a study is trained
 # by a kernel the GPU computes wrongly (the dry run: skipped, no CUDA). Empty it once a lease's tests step passes them.
-PREFLIGHT = ["tests/test_epilogue.py::test_cuda_equals_cpu[dtype0]", "tests/test_mixing.py::test_cuda_equals_cpu[dtype0]"]
+PREFLIGHT = ["tests/test_epilogue.py::test_cuda_equals_cpu[dtype0]",
+             "tests/test_mixing.py::test_cuda_equals_cpu[dtype0]"]
 STEPS = ("tests", "bench", "preflight", "study", "report", "bootstrap")  # --steps chooses; install always runs
 KILL_GRACE = 5  # seconds from a step's SIGTERM to its SIGKILL; the study's clean stop has Sizes.stop
 MIN_STEP = 15  # seconds: a step with less left of --total is skipped
@@ -125,7 +126,8 @@ def study_args(sizes: Sizes, complete: int) -> list[str]:
 # 320 trials left, one pack of 256: no trial waits for a slot, and the pack shrinks as they end
 # (``benchmarks/lease_plan.py``: more of them complete in a lease than in packs of 128).
 # The bench: packs of 1 and of 256, each timed by phase and profiled: a step of P = 1 is the part of every step that
-# packing does not amortise (its kernels' fixed cost; lease_plan.py puts what does not grow with P at a quarter of a P = 128 epoch).
+# packing does not amortise (its kernels' fixed cost; lease_plan.py puts what does not grow with P at a quarter of a
+# P = 128 epoch).
 GPU = Sizes("1,256", 500, ["--device", "cuda"], ["--trainer.accelerator=gpu", "--model.matmul_precision=high",
                                                "--pack=128"], ["--device", "cuda"],
             {"install": 40, "tests": 180, "bench": 110, "preflight": 60, "report": 30, "bootstrap": 30},

@@ -40,7 +40,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_check  # noqa: E402  (the lease's sizes; the kept folders' order)
 
 RESULTS = gpu_check.ROOT / "docs" / "results"
-PROGRESS = re.compile(r"pack of (\d+), pack epoch (\d+) done, elapsed (\d+)h(\d+)m(\d+)s")
 ENDED = re.compile(r"\] (\d+)/\d+ done, .*pack of (\d+), pack epoch (\d+) done, elapsed (\d+)h(\d+)m(\d+)s")
 STARTUP_S = 10.0  # tune's start before its first claim: the storage, the data, the plan
 SETUP_S = 0.04  # a trial's claim, build and load into a slot (bench_packs.py --setup, this VM's order)
@@ -80,14 +79,22 @@ def kaplan_meier(events: list[int], censored: list[int]) -> list[tuple[int, floa
     return steps
 
 
+def intervals(logs: list[str]) -> list[tuple[int, int, int, int]]:
+    """The logs' intervals between consecutive "pack epoch E done" lines at one pack size P, after the first 3
+    epochs (the captures): ``(P, epochs, seconds, trials done in it)`` each."""
+    out = []
+    for log in logs:
+        lines = [(int(done), int(p), int(e), 3600 * int(h) + 60 * int(m) + int(s))
+                 for done, p, e, h, m, s in ENDED.findall(log)]
+        for (d0, p0, e0, t0), (d1, p1, e1, t1) in zip(lines, lines[1:]):
+            if p0 == p1 and e0 > 3 and e1 > e0:
+                out.append((p1, e1 - e0, t1 - t0, d1 - d0))
+    return out
+
+
 def epoch_model(logs: list[str]) -> tuple[float, float, int]:
     """``a, b`` of a pack epoch's ``a + b * P`` seconds, least squares over the logs' intervals, and their number."""
-    points = []
-    for log in logs:
-        lines = [(int(p), int(e), 3600 * int(h) + 60 * int(m) + int(s)) for p, e, h, m, s in PROGRESS.findall(log)]
-        for (p0, e0, t0), (p1, e1, t1) in zip(lines, lines[1:]):
-            if p0 == p1 and e0 > 3 and e1 > e0:
-                points += [(p1, (t1 - t0) / (e1 - e0))] * (e1 - e0)
+    points = [point for p, epochs, seconds, _ in intervals(logs) for point in [(p, seconds / epochs)] * epochs]
     if len({p for p, _ in points}) < 2:
         sys.exit("error: the study logs hold epochs of fewer than 2 pack sizes: no model of a pack epoch's time")
     mean_p, mean_t = statistics.fmean(p for p, _ in points), statistics.fmean(t for _, t in points)
@@ -98,18 +105,13 @@ def epoch_model(logs: list[str]) -> tuple[float, float, int]:
 def epoch_costs(logs: list[str]) -> tuple[float, float, float, int]:
     """``a, b, c``: a pack epoch's ``a + b * P`` seconds plus ``c`` per trial that ends in it (its share of the
     epoch's test pass, its results told, the next trial's set-up), least squares over the intervals between the
-    logs' consecutive "pack epoch E done" lines at one pack size (after the first 3 epochs), and their number."""
+    logs' consecutive "pack epoch E done" lines at one pack size (:func:`intervals`), and their number."""
     import numpy as np
 
-    rows, seconds = [], []
-    for log in logs:
-        lines = [(int(done), int(p), int(e), 3600 * int(h) + 60 * int(m) + int(s))
-                 for done, p, e, h, m, s in ENDED.findall(log)]
-        for (d0, p0, e0, t0), (d1, p1, e1, t1) in zip(lines, lines[1:]):
-            if p0 == p1 and e0 > 3 and e1 > e0 and d1 >= d0:
-                rows.append((e1 - e0, (e1 - e0) * p1, d1 - d0))
-                seconds.append(t1 - t0)
-    if len({p for _, p, _ in rows}) < 2:
+    kept = [(p, epochs, seconds, done) for p, epochs, seconds, done in intervals(logs) if done >= 0]
+    rows = [(epochs, epochs * p, done) for p, epochs, _, done in kept]
+    seconds = [seconds for _, _, seconds, _ in kept]
+    if len({p for p, _, _, _ in kept}) < 2:
         sys.exit("error: the study logs hold epochs of fewer than 2 pack sizes: no model of a pack epoch's time")
     (a, b, c), *_ = np.linalg.lstsq(np.array(rows, dtype=float), np.array(seconds, dtype=float), rcond=None)
     return float(a), float(b), float(c), len(rows)

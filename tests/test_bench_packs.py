@@ -1,7 +1,8 @@
 """``benchmarks/bench_packs.py``'s modes that no other test runs (``--ops``, ``--setup``, ``--study``, ``--floor``,
-``--profile`` of several P, ``--test-pass``; ``--packs``, ``--profile`` of one P and ``--profile-epoch`` run in ``gpu_check.py --dry-run``, ``--roofline`` in
-test_roofline.py), on tiny trials: a mode whose code drifts from the library's fails here, not on the day someone
-measures with it (``--setup`` once called ``PackWorker`` with an argument gone)."""
+``--profile`` of several P, ``--test-pass``; ``--packs``, ``--profile`` of one P and ``--profile-epoch`` run in
+``gpu_check.py --dry-run``, ``--roofline`` in test_roofline.py), on tiny trials: a mode whose code drifts from the
+library's fails here, not on the day someone measures with it (``--setup`` once called ``PackWorker`` with an
+argument gone)."""
 from __future__ import annotations
 
 import json
@@ -41,7 +42,8 @@ def test_the_counting_set_up_study_floor_and_profile_modes_run(tmp_path: Path) -
                      r"0\.0e\+00$", out, re.M), out
     assert re.search(r"^Floor: .* take \d+\.\d{3} s per trial-epoch in fp32 and \d+\.\d{3} s in bf16", out, re.M), out
     for pack in (1, 2):  # one line per P profiled, each with the step's time
-        assert re.search(rf"^profile gate=comet P={pack} device=cpu precision=fp32 step_ms=\d+\.\d{{3}} ", out, re.M), out
+        assert re.search(rf"^profile gate=comet P={pack} device=cpu precision=fp32 step_ms=\d+\.\d{{3}} ", out,
+                         re.M), out
     for k in (1, 2):  # a test pass of K trials that ended
         assert re.search(rf"^test-pass gate=comet K={k} device=cpu batches=\d+ ms=\d+\.\d$", out, re.M), out
     rows = json.loads((tmp_path / "packs.json").read_text())["rows"]

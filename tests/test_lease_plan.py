@@ -36,7 +36,8 @@ def test_a_pack_epoch_model_is_fitted_to_the_progress_lines() -> None:
 
 def test_an_epoch_cost_model_separates_the_trials_that_end() -> None:
     """Epochs of 1 + 0.02 P seconds, and 0.5 s more for each trial that ends in one (2 every third epoch)."""
-    line = "[d/g] {d}/99 done, 0 failed, best 1, {p} running in a pack of {p}, pack epoch {e} done, elapsed 00h{m:02d}m{s:02d}s"
+    line = ("[d/g] {d}/99 done, 0 failed, best 1, {p} running in a pack of {p}, pack epoch {e} done, "
+            "elapsed 00h{m:02d}m{s:02d}s")
     logs = []
     for pack in (100, 200):
         seconds, done, lines = 0.0, 0, []

@@ -201,7 +201,8 @@ def test_a_checkpoint_dir_that_is_a_file_is_one_line(root_and_tmp, capsys) -> No
                              name=NAME))
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1, err
-    assert err.startswith(f"error: cannot write the checkpoints to {tmp / 'a-file' / 'x'}: ") and "--checkpoint-dir" in err
+    assert err.startswith(f"error: cannot write the checkpoints to {tmp / 'a-file' / 'x'}: ")
+    assert "--checkpoint-dir" in err
     assert not (tmp / "refused.db").exists()
 
 
