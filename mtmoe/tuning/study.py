@@ -514,10 +514,11 @@ def pin_overrides(space: SearchSpace, overrides: list[str]) -> tuple[SearchSpace
 
 
 def check_overrides(space: SearchSpace, configurations: list[dict], overrides: list[str],
-                    seed: int, pack: int | str = 1) -> tuple[dict[str, Any], str | None]:
+                    seed: int, pack: int | str = 1, checkpoints: bool = True) -> tuple[dict[str, Any], str | None]:
     """Instantiate the CLI for one configuration (the one with the longest permutation window): bad overrides, a
     window longer than the run and settings a pack cannot honour fail here, before the storage is touched, not in
-    the middle of the study.
+    the middle of the study. ``checkpoints``: whether the packs keep their epoch-end snapshots on the device (counted
+    in what a pack needs, as the workers count it).
 
     Returns the study's settings (every non-neutral value the overrides change from the search space's run) and
     the task weight alpha in force (``None`` where the dataset weights its tasks equally).
@@ -538,7 +539,7 @@ def check_overrides(space: SearchSpace, configurations: list[dict], overrides: l
         if pack != 1:
             run.datamodule.prepare_data()
             run.datamodule.setup("fit")
-            resolve_capacity(pack, run, len(configurations), measure=False)
+            resolve_capacity(pack, run, len(configurations), measure=False, checkpoints=checkpoints)
         search, max_epochs = run.model.net.local_search, run.trainer.max_epochs
         if search is not None and max_epochs not in (None, -1) and search.epochs > max_epochs:
             raise UsageError(
@@ -661,7 +662,7 @@ def _tune(argv: list[str], touched: list[str]) -> None:
         refuse_saved_states(checkpoints)
     space, pinned = pin_overrides(space, overrides)
     configurations = plan_configurations(space, trials, args.seed)
-    settings, alpha = check_overrides(space, configurations, overrides, args.seed, pack)
+    settings, alpha = check_overrides(space, configurations, overrides, args.seed, pack, not args.no_checkpoints)
     settings = {**settings, **pinned}  # a tuned setting given a value: part of the study's identity
     touched.append(url)
     if args.storage is None:  # made once the overrides are checked: bad input leaves no empty studies/ behind
