@@ -246,14 +246,15 @@ def test_plot_of_eight_trials_marks_its_budgets_and_explains_only_what_it_draws(
 
 
 def add_study(storage, data: str, gate: str, objectives, test_losses, alpha: str | None = None,
-              diverged: int = 0) -> str:
+              diverged: int = 0, planned: int | None = None) -> str:
     """A finished study as ``tune`` leaves it: study attributes, one enqueued-and-completed trial per config_id
     with tune's user attributes, ``diverged`` extra configurations failed with a reason (their test loss set, as
-    tune sets it before it sees the NaN), and the noise the readers must skip (a lost trial, a skipped duplicate)."""
+    tune sets it before it sees the NaN), and the noise the readers must skip (a lost trial, a skipped duplicate).
+    ``planned``: the configurations its plan has, where more than those (an unfinished study)."""
     name = f"{data}/{gate}" + (f"/alpha={alpha}" if alpha else "")
     study = optuna.create_study(study_name=name, storage=storage, direction="minimize")
     n = len(objectives) + diverged
-    attrs = {"space_fingerprint": "0" * 16, "seed": 0, "data": data, "gate": gate, "trials": n,
+    attrs = {"space_fingerprint": "0" * 16, "seed": 0, "data": data, "gate": gate, "trials": planned or n,
              **({"alpha": alpha} if alpha else {})}
     for key, value in attrs.items():
         study.set_user_attr(key, value)
@@ -684,3 +685,33 @@ def test_reports_come_in_the_papers_order_with_alpha(tmp_path: Path, capsys) -> 
         assert studies == expected
     assert "**movielens, α = 0.9**" in (out / "bootstrap.md").read_text()
     assert (out / "bootstrap.pdf").read_bytes().startswith(b"%PDF")
+
+
+def test_an_unfinished_study_is_flagged_by_report_and_bootstrap(tmp_path: Path, capsys) -> None:
+    """A study with fewer evaluated configurations than it plans (a GPU study resumed lease by lease) says so: its
+    trials finished in the order they stopped, so report's and bootstrap's figures are provisional. One note line
+    each on stderr, the same note in report.md and bootstrap.md, "10 of 20" trials in Tables 2-3, and N "of 20
+    planned" in the figure's title; a finished study is not named."""
+    from mtmoe.tuning.bootstrap_report import budgets
+    from mtmoe.tuning.trials import collect
+
+    url = f"sqlite:///{tmp_path / 'unfinished.db'}"
+    add_study(url, "half", "topk", *correlated_trials(10, 1), planned=20)
+    add_study(url, "half", "comet", *correlated_trials(10, 2))
+    note = ("unfinished: 'half/topk' has 10 of its 20 configurations evaluated. A study's trials finish in the order "
+            "they stop, those that stop early first, so its evaluated configurations are not a random sample of its "
+            "plan, and its top trials and tuning curves can move as the rest finish: run the same tune command to "
+            "finish it before citing these figures")
+    bold = f"**{note[:1].upper()}{note[1:]}.**"
+    assert run_cli(["report", "--data", "half", "--storage", url, "--out", str(tmp_path / "rep"),
+                    "--importance", "none"]) == 0
+    assert capsys.readouterr().err.splitlines() == [f"note: {note}"]
+    text = (tmp_path / "rep" / "report.md").read_text()
+    tables_2_3 = text.split("## Tables 2-3")[1].split("\n## ")[0]
+    rows = {line.split(" | ")[0]: line.split(" | ")[3] for line in tables_2_3.splitlines() if line.startswith("| half/")}
+    assert rows == {"| half/topk": "10 of 20", "| half/comet": "10"} and bold in tables_2_3
+    assert run_cli(["bootstrap", "--data", "half", "--storage", url, "--out", str(tmp_path / "rep")]) == 0
+    assert capsys.readouterr().err.splitlines()[0] == f"note: {note}"
+    assert bold in (tmp_path / "rep" / "bootstrap.md").read_text()
+    assert budgets(collect(url, "half")[1]) == ("half/topk: N = 10 of 20 planned trials, 3 epochs each; "
+                                               "half/comet: N = 10 trials, 3 epochs each")

@@ -65,6 +65,8 @@ from mtmoe.tuning.trials import (
     paper_order,
     parse_strict,
     studies_parser,
+    unfinished_note,
+    unfinished_studies,
     write_outputs,
 )
 
@@ -211,7 +213,9 @@ def budgets(trials: pd.DataFrame) -> str:
     parts = []
     for study, group in trials.groupby("study", sort=False):
         epochs = group.epochs_run.dropna()
-        text = f"{study}: N = {len(group)} trial{'s' * (len(group) != 1)}"
+        planned = group.planned.iloc[0]
+        of = f" of {int(planned)} planned" if len(group) < planned else ""
+        text = f"{study}: N = {len(group)}{of} trial{'s' * (len(group) != 1 or bool(of))}"
         if len(epochs):
             low, high = int(epochs.min()), int(epochs.max())
             text += f", {low}{f'-{high}' if high != low else ''} epoch{'s' * (high != 1)} each"
@@ -367,6 +371,8 @@ def report_blocks(curves: pd.DataFrame, ranges: pd.DataFrame, objective: pd.Data
               "family's gates share a hue, light and dashed without local search, dark and solid with it; markers at "
               "the budgets measured. The closed form is in the tables below and in `bootstrap_curves.csv`. Vector "
               "copy of the figure: `bootstrap.pdf`."),
+        *([("p", f"**{note[:1].upper()}{note[1:]}.**")] if (note := unfinished_note(unfinished_studies(trials)))
+          else []),
         ("img", "bootstrap.png", "tuning curves"),
         ("h2", f"The objective's tuning curve with exact {band} confidence bands"),
         ("p", _objective_text(settings, objective)),
@@ -595,6 +601,9 @@ def bootstrap(argv: list[str]) -> None:
         if len(pair) != 2 or not set(pair) <= set(gates):
             raise UsageError(f"--pairs: {':'.join(pair)!r} is not A:B of two of the bootstrapped gates "
                              f"({', '.join(gates)})")
+    note = unfinished_note(unfinished_studies(trials))
+    if note:
+        print(f"note: {note}", file=sys.stderr, flush=True)
     small = unbounded_studies(trials, settings.confidence)
     if small:
         print(f"note: {', '.join(f'{study!r} has {n}' for study, n in small.items())} evaluated trial"

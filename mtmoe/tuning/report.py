@@ -18,6 +18,9 @@ name, so ``.../alpha=0.1`` and ``.../alpha=0.9`` are separate rows, compared wit
 * **Routing**: how the selected trials' gates route at their best epoch on the validation split, per task: entropy,
   Jaccard overlap, selections changed since the previous epoch, the busiest expert's load
   (:mod:`mtmoe.tuning.routing_report`; studies tuned before these statistics have none).
+* **Unfinished studies** (fewer evaluated configurations than ``tune --trials`` planned) show ``234 of 500`` trials
+  and a note, printed and in the report: their trials finished in the order they stopped, so the evaluated ones are
+  not a random sample of the plan (:func:`mtmoe.tuning.trials.unfinished_note`).
 * **Studies**: each study's seed, settings (what ``tune``'s overrides changed) and failed configurations with their
   reasons (diverged, or lost too often). Rows by alpha, then the paper's gate order.
 * **Hyperparameter importance** of each study's validation objective (:mod:`mtmoe.tuning.importance`: Optuna's PED-ANOVA
@@ -43,7 +46,8 @@ from mtmoe.tuning.bootstrap_report import figure_bytes
 from mtmoe.tuning.routing_report import routing_markdown, routing_table
 from mtmoe.tuning.storage import display_url
 from mtmoe.tuning.trials import (
-    TASK_METRICS, as_text, collect, output_dir, paper_order, parse_strict, studies_parser, write_outputs,
+    TASK_METRICS, as_text, collect, output_dir, paper_order, parse_strict, studies_parser, unfinished_note,
+    unfinished_studies, write_outputs,
 )
 
 TOP_FRACTION = 0.05
@@ -100,7 +104,8 @@ def aggregate(trials: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
         ns_mean, ns_se = mean_se(top.n_s)
         rows.append({
             "study": name, "gate": every.gate.iloc[0], "alpha": every.alpha.iloc[0], "seed": every.seed.iloc[0],
-            "settings": every.settings.iloc[0], "trials": len(every), "failed": int(every.failed.sum()),
+            "settings": every.settings.iloc[0], "trials": len(every), "planned": every.planned.iloc[0],
+            "failed": int(every.failed.sum()),
             "selected": len(top),
             "test_loss_x100_mean": loss_mean * 100, "test_loss_x100_se": loss_se * 100,
             "n_s_mean": ns_mean, "n_s_se": ns_se,
@@ -172,9 +177,13 @@ def markdown(data: str, url: str, trials: pd.DataFrame, table: pd.DataFrame, tab
     for r in table.itertuples():
         star = "*" if r.significant else ""
         p = "n/a" if math.isnan(r.p_value) else f"{r.p_value:.3g}"
-        lines.append(f"| {r.study} | {r.gate} | {as_text(r.alpha) or '-'} | {r.trials} | {r.failed} "
+        trials_cell = f"{r.trials} of {int(r.planned)}" if r.trials < r.planned else f"{r.trials}"
+        lines.append(f"| {r.study} | {r.gate} | {as_text(r.alpha) or '-'} | {trials_cell} | {r.failed} "
                      f"| {r.selected} | {star}{_pm(r.test_loss_x100_mean, r.test_loss_x100_se, 2)} "
                      f"| {_pm(r.n_s_mean, r.n_s_se, 2)} | {as_text(r.baseline) or '-'} | {p} |")
+    note = unfinished_note(unfinished_studies(trials))
+    if note:
+        lines += ["", f"**{note[:1].upper()}{note[1:]}.**"]
     metrics = [c.removesuffix(" mean") for c in table7.columns if c.endswith(" mean")]
     lines += ["", "## Table 7: per-task test metrics (AUC and accuracy ×100, MSE as is)", "",
               "| Study | Gate | alpha | " + " | ".join(metrics) + " |", "|---|---|---|" + "---|" * len(metrics)]
@@ -196,6 +205,9 @@ def report(argv: list[str]) -> None:
     args = parse_report_args(argv)
     out = output_dir(args.out, args.data)
     url, trials = collect(args.storage, args.data)
+    note = unfinished_note(unfinished_studies(trials))
+    if note:
+        print(f"note: {note}", file=sys.stderr, flush=True)
     table, table7 = aggregate(trials)
     routing = routing_table(trials, top_trials, mean_se)
     text = markdown(args.data, url, trials, table, table7) + routing_markdown(routing, _pm)

@@ -3,6 +3,7 @@
 
 Columns: ``study, gate, alpha, seed, settings, config_id, trial, failed, fail_reason, objective, test_loss, n_s``,
 ``epochs_run`` (the trial's), ``max_epochs`` (the study's ``trainer.max_epochs`` setting, NaN where it set none),
+``planned`` (the configurations the study plans, ``tune --trials``; NaN for a study that does not record it),
 ``params`` and ``distributions`` (the trial's hyperparameters and their search distributions, dicts),
 ``data``, the per-task test metrics as ``<task>/<metric>`` and the routing statistics of the trial's best epoch
 (on the validation split) as ``routing.<task>.<key>`` (``expert_load`` a list). A study is one row group per study
@@ -148,6 +149,7 @@ def trial_rows(study_name: str, attrs: dict[str, Any], trials: list, alpha: str 
             "objective": objective, "test_loss": math.nan, "n_s": math.nan,
             "epochs_run": _number(user.get("epochs_run")),
             "max_epochs": _number((attrs.get("settings") or {}).get("trainer.max_epochs")),
+            "planned": _number(attrs.get("trials")),
             "params": dict(trial.params), "distributions": dict(trial.distributions),
         }
         if not reason:
@@ -163,6 +165,28 @@ def trial_rows(study_name: str, attrs: dict[str, Any], trials: list, alpha: str 
                     row[f"routing.{parts[1]}.{parts[2]}"] = value if isinstance(value, list) else _number(value)
         rows[config_id] = row
     return list(rows.values())
+
+
+def unfinished_studies(trials: pd.DataFrame) -> dict[str, tuple[int, int]]:
+    """The studies with fewer evaluated configurations than they plan: ``{study: (evaluated, planned)}``, in the
+    table's order."""
+    unfinished = {}
+    for study, group in trials.groupby("study", sort=False):
+        planned = group.planned.iloc[0]
+        if not math.isnan(planned) and len(group) < planned:
+            unfinished[study] = (len(group), int(planned))
+    return unfinished
+
+
+def unfinished_note(unfinished: dict[str, tuple[int, int]]) -> str:
+    """Why an unfinished study's results are provisional, naming each (empty when none is)."""
+    if not unfinished:
+        return ""
+    names = ", ".join(f"'{study}' has {done} of its {planned} configurations evaluated"
+                      for study, (done, planned) in unfinished.items())
+    return (f"unfinished: {names}. A study's trials finish in the order they stop, those that stop early first, so "
+            "its evaluated configurations are not a random sample of its plan, and its top trials and tuning curves "
+            "can move as the rest finish: run the same tune command to finish it before citing these figures")
 
 
 def _number(value: Any) -> float:
