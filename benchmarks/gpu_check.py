@@ -79,11 +79,13 @@ CUDA_TESTS = ["tests/test_engine_cuda.py",
               "tests/test_image_models.py::test_trains_on_gpu_with_uint8_batches"]
 
 
-# The float32 CUDA tests of the kernels a study's training step launches that changed since a GPU last ran them:
-# ``--steps preflight,study`` runs them first and skips the study if they fail, so that no trial of a study is trained
-# by a kernel the GPU computes wrongly (the dry run: skipped, no CUDA). Empty it once a lease's tests step passes them.
-PREFLIGHT = ["tests/test_epilogue.py::test_cuda_equals_cpu[dtype0]",
-             "tests/test_mixing.py::test_cuda_equals_cpu[dtype0]"]
+# The float32 CUDA tests of the kernels a study's training step launches that changed since a GPU last ran them, each
+# with the kernel it checks (mtmoe.plain_kernels): ``--steps preflight,study`` runs them first, and the study trains
+# with each kernel whose test did not pass run as its torch operations (MTMOE_PLAIN_KERNELS: the same values, slower),
+# so that no trial is trained by a kernel the GPU computes wrongly (the dry run: skipped, no CUDA, the kernels kept).
+# Empty it once a lease's tests step passes them.
+PREFLIGHT = {"tests/test_epilogue.py::test_cuda_equals_cpu[dtype0]": "epilogue",
+             "tests/test_mixing.py::test_cuda_equals_cpu[dtype0]": "mixing"}
 STEPS = ("tests", "bench", "preflight", "study", "report", "bootstrap")  # --steps chooses; install always runs
 KILL_GRACE = 5  # seconds from a step's SIGTERM to its SIGKILL; the study's clean stop has Sizes.stop
 MIN_STEP = 15  # seconds: a step with less left of --total is skipped
@@ -467,9 +469,11 @@ def run(out: Path, sizes: Sizes, study_dir: Path, dry_run: bool = False, chosen:
         profiles += key_value_lines(bench.output, "profile")
         test_passes += [{**line, "precision": precision} for line in key_value_lines(bench.output, "test-pass")]
     summary["throughput"], summary["profile"], summary["test_pass"] = rows, profiles, test_passes
-    preflight = step("preflight", [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "-rfE",
+    preflight = step("preflight", [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "-rA",
                                    *PREFLIGHT], budgets["preflight"]) if PREFLIGHT else None
     summary["preflight"] = tests_summary(preflight.output) if preflight is not None else {}
+    plain = [] if preflight is None or preflight.status == "skipped (not in --steps)" or dry_run else sorted(
+        {kernel for test, kernel in PREFLIGHT.items() if f"PASSED {test}" not in preflight.output.splitlines()})
     study_dir.mkdir(parents=True, exist_ok=True)
     journal = study_journal(study_dir)
     storage = f"journal:{journal}"
@@ -478,24 +482,22 @@ def run(out: Path, sizes: Sizes, study_dir: Path, dry_run: bool = False, chosen:
                        - SUMMARY_S)
     timeout = max(1, study_budget - sizes.stop - sizes.drain)  # the trials claimed later could not finish
     tune_args = study_args(sizes, before.get("trials_complete") or 0)
-    passed = summary["preflight"].get("passed") == len(PREFLIGHT) or dry_run  # on the GPU: run, not skipped
-    if preflight is not None and preflight.status != "skipped (not in --steps)" and not (
-            preflight.status == "ok" and passed):
-        tune = Step("study", f"skipped (preflight {preflight.status}: no trial is trained by a kernel that failed)",
-                    0, study_budget)
-        steps.append(tune)
-    else:
-        tune = step("study", [python, "-m", "mtmoe", "tune", "--gate", GATE, "--data", DATASET, "--trials",
-                              str(sizes.trials), "--storage", storage, "--log-dir", str(scratch / "runs"),
-                              "--timeout", str(timeout), *tune_args,
-                              *(["--checkpoint-dir", str(checkpoint_dir)] if checkpoint_dir else [])],
-                    study_budget, sizes.stop,
-                    stop_early=sizes.stop)
+    from mtmoe.plain_kernels import ENVIRONMENT
+
+    if plain:  # the kernels whose test failed or did not run: the study trains without them
+        env[ENVIRONMENT] = ",".join(plain)
+    tune = step("study", [python, "-m", "mtmoe", "tune", "--gate", GATE, "--data", DATASET, "--trials",
+                          str(sizes.trials), "--storage", storage, "--log-dir", str(scratch / "runs"),
+                          "--timeout", str(timeout), *tune_args,
+                          *(["--checkpoint-dir", str(checkpoint_dir)] if checkpoint_dir else [])],
+                study_budget, sizes.stop,
+                stop_early=sizes.stop)
+    env.pop(ENVIRONMENT, None)
     after = study_state(journal, env)
     trained = (after.get("trial_epochs") or 0) - (before.get("trial_epochs") or 0)  # interrupted trials' included
     summary["study"] = {"journal": str(journal), "target": sizes.trials, "before": before, **after,
                         "wall_s": tune.seconds,
-                        "status": tune.status, "timeout_s": timeout,
+                        "status": tune.status, "timeout_s": timeout, "plain_kernels": plain,
                         "pack": next((a.split("=", 1)[1] for a in tune_args if a.startswith("--pack=")), None),
                         "trial_epochs_per_hour": round(trained / tune.seconds * 3600) if tune.seconds else None}
     summary["trials_complete"], summary["wall_s"] = after.get("trials_complete"), tune.seconds
@@ -583,6 +585,9 @@ def short_table(summary: dict) -> str:
                   f"{'n/a' if mean_epochs is None else f'{mean_epochs:.1f}'}, {study['wall_s']:.0f} s this run "
                   f"({study['status']}) in packs of {study.get('pack')}, "
                   f"{study.get('trial_epochs_per_hour')} trial-epochs per hour (set-up included)"]
+    if study.get("plain_kernels"):
+        lines += [f"the preflight did not pass the kernels {', '.join(study['plain_kernels'])}: the study trained "
+                  "them as torch operations (MTMOE_PLAIN_KERNELS)"]
     epochs = study.get("epochs") or {}
     if epochs:
         lines += [f"study's {epochs['pack_epochs']} pack epochs ({epochs['trained']:.0f} trial-epochs, "

@@ -13,7 +13,8 @@ stop every command alike (:mod:`mtmoe.interrupts`): one ``error: interrupted`` l
 to go on, exit code 130 (Ctrl-C) or 143 (SIGTERM); output piped to a reader that leaves early (``| head``)
 ends the command quietly, exit code 141 as for a shell tool. Lightning's account of the seed and the hardware
 (``Seed set to 0``, ``GPU available: ...``) is shown only with ``MTMOE_VERBOSE=1`` in the environment
-(:data:`VERBOSE`).
+(:data:`VERBOSE`). ``MTMOE_PLAIN_KERNELS`` runs the fused kernels it names as torch operations
+(:mod:`mtmoe.plain_kernels`); ``fit`` and ``tune`` say so on stderr, and refuse an unknown name in one line.
 """
 from __future__ import annotations
 
@@ -161,7 +162,10 @@ def main(argv: list[str] | None = None) -> None:
             print_datasets(parser.parse_args(args).root)
         elif command in ("fit", "validate", "test"):
             check_arguments(args)  # a mistyped name is answered before torch and Lightning are imported
+            from mtmoe.plain_kernels import announce
             from mtmoe.run import run_lightning
+
+            announce()  # a bad MTMOE_PLAIN_KERNELS is refused before any work
 
             run_lightning(argv)
         else:

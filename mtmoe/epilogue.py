@@ -29,6 +29,7 @@ from torch.autograd.function import once_differentiable
 
 from mtmoe.host_threads import run_split
 from mtmoe.kernel_traffic import fused_kernel
+from mtmoe.plain_kernels import runs_fused
 from mtmoe.random import (
     _CHUNK, _bfloat16_bits, _chunks, _narrow, _scale_chunk, _scratch, _unit_words, _widen, dropout_reference,
     dropout_scale, dropout_threshold, stream_arguments, triton_lanes,
@@ -171,9 +172,10 @@ if triton is not None:
 _BLOCK = 1024
 
 
-def _fused(tensor: Tensor) -> bool:
-    """Whether ``tensor`` goes to a kernel: a dtype they compute, on CUDA (Triton) or the CPU (numba)."""
-    return tensor.dtype in _KERNEL_DTYPES and (use_triton(tensor.device) or tensor.device.type == "cpu")
+def _fused(tensor: Tensor, kernel: str = "epilogue") -> bool:
+    """Whether ``tensor`` goes to ``kernel``'s kernel: a dtype they compute, on CUDA (Triton) or the CPU (numba),
+    unless ``MTMOE_PLAIN_KERNELS`` names it (:mod:`mtmoe.plain_kernels`)."""
+    return tensor.dtype in _KERNEL_DTYPES and runs_fused(kernel, tensor.device)
 
 
 def _epilogue_kernel(y: Tensor, bias: Tensor, seed: Tensor | None, step: Tensor | None, site: int,

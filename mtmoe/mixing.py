@@ -274,7 +274,7 @@ def mix_backward(grad: Tensor, weights: Tensor, h: Tensor, p: float) -> Tensor:
     """The gradient of the experts' matmul output ``y`` (``[*rows, n * units]``, as ``h``) from the gradient of the
     mixture ``grad`` ``[*rows, T, units]``, the weights ``[*rows, T, n]`` (in ``h``'s dtype) and ``h``: what
     :func:`mix_backward_reference` computes, in one pass."""
-    if not (_fused(h) and grad.dtype == weights.dtype == h.dtype) or h.numel() == 0:
+    if not (_fused(h, "mixing") and grad.dtype == weights.dtype == h.dtype) or h.numel() == 0:
         return mix_backward_reference(grad, weights, h, p)
     tasks, n = weights.shape[-2:]
     units, columns = grad.shape[-1], h.shape[-1]
@@ -316,7 +316,7 @@ def mix_backward_sums(grad: Tensor, weights: Tensor, h: Tensor, p: float,
     units, columns = grad.shape[-1], h.shape[-1]
     rows = h.numel() // columns
     triton_dtypes = (torch.float32, torch.bfloat16)
-    if not (_fused(h) and grad.dtype == weights.dtype == h.dtype and h.numel()) or h.dtype not in (
+    if not (_fused(h, "mixing") and grad.dtype == weights.dtype == h.dtype and h.numel()) or h.dtype not in (
             triton_dtypes if use_triton(h.device) else _SUMS_DTYPES):
         grad_y = mix_backward(grad, weights, h, p)
         return grad_y, grad_y.view(groups, -1, columns).sum(1), mix_weights_gradient(grad, h, weights)

@@ -47,6 +47,7 @@ from torch import Tensor
 
 from mtmoe.host_threads import run_split
 from mtmoe.kernel_traffic import fused_kernel
+from mtmoe.plain_kernels import runs_fused
 from mtmoe.triton_support import INTERPRET, grid, tl, triton, use_triton
 
 _LOW32 = 0xFFFFFFFF
@@ -452,7 +453,7 @@ def _dropout_kernel(h: Tensor, seed: Tensor, step: Tensor, site: int, p: float) 
     count, n = math.prod(trials), math.prod(h.shape[len(trials):])
     if (n + 1) // 2 > MAX_POSITIONS:
         raise ValueError(f"a trial's stream has 2^32 words (two dropout decisions each), {n} elements need more")
-    if not (use_triton(h.device) or h.device.type == "cpu") or h.numel() == 0:
+    if not runs_fused("dropout", h.device) or h.numel() == 0:
         return dropout_reference(h, seed, site, step, p)
     seeds, steps, iv0, iv1 = stream_arguments(seed, step, trials, site)
     threshold, scale = dropout_threshold(p), dropout_scale(p)

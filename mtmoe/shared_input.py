@@ -22,6 +22,7 @@ from torch.autograd.function import once_differentiable
 
 from mtmoe.host_threads import run_split
 from mtmoe.kernel_traffic import fused_kernel
+from mtmoe.plain_kernels import runs_fused
 from mtmoe.random import _widen
 from mtmoe.triton_support import grid, tl, triton, use_triton
 
@@ -110,7 +111,7 @@ def summed(grads: list[Tensor], dtype: torch.dtype) -> Tensor:
     if not (dtype == torch.float32 and grads[0].dtype in (torch.float32, torch.bfloat16)
             and 1 < len(grads) <= MAX_KERNEL_READERS and grads[0].numel() > 0
             and all(g.dtype == grads[0].dtype and g.shape == grads[0].shape for g in grads)
-            and (use_triton(device) or device.type == "cpu")):
+            and runs_fused("shared_input", device)):
         return summed_reference(grads, dtype)
     dtype = grads[0].dtype
     grads = [g.contiguous() for g in grads]

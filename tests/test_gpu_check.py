@@ -187,16 +187,27 @@ def test_no_step_outlasts_total(tmp_path: Path) -> None:
     assert summary["total_s"] < sizes.total and (tmp_path / "out" / "summary.json").exists()
 
 
-def test_a_failed_preflight_skips_the_study(tmp_path: Path, monkeypatch) -> None:
-    """``--steps preflight,study``: the study runs only if the preflight's tests pass (here a test id that does not
-    exist: pytest exits 4), so that no trial is trained by a kernel the GPU computes wrongly."""
-    monkeypatch.setattr(gpu_check, "PREFLIGHT", ["tests/test_epilogue.py::no_such_test"])
-    summary = gpu_check.run(tmp_path / "out", gpu_check.DRY, tmp_path / "study", dry_run=True,
-                            chosen=("preflight", "study"))
+def test_a_kernel_the_preflight_does_not_pass_is_trained_as_torch_operations(tmp_path: Path, monkeypatch) -> None:
+    """``--steps preflight,study``: the study trains every kernel whose preflight test did not pass (failed, or did
+    not run: here a CUDA test, skipped on this CPU) as its torch operations (``MTMOE_PLAIN_KERNELS``), so that no
+    trial is trained by a kernel the GPU computes wrongly, and the study still runs; a kernel whose test passed
+    stays fused. (The dry run keeps its kernels when their CUDA tests skip: ``dry_run=False`` here, on the CPU.)"""
+    from mtmoe.plain_kernels import KERNELS
+
+    assert set(gpu_check.PREFLIGHT.values()) <= set(KERNELS)
+    monkeypatch.setattr(gpu_check, "PREFLIGHT", {"tests/test_epilogue.py::test_cuda_equals_cpu[dtype0]": "epilogue",
+                                                 "tests/test_plain_kernels.py::test_a_value_names_kernels_or_all_and_"
+                                                 "an_unknown_name_is_refused": "reach"})
+    sizes = dataclasses.replace(gpu_check.DRY, tune_args=(*gpu_check.DRY.tune_args, "--trainer.accelerator=cpu"))
+    summary = gpu_check.run(tmp_path / "out", sizes, tmp_path / "study", chosen=("preflight", "study"))
     steps = summary["steps"]
-    assert steps["preflight"]["status"] == "failed (exit code 4)", steps
-    assert steps["study"]["status"].startswith("skipped (preflight failed (exit code 4)"), steps
-    assert summary["trials_complete"] == 0 and summary["study"]["wall_s"] == 0
+    assert steps["preflight"]["status"] == "ok" and summary["preflight"]["skipped"] == 1, summary["preflight"]
+    assert steps["study"]["status"] == "ok" and summary["study"]["plain_kernels"] == ["epilogue"], steps
+    assert summary["trials_complete"] == gpu_check.DRY.trials
+    with tarfile.open(tmp_path / "out" / "logs.tar.gz") as archive:
+        log = archive.extractfile("logs/study.log").read().decode()
+    assert "note: MTMOE_PLAIN_KERNELS: epilogue run as torch operations (the same values, slower)" in log
+    assert "trained them as torch operations (MTMOE_PLAIN_KERNELS)" in (tmp_path / "out" / "summary.md").read_text()
 
 
 def test_keep_files_a_lease_under_docs_results(tmp_path: Path) -> None:

@@ -36,6 +36,7 @@ from mtmoe.gates.base import product
 from mtmoe.gates.smooth_step import coefficients, smooth_step
 from mtmoe.host_threads import run_split
 from mtmoe.kernel_traffic import fused_kernel
+from mtmoe.plain_kernels import runs_fused
 from mtmoe.random import _bfloat16_bits
 from mtmoe.triton_support import grid, tl, triton, use_triton
 
@@ -415,8 +416,9 @@ class _Reach(torch.autograd.Function):
 
 
 def fused(t: Tensor) -> bool:
-    """Whether the reach of ``t`` goes to a kernel: float32 or bfloat16, on CUDA (Triton) or the CPU (numba)."""
-    return t.dtype in _KERNEL_DTYPES and (use_triton(t.device) or t.device.type == "cpu") and t.numel() > 0
+    """Whether the reach of ``t`` goes to a kernel: float32 or bfloat16, on CUDA (Triton) or the CPU (numba), unless
+    ``MTMOE_PLAIN_KERNELS`` names ``reach``."""
+    return t.dtype in _KERNEL_DTYPES and runs_fused("reach", t.device) and t.numel() > 0
 
 
 def reach(t: Tensor, gamma: Tensor | float, paths: Tensor) -> Tensor:

@@ -39,6 +39,7 @@ from torch import Tensor
 from mtmoe.host_threads import MIN_PART, run_split
 from mtmoe.kernel_traffic import fused_kernel
 from mtmoe.pack.stack import TrialStack
+from mtmoe.plain_kernels import runs_fused
 from mtmoe.random import _bfloat16_bits, _fma, _widen
 from mtmoe.triton_support import grid, tl, triton, use_triton
 
@@ -332,9 +333,9 @@ class PackedAdam:
         return {name: self.stack.block(self.half, name) for name in names}
 
     def reads_kept(self) -> bool:
-        """Whether :meth:`step` runs the fused kernels, which read gradients where autograd left them (``kept``)."""
-        return self.fused and self.stack.flat.dtype == torch.float32 \
-            and (use_triton(self.stack.device) or self.stack.device.type == "cpu")
+        """Whether :meth:`step` runs the fused kernels, which read gradients where autograd left them (``kept``):
+        ``fused``, float32 parameters, a device with a kernel, ``MTMOE_PLAIN_KERNELS`` not naming ``adam``."""
+        return self.fused and self.stack.flat.dtype == torch.float32 and runs_fused("adam", self.stack.device)
 
     def _kernel_copies(self) -> bool:
         """Whether a step with ``copies`` runs a fused kernel that writes the copies (and may read their
@@ -381,14 +382,12 @@ class PackedAdam:
         bias_correction2_sqrt = (1 - torch.pow(beta2, self.steps)).sqrt().to(dtype)
         eps = self.eps.to(dtype)
         skip = skip or {}
-        if not self.fused or dtype != torch.float32:
+        if not self.reads_kept():
             self._step_elementwise(skip, step_size, bias_correction2_sqrt, eps)
         elif use_triton(self.stack.device):
             self._step_triton(skip, step_size, bias_correction2_sqrt, eps, copies, gradients, kept)
-        elif self.stack.device.type == "cpu":
-            self._step_cpu(skip, step_size, bias_correction2_sqrt, eps, copies, gradients, kept)
         else:
-            self._step_elementwise(skip, step_size, bias_correction2_sqrt, eps)
+            self._step_cpu(skip, step_size, bias_correction2_sqrt, eps, copies, gradients, kept)
 
     def _step_elementwise(self, skip: dict[str, Tensor], step_size: Tensor, bias_correction2_sqrt: Tensor,
                           eps: Tensor) -> None:

@@ -642,6 +642,9 @@ def _tune(argv: list[str], touched: list[str]) -> None:
     url = default_storage_url() if args.storage is None else args.storage
     if url.startswith("sqlite") and args.workers > 1:
         raise UsageError("SQLite serialises writers: use --storage postgresql://... or journal:PATH for --workers > 1")
+    from mtmoe.plain_kernels import announce
+
+    announce()  # a bad MTMOE_PLAIN_KERNELS is refused before the storage is touched (the workers inherit it)
     space = load_space(args.data, args.gate, args.space)  # checks its keys against the signatures: imports Lightning
     trials = space.trials if args.trials is None else args.trials
     if not 1 <= trials <= MAX_TRIALS:
