@@ -76,6 +76,7 @@ CUDA_TESTS = ["tests/test_engine_cuda.py",
               "tests/test_mixing_sums.py::test_cuda_equals_cpu",
               "tests/test_shared_input.py::test_cuda_equals_cpu",
               "tests/test_comet_reach.py::test_cuda_equals_cpu",
+              "tests/test_plain_kernels.py::test_cuda_all_plain_is_captured_unsynchronised_and_trains_as_fused",
               "tests/test_image_models.py::test_trains_on_gpu_with_uint8_batches"]
 
 

@@ -31,8 +31,8 @@ from mtmoe.host_threads import run_split
 from mtmoe.kernel_traffic import fused_kernel
 from mtmoe.plain_kernels import runs_fused
 from mtmoe.random import (
-    _CHUNK, _bfloat16_bits, _chunks, _narrow, _scale_chunk, _scratch, _unit_words, _widen, dropout_reference,
-    dropout_scale, dropout_threshold, stream_arguments, triton_lanes,
+    _CHUNK, _bfloat16_bits, _chunks, _dropout_kernel, _narrow, _scale_chunk, _scratch, _unit_words, _widen,
+    dropout_reference, dropout_scale, dropout_threshold, stream_arguments, triton_lanes,
 )
 from mtmoe.triton_support import grid, tl, triton, use_triton
 
@@ -180,14 +180,19 @@ def _fused(tensor: Tensor, kernel: str = "epilogue") -> bool:
 
 def _epilogue_kernel(y: Tensor, bias: Tensor, seed: Tensor | None, step: Tensor | None, site: int,
                      p: float) -> Tensor:
-    """:func:`epilogue_reference`'s output, by the Triton kernel, the numba kernel or the reference."""
+    """:func:`epilogue_reference`'s output, by the Triton kernel, the numba kernel or the reference (whose dropout
+    is the dropout kernel where one runs: :func:`mtmoe.random.dropout_reference` in torch operations reads and
+    writes a ``[*rows, N]`` tensor some tens of times)."""
     trials = bias.shape[:-1]
     if y.shape[:len(trials)] != trials or y.shape[-1] != bias.shape[-1]:
         raise ValueError(f"y {tuple(y.shape)} is not [*trials, *rows, N] for a bias {tuple(bias.shape)}")
     count, n, columns = math.prod(trials), math.prod(y.shape[len(trials):]), bias.shape[-1]
     wide = use_triton(y.device) and n >= 2**31  # the Triton kernel indexes a trial's columns in 32 bits
     if not _fused(y) or bias.dtype != y.dtype or y.numel() == 0 or wide:
-        return epilogue_reference(y, bias, seed, step, site, p)
+        if p == 0:
+            return epilogue_reference(y, bias, seed, step, site, p)
+        h = epilogue_reference(y, bias, None, None, site, 0.0)
+        return _dropout_kernel(h, seed.expand(trials), step.expand(trials), site, p)
     y, bias = y.detach().contiguous(), bias.detach().contiguous()
     dropout = p > 0
     if dropout:

@@ -77,13 +77,14 @@ def test_a_value_names_kernels_or_all_and_an_unknown_name_is_refused() -> None:
 
 @pytest.mark.parametrize("kernel", sorted(set(plain.KERNELS) - {"dropout"}))
 def test_a_named_kernel_runs_as_torch_operations_computing_the_same(kernel: str, fused_pack, plain_set) -> None:
-    """A comet pack's training steps with one kernel named: that kernel reports no launch, the others still run,
-    and the weights are those of the fused kernels (bitwise, or to float rounding where :data:`ROUNDING` says)."""
+    """A comet pack's training steps with one kernel named: that kernel reports no launch, the others still run
+    (the epilogue's torch operations take their dropout from the dropout kernel), and the weights are those of the
+    fused kernels (bitwise, or to float rounding where :data:`ROUNDING` says)."""
     fused, fused_labels = fused_pack
     assert set().union(*(LABELS[k] for k in plain.KERNELS if k != "dropout")) == fused_labels
     plain_set({kernel})
     params, labels = trained()
-    assert labels == fused_labels - LABELS[kernel]
+    assert labels == fused_labels - LABELS[kernel] | (LABELS["dropout"] if kernel == "epilogue" else set())
     for name, tensor in params.items():
         if kernel in ROUNDING:
             torch.testing.assert_close(tensor, fused[name], rtol=1e-5, atol=1e-6, msg=name)
@@ -125,3 +126,24 @@ def test_the_cli_refuses_an_unknown_kernel_in_one_line(monkeypatch, capsys) -> N
                 "dropout, epilogue, mixing, reach, shared_input, or all"]
     finally:
         plain.plain_kernels.cache_clear()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_all_plain_is_captured_unsynchronised_and_trains_as_fused(plain_set) -> None:
+    """On a GPU, the pack's training step with every kernel as torch operations (what a failed preflight trains
+    with) is captured in a CUDA graph, replays without a host read, and trains the weights the Triton kernels train
+    (to float32 rounding: the mixing's backward sums as cuBLAS does)."""
+    from test_engine_cuda import cuda_engine, pack_batch, unsynchronised
+
+    inputs = [pack_batch(step, 3) for step in range(8)]
+    results = []
+    for names in ((), tuple(plain.KERNELS)):
+        plain_set(names)
+        engine = cuda_engine("comet", graphs=True)
+        with Labels() as labels:
+            for step in range(4):  # warm-up and capture
+                engine.train_step(inputs[step])
+            unsynchronised(lambda: [engine.train_step(inputs[step]) for step in range(4, 8)])
+        assert (labels.names == set()) == bool(names), labels.names
+        results.append(engine.stack.flat.clone())
+    torch.testing.assert_close(results[1], results[0], rtol=1e-5, atol=1e-6)
