@@ -121,9 +121,14 @@ def suggest(trial: optuna.Trial, key: str, distribution: optuna.distributions.Ba
 def record_result(trial: optuna.Trial, seed: int, wall_time_s: float, results: dict, diverged: str | None) -> float:
     """Record a finished trial's results as its user attributes (seed, wall time, epochs, ``test/<key>`` for every
     test metric, ``val/<key>`` for the best epoch's routing statistics, ``test_loss``; a ``fail_reason`` when it
-    diverged) and return its objective: the best epoch's
+    diverged; ``plain_kernels`` when ``MTMOE_PLAIN_KERNELS`` ran fused kernels as torch operations) and return its
+    objective: the best epoch's
     validation loss, or NaN for a diverged trial (Optuna records it FAILED; it counts among the N with +inf)."""
+    from mtmoe.plain_kernels import plain_kernels  # torch: not at import (report and bootstrap read this module)
+
     trial.set_user_attr("seed", seed)
+    if plain_kernels():  # the same values to rounding, but which code trained it is on record
+        trial.set_user_attr("plain_kernels", sorted(plain_kernels()))
     trial.set_user_attr("wall_time_s", round(wall_time_s, 2))
     trial.set_user_attr("epochs_run", results.get("epochs_run"))
     trial.set_user_attr("best_epoch", results.get("best_epoch"))
