@@ -1,8 +1,8 @@
 """One prepared command for a lent GPU (issue 31): the CUDA tests, the pack throughput in each precision, where
 a pack's training step spends its time (its kernels, ``bench_packs.py --profile``) and where an epoch's host time
 goes (``--profile-epoch``: the train phase's wall time per step beside the step's kernels'), the 500-trial
-MovieLens-100K comet study at the paper's budget (resumable across leases), then ``report`` and ``bootstrap``, each step in its
-own time budget, within 9 minutes.
+MovieLens-100K study of comet at the paper's budget, then Top-k's (:data:`STUDY_GATES`; resumable across leases),
+then ``report`` and ``bootstrap``, each step in its own time budget, within 9 minutes.
 
     python benchmarks/gpu_check.py gather             # here: wheels and data into .gpu/ (git-ignored, carried)
     python3 benchmarks/gpu_check.py run --out DIR     # on the GPU (the exact device call: benchmarks/README.md)
@@ -54,7 +54,10 @@ WHEELS_DIR, DATA_DIR, STUDY_DIR = CARRIED / "wheels", CARRIED / "data", CARRIED 
 # The study's checkpoints on the device: git-ignored and not carried, so kept from one call of a lease to the next
 # on the same warm machine (the device tool keeps ignored files between calls; carry replaces .gpu/ whole)
 DEVICE_CHECKPOINTS = ROOT / ".gpu-device" / "checkpoints"
-DATASET, GATE, SOURCE = "movielens-100k", "comet", "ml-100k"
+DATASET, GATE, SOURCE = "movielens-100k", "comet", "ml-100k"  # GATE: the bench's
+# The lease's studies, trained in this order, each to its 500 trials: COMET's, then Top-k's, the pair whose
+# tuning-trial reduction factor is the paper's Figures 2-3. One journal holds them; report and bootstrap read both.
+STUDY_GATES = ("comet", "topk")
 # What the suite imports on this path (tune with a journal storage, report, bootstrap, bench_packs, the tests) that
 # the GPU image lacks (/work/.library/device/KINDS.md), its missing dependencies included; all pure Python.
 WHEELS = ("optuna", "colorlog", "jsonargparse", "docstring_parser", "typeshed_client", "opda")
@@ -161,8 +164,13 @@ def tree_bytes() -> int:
 
 
 def study_journal(study_dir: Path) -> Path:
-    """The study's journal storage in ``study_dir`` (``.gpu/study`` on a lease)."""
-    return study_dir / f"{DATASET}-{GATE}.journal"
+    """The journal storage of the lease's studies (:data:`STUDY_GATES`) in ``study_dir`` (``.gpu/study`` on a
+    lease)."""
+    return study_dir / f"{DATASET}.journal"
+
+
+def study_name(gate: str) -> str:
+    return f"{DATASET}/{gate}"  # tune's default name
 
 
 def reserved_after(name: str, chosen: tuple[str, ...], budgets: dict[str, int]) -> int:
@@ -389,23 +397,39 @@ def key_value_lines(output: str, kind: str) -> list[dict]:
 STUDY_STATE = """
 import json, sys, optuna
 storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(sys.argv[1]))
-trials = [t for name in optuna.get_all_study_names(storage)
-          for t in optuna.load_study(study_name=name, storage=storage).get_trials(deepcopy=False)]
-complete = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
-failed = [t for t in trials if t.state == optuna.trial.TrialState.FAIL]
-epochs = [t.user_attrs["epochs_run"] for t in complete if t.user_attrs.get("epochs_run") is not None]
-print(json.dumps({"trials": len(trials), "trials_complete": len(complete), "trials_failed": len(failed),
-                  "mean_epochs": sum(epochs) / len(epochs) if epochs else None,
-                  "trial_epochs": sum(len(t.intermediate_values) for t in trials)}))
+states = {}
+for name in optuna.get_all_study_names(storage):
+    trials = optuna.load_study(study_name=name, storage=storage).get_trials(deepcopy=False)
+    complete = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
+    failed = [t for t in trials if t.state == optuna.trial.TrialState.FAIL]
+    evaluated = {t.user_attrs.get("config_id") for t in complete + [t for t in failed if "fail_reason" in t.user_attrs]}
+    epochs = [t.user_attrs["epochs_run"] for t in complete if t.user_attrs.get("epochs_run") is not None]
+    states[name] = {"trials": len(trials), "trials_complete": len(complete), "trials_failed": len(failed),
+                    "configurations_evaluated": len(evaluated),
+                    "mean_epochs": sum(epochs) / len(epochs) if epochs else None,
+                    "trial_epochs": sum(len(t.intermediate_values) for t in trials)}
+print(json.dumps(states))
 """
+#: A study the journal does not hold yet.
+NO_STUDY = {"trials": 0, "trials_complete": 0, "trials_failed": 0, "configurations_evaluated": 0, "mean_epochs": None,
+            "trial_epochs": 0}
 
 
-def study_state(journal: Path, env: dict) -> dict:
+def study_states(journal: Path, env: dict) -> dict[str, dict]:
+    """Each study of ``journal`` by name: its trials, complete and failed ones, configurations evaluated (complete
+    or failed with a reason), mean epochs and trial-epochs; ``{"error": ...}`` where the journal cannot be read."""
     if not journal.exists():
-        return {"trials": 0, "trials_complete": 0, "trials_failed": 0, "mean_epochs": None, "trial_epochs": 0}
+        return {}
     result = subprocess.run([sys.executable, "-c", STUDY_STATE, str(journal)], capture_output=True, text=True,
                             env=env, timeout=120)
     return json.loads(result.stdout) if result.returncode == 0 else {"error": result.stderr.strip()[-500:]}
+
+
+def next_study(states: dict[str, dict], trials: int) -> str | None:
+    """The gate of :data:`STUDY_GATES` whose study is the first with fewer than ``trials`` configurations
+    evaluated (``None``: all are done)."""
+    return next((gate for gate in STUDY_GATES
+                 if states.get(study_name(gate), NO_STUDY).get("configurations_evaluated", 0) < trials), None)
 
 
 def run(out: Path, sizes: Sizes, study_dir: Path, dry_run: bool = False, chosen: tuple[str, ...] = STEPS,
@@ -478,7 +502,9 @@ def run(out: Path, sizes: Sizes, study_dir: Path, dry_run: bool = False, chosen:
     study_dir.mkdir(parents=True, exist_ok=True)
     journal = study_journal(study_dir)
     storage = f"journal:{journal}"
-    before = study_state(journal, env)
+    states = study_states(journal, env)
+    gate = next_study(states, sizes.trials) if "error" not in states else STUDY_GATES[0]
+    before = states.get(study_name(gate or STUDY_GATES[-1]), NO_STUDY)
     study_budget = int(sizes.total - (time.perf_counter() - start) - reserved_after("study", chosen, budgets)
                        - SUMMARY_S)
     timeout = max(1, study_budget - sizes.stop - sizes.drain)  # the trials claimed later could not finish
@@ -487,16 +513,23 @@ def run(out: Path, sizes: Sizes, study_dir: Path, dry_run: bool = False, chosen:
 
     if plain:  # the kernels whose test failed or did not run: the study trains without them
         env[ENVIRONMENT] = ",".join(plain)
-    tune = step("study", [python, "-m", "mtmoe", "tune", "--gate", GATE, "--data", DATASET, "--trials",
-                          str(sizes.trials), "--storage", storage, "--log-dir", str(scratch / "runs"),
-                          "--timeout", str(timeout), *tune_args,
-                          *(["--checkpoint-dir", str(checkpoint_dir)] if checkpoint_dir else [])],
-                study_budget, sizes.stop,
-                stop_early=sizes.stop)
+    if gate is None:
+        tune = Step("study", f"skipped (the studies of {', '.join(STUDY_GATES)} are complete)", 0, study_budget)
+        steps.append(tune)
+    else:
+        tune = step("study", [python, "-m", "mtmoe", "tune", "--gate", gate, "--data", DATASET, "--trials",
+                              str(sizes.trials), "--storage", storage, "--log-dir", str(scratch / "runs"),
+                              "--timeout", str(timeout), *tune_args,
+                              *(["--checkpoint-dir", str(checkpoint_dir)] if checkpoint_dir else [])],
+                    study_budget, sizes.stop,
+                    stop_early=sizes.stop)
     env.pop(ENVIRONMENT, None)
-    after = study_state(journal, env)
+    states = study_states(journal, env)
+    after = states.get(study_name(gate or STUDY_GATES[-1]), states if "error" in states else NO_STUDY)
     trained = (after.get("trial_epochs") or 0) - (before.get("trial_epochs") or 0)  # interrupted trials' included
-    summary["study"] = {"journal": str(journal), "target": sizes.trials, "before": before, **after,
+    summary["studies"] = states
+    summary["study"] = {"name": study_name(gate or STUDY_GATES[-1]), "journal": str(journal), "target": sizes.trials,
+                        "before": before, **after,
                         "wall_s": tune.seconds,
                         "status": tune.status, "timeout_s": timeout, "plain_kernels": plain,
                         "pack": next((a.split("=", 1)[1] for a in tune_args if a.startswith("--pack=")), None),
@@ -580,12 +613,18 @@ def short_table(summary: dict) -> str:
     lines += [f"| {r['precision']} | {r['P']:.0f} | {r['step_ms']:.2f} | {r.get('kernel_ms', 'n/a')} | "
               f"{r.get('kernels', 'n/a')} |" for r in summary["profile"]]
     mean_epochs = study.get("mean_epochs")
-    lines += ["", f"study: {study.get('trials_complete')} of its {study.get('target')} trials complete "
-                  f"({study['before'].get('trials_complete')} before this run; {study.get('trials_failed')} "
+    lines += ["", f"study {study.get('name')}: {study.get('trials_complete')} of its {study.get('target')} trials "
+                  f"complete ({study['before'].get('trials_complete')} before this run; {study.get('trials_failed')} "
                   f"attempts failed or interrupted, run again by the next run), mean epochs "
                   f"{'n/a' if mean_epochs is None else f'{mean_epochs:.1f}'}, {study['wall_s']:.0f} s this run "
                   f"({study['status']}) in packs of {study.get('pack')}, "
                   f"{study.get('trial_epochs_per_hour')} trial-epochs per hour (set-up included)"]
+    others = {name: state for name, state in summary.get("studies", {}).items()
+              if name != study.get("name") and isinstance(state, dict)}
+    if others:
+        lines += ["the journal's other studies: " + "; ".join(
+            f"{name} {state.get('configurations_evaluated')} of {study.get('target')} configurations evaluated"
+            for name, state in others.items())]
     if study.get("plain_kernels"):
         lines += [f"the preflight did not pass the kernels {', '.join(study['plain_kernels'])}: the study trained "
                   "them as torch operations (MTMOE_PLAIN_KERNELS)"]

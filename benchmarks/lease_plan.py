@@ -48,8 +48,8 @@ SETUP_S = 0.04  # a trial's claim, build and load into a slot (bench_packs.py --
 PREFLIGHT_S = 15
 
 
-def trial_epochs(journal: Path) -> tuple[list[int], list[int]]:
-    """The epochs of the complete trials and of the failed ones (so far)."""
+def trial_epochs(journal: Path, study: str) -> tuple[list[int], list[int]]:
+    """The epochs of the complete trials and of the failed ones (so far) of the journal's ``study``."""
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -57,8 +57,10 @@ def trial_epochs(journal: Path) -> tuple[list[int], list[int]]:
         plain = Path(scratch) / "study.journal"
         plain.write_bytes(gzip.decompress(journal.read_bytes()) if journal.suffix == ".gz" else journal.read_bytes())
         storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(plain)))
-        (name,) = optuna.get_all_study_names(storage)
-        trials = optuna.load_study(study_name=name, storage=storage).get_trials(deepcopy=False)
+        if study not in optuna.get_all_study_names(storage):
+            held = [name.rpartition("/")[2] for name in optuna.get_all_study_names(storage)]
+            sys.exit(f"error: {journal} holds no study {study!r} yet: give --gate {' or '.join(held)}")
+        trials = optuna.load_study(study_name=study, storage=storage).get_trials(deepcopy=False)
     epochs = {state: [len(t.intermediate_values) for t in trials if t.state.name == state]
               for state in ("COMPLETE", "FAIL")}
     return epochs["COMPLETE"], [e for e in epochs["FAIL"] if e > 0]
@@ -168,6 +170,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--journal", type=Path, default=None,
                         help="the study's journal (.gz or plain; default: the newest kept in docs/results/gpu-*/)")
+    parser.add_argument("--gate", default=gpu_check.STUDY_GATES[0], choices=gpu_check.STUDY_GATES,
+                        help="the study of the journal to model: its trials left and their epochs")
     parser.add_argument("--packs", default="96,128,192,256")
     parser.add_argument("--drains", default=str(gpu_check.GPU.drain), help="tune stops claiming this long before "
                         "its SIGTERM, seconds (comma-separated to compare)")
@@ -192,7 +196,10 @@ def main() -> None:
     for archive in (a for f in folders for a in sorted(f.glob("call*-logs.tar.gz"))):
         with tarfile.open(archive) as tar:
             logs += [tar.extractfile(m).read().decode() for m in tar.getmembers() if m.name.endswith("study.log")]
-    events, censored = trial_epochs(journal)
+    events, censored = trial_epochs(journal, gpu_check.study_name(args.gate))
+    if not events:
+        sys.exit(f"error: {gpu_check.study_name(args.gate)} has no complete trial in {journal} to draw the epochs "
+                 f"of its trials from: model it with another --gate's and --to-run")
     waiting = args.to_run if args.to_run is not None else gpu_check.GPU.trials - len(events)  # failed ones rerun
     a, b, intervals = epoch_model(logs)
     if args.epoch_s is not None:

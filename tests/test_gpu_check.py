@@ -58,8 +58,8 @@ def test_the_dry_run_runs_every_step_and_writes_the_summary(tmp_path: Path) -> N
     assert summary["trials_complete"] == gpu_check.DRY.trials and summary["wall_s"] > 0
     assert summary["study"]["trial_epochs_per_hour"] > 0  # from the trial-epochs the journal gained
     trials = gpu_check.DRY.trials  # of the study's target, not of every attempt in the storage
-    assert f"study: {trials} of its {trials} trials complete (0 before this run; 0 attempts failed" in \
-        (tmp_path / "summary.md").read_text()
+    assert f"study movielens-100k/comet: {trials} of its {trials} trials complete (0 before this run; 0 attempts " \
+        "failed" in (tmp_path / "summary.md").read_text()
     assert summary["study"]["pack"] == "2" and "in packs of 2," in (tmp_path / "summary.md").read_text()
     epochs = summary["study"]["epochs"]  # tune's pack-epochs.csv, summed: every trial-epoch, every ended trial
     assert epochs["trained"] == trials and epochs["ended"] == trials and epochs["train_val_s"] > 0
@@ -187,11 +187,14 @@ def test_no_step_outlasts_total(tmp_path: Path) -> None:
     assert summary["total_s"] < sizes.total and (tmp_path / "out" / "summary.json").exists()
 
 
+@pytest.mark.integration
 def test_a_kernel_the_preflight_does_not_pass_is_trained_as_torch_operations(tmp_path: Path, monkeypatch) -> None:
     """``--steps preflight,study``: the study trains every kernel whose preflight test did not pass (failed, or did
     not run: here a CUDA test, skipped on this CPU) as its torch operations (``MTMOE_PLAIN_KERNELS``), so that no
     trial is trained by a kernel the GPU computes wrongly, and the study still runs; a kernel whose test passed
-    stays fused. (The dry run keeps its kernels when their CUDA tests skip: ``dry_run=False`` here, on the CPU.)"""
+    stays fused. (The dry run keeps its kernels when their CUDA tests skip: ``dry_run=False`` here, on the CPU.)
+    Then the lease's studies in turn (:data:`gpu_check.STUDY_GATES`): with comet's complete the next run trains
+    Top-k's into the same journal, and with both complete the study step has nothing to train."""
     from mtmoe.plain_kernels import KERNELS
 
     assert set(gpu_check.PREFLIGHT.values()) <= set(KERNELS)
@@ -212,6 +215,17 @@ def test_a_kernel_the_preflight_does_not_pass_is_trained_as_torch_operations(tmp
         log = archive.extractfile("logs/study.log").read().decode()
     assert "note: MTMOE_PLAIN_KERNELS: epilogue run as torch operations (the same values, slower)" in log
     assert "trained them as torch operations (MTMOE_PLAIN_KERNELS)" in (tmp_path / "out" / "summary.md").read_text()
+
+    assert gpu_check.STUDY_GATES == ("comet", "topk")
+    summary = gpu_check.run(tmp_path / "out2", sizes, tmp_path / "study", chosen=("study", "report"))
+    assert summary["study"]["name"] == "movielens-100k/topk" and summary["trials_complete"] == gpu_check.DRY.trials
+    assert summary["study"]["plain_kernels"] == [] and summary["steps"]["report"]["status"] == "ok"
+    assert "the journal's other studies: movielens-100k/comet 2 of 2 configurations evaluated" in \
+        (tmp_path / "out2" / "summary.md").read_text()
+    report = (tmp_path / "out2" / "report.md").read_text()  # both studies, one journal
+    assert "| movielens-100k/topk | topk |" in report and "| movielens-100k/comet | comet |" in report
+    summary = gpu_check.run(tmp_path / "out3", sizes, tmp_path / "study", chosen=("study",))
+    assert summary["steps"]["study"]["status"] == "skipped (the studies of comet, topk are complete)"
 
 
 def test_keep_files_a_lease_under_docs_results(tmp_path: Path) -> None:
