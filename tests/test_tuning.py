@@ -342,7 +342,7 @@ def test_sqlite_study_resume_reproducible_and_report(tiny_root: Path, tmp_path: 
         for key in ("test_loss", "test/watch/auroc", "test/rating/mse", "test/watch/experts_per_sample",
                     "epochs_run", "wall_time_s", "seed", "config_hash"):
             assert key in attrs, key
-        assert attrs["seed"] == attrs["config_id"] and attrs["epochs_run"] == 2
+        assert attrs["seed"] == attrs["config_id"] and attrs["epochs_run"] == 2 and attrs["device"] == "cpu"
         assert attrs["test/watch/experts_per_sample"] == pytest.approx(2.0)  # top-2
         assert math.isfinite(attrs["test_loss"]) and 0.0 <= attrs["test/watch/auroc"] <= 1.0
         # the objective is the best epoch's validation loss, as logged by that trial's run

@@ -172,6 +172,7 @@ class PackWorker:
         self.dropped: list[optuna.Trial] = []  # taken over by another worker since the last epoch's end
         self.still_running: set[int] | None = None  # the numbers of the storage's RUNNING trials at this epoch's end
         self.worker = f"{socket.gethostname()}:{os.getpid()}"
+        self.device = ""  # what trains the pack now (a GPU's name, or cpu), recorded with each trial's results
         self.module: PackModule | None = None  # the pack training now
         self.reports = OrderedWrites()  # the trials' intermediate values, written while the pack trains on
 
@@ -245,6 +246,8 @@ class PackWorker:
         datamodule.setup("fit")
         waiting = sum(1 for t in self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
                       if self.keys.get(t.user_attrs.get("config_id")) == key)
+        device = run.trainer.strategy.root_device
+        self.device = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type  # on record
         with matmul_precision(run.config.model.matmul_precision):  # the pack size is measured as it will train
             capacity = 1 if alone else resolve_capacity(self.capacity, run, waiting + 1,
                                                         checkpoints=self.checkpoints is not None)
@@ -335,6 +338,7 @@ class PackWorker:
         if history:
             self._report(trial, history[-1])  # its last epoch (the earlier ones were reported as they ended)
         try:
+            trial.set_user_attr("device", self.device)
             objective = record_result(trial, seed, result.wall_time_s, result.results, result.diverged)
             if math.isnan(objective):
                 self.progress.write(f"[{self.study.study_name}] trial {trial.number} (config_id {config_id}) failed: "
