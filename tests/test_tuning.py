@@ -378,6 +378,17 @@ def test_sqlite_study_resume_reproducible_and_report(tiny_root: Path, tmp_path: 
     assert f"{100 * best.user_attrs['test_loss']:.2f} ± n/a" in printed
     assert "Test loss ×10⁻², as the paper writes it: in hundredths" in printed and "(×100)" not in printed
     assert (tmp_path / "rep" / "report.md").read_text() in printed
+    assert "| - | cpu ×3 |" in printed  # the Studies table: no failed configuration, what trained the trials
+
+
+def test_trained_on_counts_each_device_and_its_plain_kernels() -> None:
+    from mtmoe.tuning.trials import trained_on
+
+    rows = pd.DataFrame({"device": ["", "", "NVIDIA H200", "NVIDIA H200", "NVIDIA H100 80GB HBM3"],
+                         "plain_kernels": ["", "", "", "epilogue,mixing", ""]})
+    assert trained_on(rows) == ("not recorded ×2; NVIDIA H200 ×1; NVIDIA H200, plain epilogue,mixing ×1; "
+                                "NVIDIA H100 80GB HBM3 ×1")
+    assert trained_on(rows.iloc[:2]) == "-"  # a study from before the device was recorded
 
 
 def test_router_names_with_hyphens_and_plus_flow_through_tune_and_report(tiny_root: Path, tmp_path: Path,

@@ -21,7 +21,8 @@ name, so ``.../alpha=0.1`` and ``.../alpha=0.9`` are separate rows, compared wit
 * **Unfinished studies** (fewer evaluated configurations than ``tune --trials`` planned) show ``234 of 500`` trials
   and a note, printed and in the report: their trials finished in the order they stopped, so the evaluated ones are
   not a random sample of the plan (:func:`mtmoe.tuning.trials.unfinished_note`).
-* **Studies**: each study's seed, settings (what ``tune``'s overrides changed) and failed configurations with their
+* **Studies**: each study's seed, settings (what ``tune``'s overrides changed), what trained its trials (devices, and
+  kernels run as torch operations: :func:`~mtmoe.tuning.trials.trained_on`) and failed configurations with their
   reasons (diverged, or lost too often). Rows by alpha, then the paper's gate order.
 * **Hyperparameter importance** of each study's validation objective (:mod:`mtmoe.tuning.importance`: Optuna's PED-ANOVA
   and fANOVA), a table and a figure naming the evaluator; ``--importance`` picks the evaluators (``none``: no
@@ -46,8 +47,8 @@ from mtmoe.tuning.bootstrap_report import figure_bytes
 from mtmoe.tuning.routing_report import routing_markdown, routing_table
 from mtmoe.tuning.storage import display_url
 from mtmoe.tuning.trials import (
-    TASK_METRICS, as_text, collect, output_dir, paper_order, parse_strict, studies_parser, unfinished_note,
-    unfinished_studies, write_outputs,
+    TASK_METRICS, as_text, collect, output_dir, paper_order, parse_strict, studies_parser, trained_on,
+    unfinished_note, unfinished_studies, write_outputs,
 )
 
 TOP_FRACTION = 0.05
@@ -193,11 +194,12 @@ def markdown(data: str, url: str, trials: pd.DataFrame, table: pd.DataFrame, tab
     lines += ["", "## Studies: how they were tuned", "",
               "Settings: what the `tune` command's overrides changed from the search space (part of each study's "
               "identity: a study never mixes settings).", "",
-              "| Study | Gate | alpha | Seed | Settings | Failed configurations |", "|---|---|---|---|---|---|"]
+              "| Study | Gate | alpha | Seed | Settings | Failed configurations | Trained on |",
+              "|---|---|---|---|---|---|---|"]
     for r in table.itertuples():
         failures = failure_summary(trials[trials.study == r.study]) or "-"
         lines.append(f"| {r.study} | {r.gate} | {as_text(r.alpha) or '-'} | {as_text(r.seed) or '-'} | {r.settings} "
-                     f"| {failures} |")
+                     f"| {failures} | {trained_on(trials[trials.study == r.study])} |")
     return "\n".join(lines) + "\n"
 
 

@@ -4,6 +4,8 @@
 Columns: ``study, gate, alpha, seed, settings, config_id, trial, failed, fail_reason, objective, test_loss, n_s``,
 ``epochs_run`` (the trial's), ``max_epochs`` (the study's ``trainer.max_epochs`` setting, NaN where it set none),
 ``planned`` (the configurations the study plans, ``tune --trials``; NaN for a study that does not record it),
+``device`` (what trained the trial, a GPU's name or ``cpu``; ``""`` where an older mtmoe did not record it),
+``plain_kernels`` (the fused kernels it ran as torch operations, comma-separated; ``""``: none),
 ``params`` and ``distributions`` (the trial's hyperparameters and their search distributions, dicts),
 ``data``, the per-task test metrics as ``<task>/<metric>`` and the routing statistics of the trial's best epoch
 (on the validation split) as ``routing.<task>.<key>`` (``expert_load`` a list). A study is one row group per study
@@ -150,6 +152,7 @@ def trial_rows(study_name: str, attrs: dict[str, Any], trials: list, alpha: str 
             "epochs_run": _number(user.get("epochs_run")),
             "max_epochs": _number((attrs.get("settings") or {}).get("trainer.max_epochs")),
             "planned": _number(attrs.get("trials")),
+            "device": str(user.get("device", "")), "plain_kernels": ",".join(user.get("plain_kernels", [])),
             "params": dict(trial.params), "distributions": dict(trial.distributions),
         }
         if not reason:
@@ -165,6 +168,18 @@ def trial_rows(study_name: str, attrs: dict[str, Any], trials: list, alpha: str 
                     row[f"routing.{parts[1]}.{parts[2]}"] = value if isinstance(value, list) else _number(value)
         rows[config_id] = row
     return list(rows.values())
+
+
+def trained_on(trials: pd.DataFrame) -> str:
+    """What trained a study's trials (``trials``, one study's rows): each device and the kernels it ran as torch
+    operations, with its count of trials (``NVIDIA H200 ×234; cpu, plain epilogue ×2``), ``-`` where none is
+    recorded."""
+    kinds = (trials.device.replace("", "not recorded")
+             + trials.plain_kernels.map(lambda names: f", plain {names}" if names else ""))
+    counts = kinds.value_counts(sort=False)
+    if set(counts.index) == {"not recorded"}:
+        return "-"
+    return "; ".join(f"{kind} ×{n}" for kind, n in counts.items())
 
 
 def unfinished_studies(trials: pd.DataFrame) -> dict[str, tuple[int, int]]:
