@@ -504,7 +504,8 @@ def run(out: Path, sizes: Sizes, study_dir: Path, dry_run: bool = False, chosen:
     storage = f"journal:{journal}"
     states = study_states(journal, env)
     gate = next_study(states, sizes.trials) if "error" not in states else STUDY_GATES[0]
-    before = states.get(study_name(gate or STUDY_GATES[-1]), NO_STUDY)
+    name = study_name(gate or STUDY_GATES[-1])  # the study trained, or (all complete) the last
+    before = states.get(name, NO_STUDY)
     study_budget = int(sizes.total - (time.perf_counter() - start) - reserved_after("study", chosen, budgets)
                        - SUMMARY_S)
     timeout = max(1, study_budget - sizes.stop - sizes.drain)  # the trials claimed later could not finish
@@ -525,10 +526,10 @@ def run(out: Path, sizes: Sizes, study_dir: Path, dry_run: bool = False, chosen:
                     stop_early=sizes.stop)
     env.pop(ENVIRONMENT, None)
     states = study_states(journal, env)
-    after = states.get(study_name(gate or STUDY_GATES[-1]), states if "error" in states else NO_STUDY)
+    after = states.get(name, states if "error" in states else NO_STUDY)
     trained = (after.get("trial_epochs") or 0) - (before.get("trial_epochs") or 0)  # interrupted trials' included
     summary["studies"] = states
-    summary["study"] = {"name": study_name(gate or STUDY_GATES[-1]), "journal": str(journal), "target": sizes.trials,
+    summary["study"] = {"name": name, "journal": str(journal), "target": sizes.trials,
                         "before": before, **after,
                         "wall_s": tune.seconds,
                         "status": tune.status, "timeout_s": timeout, "plain_kernels": plain,

@@ -66,6 +66,7 @@ from mtmoe.tuning.trials import (
     parse_strict,
     studies_parser,
     unfinished_note,
+    unfinished_paragraph,
     unfinished_studies,
     write_outputs,
 )
@@ -349,10 +350,11 @@ def _factor_cell(row) -> str:
 
 def report_blocks(curves: pd.DataFrame, ranges: pd.DataFrame, objective: pd.DataFrame, objective_detail: pd.DataFrame,
                   trials: pd.DataFrame, gates: list[str], settings: Settings, url: str, data: str,
-                  parametric: pd.DataFrame, within: float) -> list[tuple]:
+                  parametric: pd.DataFrame, within: float, unfinished: str = "") -> list[tuple]:
     """The report as blocks (``("h1"|"h2"|"p", text)``, ``("img", file, alt)``, ``("table", header, rows)``),
     rendered to Markdown and to HTML; the frames in the paper's order (``ranges`` with the objective's ranges,
-    ``parametric`` :func:`mtmoe.tuning.parametric.parametric_estimates` at ``--within``)."""
+    ``parametric`` :func:`mtmoe.tuning.parametric.parametric_estimates` at ``--within``; ``unfinished``:
+    :func:`~mtmoe.tuning.trials.unfinished_note`'s note, where any)."""
     scheme = ("with replacement; closed form of Dodge et al. 2019" if settings.replace else
               "without replacement; closed form hypergeometric, P(best of s is the i-th ranked) = C(N-i, s-1)/C(N, s)")
     band = percent(settings.confidence)
@@ -371,8 +373,7 @@ def report_blocks(curves: pd.DataFrame, ranges: pd.DataFrame, objective: pd.Data
               "family's gates share a hue, light and dashed without local search, dark and solid with it; markers at "
               "the budgets measured. The closed form is in the tables below and in `bootstrap_curves.csv`. Vector "
               "copy of the figure: `bootstrap.pdf`."),
-        *([("p", f"**{note[:1].upper()}{note[1:]}.**")] if (note := unfinished_note(unfinished_studies(trials)))
-          else []),
+        *([("p", unfinished_paragraph(unfinished))] if unfinished else []),
         ("img", "bootstrap.png", "tuning curves"),
         ("h2", f"The objective's tuning curve with exact {band} confidence bands"),
         ("p", _objective_text(settings, objective)),
@@ -629,7 +630,7 @@ def bootstrap(argv: list[str]) -> None:
     for row in parametric[parametric.note != ""].itertuples():
         print(f"note: {row.study!r}: {row.note}", file=sys.stderr, flush=True)
     blocks = report_blocks(curves, ranges, objective, objective_detail, trials, gates, settings, url,
-                           ", ".join(datasets), parametric, args.within)
+                           ", ".join(datasets), parametric, args.within, note)
     figure = plot(curves, objective, gates, pairs, settings.confidence, budgets(trials))
     images = {"bootstrap.png": figure_bytes(figure, "png")}
     figure.set_layout_engine("none")  # the PDF keeps the PNG's layout: one constrained-layout solve, not two

@@ -127,8 +127,9 @@ def record_result(trial: optuna.Trial, seed: int, wall_time_s: float, results: d
     from mtmoe.plain_kernels import plain_kernels  # torch: not at import (report and bootstrap read this module)
 
     trial.set_user_attr("seed", seed)
-    if plain_kernels():  # the same values to rounding, but which code trained it is on record
-        trial.set_user_attr("plain_kernels", sorted(plain_kernels()))
+    plain = plain_kernels()
+    if plain:  # the same values to rounding, but which code trained it is on record
+        trial.set_user_attr("plain_kernels", sorted(plain))
     trial.set_user_attr("wall_time_s", round(wall_time_s, 2))
     trial.set_user_attr("epochs_run", results.get("epochs_run"))
     trial.set_user_attr("best_epoch", results.get("best_epoch"))

@@ -48,7 +48,7 @@ from mtmoe.tuning.routing_report import routing_markdown, routing_table
 from mtmoe.tuning.storage import display_url
 from mtmoe.tuning.trials import (
     TASK_METRICS, as_text, collect, output_dir, paper_order, parse_strict, studies_parser, trained_on,
-    unfinished_note, unfinished_studies, write_outputs,
+    unfinished_note, unfinished_paragraph, unfinished_studies, write_outputs,
 )
 
 TOP_FRACTION = 0.05
@@ -160,7 +160,9 @@ def failure_summary(trials: pd.DataFrame) -> str:
     return "; ".join(parts)
 
 
-def markdown(data: str, url: str, trials: pd.DataFrame, table: pd.DataFrame, table7: pd.DataFrame) -> str:
+def markdown(data: str, url: str, trials: pd.DataFrame, table: pd.DataFrame, table7: pd.DataFrame,
+             unfinished: str = "") -> str:
+    """The report's Markdown; ``unfinished``: :func:`~mtmoe.tuning.trials.unfinished_note`'s note, where any."""
     lines = [
         f"# Tuning report: {data}",
         "",
@@ -182,9 +184,8 @@ def markdown(data: str, url: str, trials: pd.DataFrame, table: pd.DataFrame, tab
         lines.append(f"| {r.study} | {r.gate} | {as_text(r.alpha) or '-'} | {trials_cell} | {r.failed} "
                      f"| {r.selected} | {star}{_pm(r.test_loss_x100_mean, r.test_loss_x100_se, 2)} "
                      f"| {_pm(r.n_s_mean, r.n_s_se, 2)} | {as_text(r.baseline) or '-'} | {p} |")
-    note = unfinished_note(unfinished_studies(trials))
-    if note:
-        lines += ["", f"**{note[:1].upper()}{note[1:]}.**"]
+    if unfinished:
+        lines += ["", unfinished_paragraph(unfinished)]
     metrics = [c.removesuffix(" mean") for c in table7.columns if c.endswith(" mean")]
     lines += ["", "## Table 7: per-task test metrics (AUC and accuracy ×100, MSE as is)", "",
               "| Study | Gate | alpha | " + " | ".join(metrics) + " |", "|---|---|---|" + "---|" * len(metrics)]
@@ -212,7 +213,7 @@ def report(argv: list[str]) -> None:
         print(f"note: {note}", file=sys.stderr, flush=True)
     table, table7 = aggregate(trials)
     routing = routing_table(trials, top_trials, mean_se)
-    text = markdown(args.data, url, trials, table, table7) + routing_markdown(routing, _pm)
+    text = markdown(args.data, url, trials, table, table7, note) + routing_markdown(routing, _pm)
     files = {"table_2_3.csv": table.to_csv(index=False), "table_7.csv": table7.to_csv(index=False)}
     if not routing.empty:
         files["routing.csv"] = routing.to_csv(index=False)

@@ -204,6 +204,11 @@ def unfinished_note(unfinished: dict[str, tuple[int, int]]) -> str:
             "can move as the rest finish: run the same tune command to finish it before citing these figures")
 
 
+def unfinished_paragraph(note: str) -> str:
+    """:func:`unfinished_note`'s note as the reports' Markdown paragraph: a bold sentence."""
+    return f"**{note[:1].upper()}{note[1:]}.**"
+
+
 def _number(value: Any) -> float:
     try:
         return float(value)
