@@ -80,16 +80,19 @@ CUDA_TESTS = ["tests/test_engine_cuda.py",
               "tests/test_shared_input.py::test_cuda_equals_cpu",
               "tests/test_comet_reach.py::test_cuda_equals_cpu",
               "tests/test_plain_kernels.py::test_cuda_all_plain_is_captured_unsynchronised_and_trains_as_fused",
+              "tests/test_eval_graphs.py",
               "tests/test_image_models.py::test_trains_on_gpu_with_uint8_batches"]
 
 
-# The float32 CUDA tests of the kernels a study's training step launches that changed since a GPU last ran them, each
-# with the kernel it checks (mtmoe.plain_kernels): ``--steps preflight,study`` runs them first, and the study trains
-# with each kernel whose test did not pass run as its torch operations (MTMOE_PLAIN_KERNELS: the same values, slower),
-# so that no trial is trained by a kernel the GPU computes wrongly (the dry run: skipped, no CUDA, the kernels kept).
-# Empty it once a lease's tests step passes them.
+# The float32 CUDA tests of the kernels (and captures) a study launches that changed since a GPU last ran them, each
+# with the name it checks (mtmoe.plain_kernels): ``--steps preflight,study`` runs them first, and the study trains
+# with each kernel whose test did not pass run as its torch operations, each capture as eager dispatches
+# (MTMOE_PLAIN_KERNELS: the same values, slower), so that no trial is trained by code the GPU computes wrongly (the
+# dry run: skipped, no CUDA, the kernels kept). Empty it once a lease's tests step passes them.
 PREFLIGHT = {"tests/test_epilogue.py::test_cuda_equals_cpu[dtype0]": "epilogue",
-             "tests/test_mixing.py::test_cuda_equals_cpu[dtype0]": "mixing"}
+             "tests/test_mixing.py::test_cuda_equals_cpu[dtype0]": "mixing",
+             "tests/test_eval_graphs.py::test_cuda_evaluation_graphs_compute_the_eager_passes_without_synchronising"
+             "[comet]": "eval_graphs"}
 STEPS = ("tests", "bench", "preflight", "study", "report", "bootstrap")  # --steps chooses; install always runs
 KILL_GRACE = 5  # seconds from a step's SIGTERM to its SIGKILL; the study's clean stop has Sizes.stop
 MIN_STEP = 15  # seconds: a step with less left of --total is skipped
@@ -136,7 +139,7 @@ def study_args(sizes: Sizes, complete: int) -> list[str]:
 # P = 128 epoch).
 GPU = Sizes("1,256", 500, ["--device", "cuda"], ["--trainer.accelerator=gpu", "--model.matmul_precision=high",
                                                "--pack=128"], ["--device", "cuda"],
-            {"install": 40, "tests": 180, "bench": 110, "preflight": 60, "report": 30, "bootstrap": 30},
+            {"install": 40, "tests": 180, "bench": 110, "preflight": 90, "report": 30, "bootstrap": 30},
             drain=120,  # a trial's 26 epochs at least (33 the fewest seen), a pack of 128's about 4 s each (H200)
             last_pack=256, test_passes="1,16,64")
 # the interpreter's pace: each program of a kernel costs milliseconds, each 1,024 parameters one Adam program
@@ -366,6 +369,11 @@ def tests_summary(output: str) -> dict:
     return {"line": lines[-1].strip("= ") if lines else "", **counts}
 
 
+def passed_tests(output: str) -> set[str]:
+    """The tests ``pytest -v`` says passed, each as it finishes (a run stopped at its budget keeps those before)."""
+    return set(re.findall(r"^(\S+::\S+) PASSED", output, re.MULTILINE))
+
+
 def throughput(output: str, precision: str) -> list[dict]:
     """bench_packs.py's table rows (``| gate | P | graphs | Adam | epoch (s) | trial-epochs / hour | ...``), each
     with ``phases_s``, where its epoch's seconds went (its ``phases`` line, in the order of the rows)."""
@@ -494,11 +502,11 @@ def run(out: Path, sizes: Sizes, study_dir: Path, dry_run: bool = False, chosen:
         profiles += key_value_lines(bench.output, "profile")
         test_passes += [{**line, "precision": precision} for line in key_value_lines(bench.output, "test-pass")]
     summary["throughput"], summary["profile"], summary["test_pass"] = rows, profiles, test_passes
-    preflight = step("preflight", [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "-rA",
+    preflight = step("preflight", [python, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-o", "addopts=",
                                    *PREFLIGHT], budgets["preflight"]) if PREFLIGHT else None
     summary["preflight"] = tests_summary(preflight.output) if preflight is not None else {}
     plain = [] if preflight is None or preflight.status == "skipped (not in --steps)" or dry_run else sorted(
-        {kernel for test, kernel in PREFLIGHT.items() if f"PASSED {test}" not in preflight.output.splitlines()})
+        {kernel for test, kernel in PREFLIGHT.items() if test not in passed_tests(preflight.output)})
     study_dir.mkdir(parents=True, exist_ok=True)
     journal = study_journal(study_dir)
     storage = f"journal:{journal}"
@@ -628,7 +636,7 @@ def short_table(summary: dict) -> str:
             for name, state in others.items())]
     if study.get("plain_kernels"):
         lines += [f"the preflight did not pass the kernels {', '.join(study['plain_kernels'])}: the study trained "
-                  "them as torch operations (MTMOE_PLAIN_KERNELS)"]
+                  "them as torch operations, captures eagerly (MTMOE_PLAIN_KERNELS)"]
     epochs = study.get("epochs") or {}
     if epochs:
         lines += [f"study's {epochs['pack_epochs']} pack epochs ({epochs['trained']:.0f} trial-epochs, "

@@ -2,12 +2,14 @@
 
 Each fused kernel of the suite (numba on the CPU, Triton for CUDA tensors) is tested against a torch-operations
 reference that computes the same values (bitwise, or where its docstring says, to the rounding of a sum in another
-order). ``MTMOE_PLAIN_KERNELS``, a comma-separated list of the names in :data:`KERNELS` (or ``all``), makes the named
-ones run as that reference: slower (more memory traffic, more launches), the same values. It is an escape hatch for
-a GPU on which a kernel fails its check (``benchmarks/gpu_check.py``'s preflight trains the study this way rather
-than not at all) or will not compile (a GPU architecture Triton's kernels were not checked on), and for a machine
-where numba misbehaves. Read from the environment once, at the first dispatch; an unknown name is a
-:class:`~mtmoe.errors.UsageError` (the CLI checks it before any work: one line, exit 2).
+order). ``MTMOE_PLAIN_KERNELS``, a comma-separated list of the names in :data:`NAMES` (or ``all``), makes the named
+kernels run as that reference: slower (more memory traffic, more launches), the same values. The names in
+:data:`CAPTURES` are CUDA graphs, not kernels: ``eval_graphs`` dispatches the evaluation batches eagerly instead of
+replaying their graphs (the same kernels). It is an escape hatch for a GPU on which a kernel or a capture fails its
+check (``benchmarks/gpu_check.py``'s preflight trains the study this way rather than not at all) or a kernel will not
+compile (a GPU architecture Triton's kernels were not checked on), and for a machine where numba misbehaves. Read
+from the environment once, at the first dispatch; an unknown name is a :class:`~mtmoe.errors.UsageError` (the CLI
+checks it before any work: one line, exit 2).
 """
 from __future__ import annotations
 
@@ -31,17 +33,23 @@ KERNELS = {
     "reach": "COMET's reach of its trees (mtmoe.gates.reach): the smooth step, index_select and product",
     "shared_input": "the sum of the bottom's readers' gradients (mtmoe.shared_input): casts and adds",
 }
+#: The captures it can name: each replayed CUDA graph dispatched eagerly instead (GPU only).
+CAPTURES = {
+    "eval_graphs": "the CUDA graphs of the evaluation batches (mtmoe.pack.engine): each batch dispatched eagerly",
+}
+#: Every name ``MTMOE_PLAIN_KERNELS`` takes.
+NAMES = {**KERNELS, **CAPTURES}
 
 
 def parse(text: str) -> frozenset[str]:
-    """The kernels a ``MTMOE_PLAIN_KERNELS`` value names (``all``: every one; empty: none)."""
+    """The names a ``MTMOE_PLAIN_KERNELS`` value gives (``all``: every one of :data:`NAMES`; empty: none)."""
     names = {name.strip() for name in text.split(",") if name.strip()}
     if names == {"all"}:
-        return frozenset(KERNELS)
-    unknown = sorted(names - set(KERNELS))
+        return frozenset(NAMES)
+    unknown = sorted(names - set(NAMES))
     if unknown:
         raise UsageError(f"{ENVIRONMENT}={text!r}: unknown kernel {unknown[0]!r}; give a comma-separated list of "
-                         f"{', '.join(KERNELS)}, or all")
+                         f"{', '.join(sorted(NAMES))}, or all")
     return frozenset(names)
 
 

@@ -195,9 +195,9 @@ def test_a_kernel_the_preflight_does_not_pass_is_trained_as_torch_operations(tmp
     stays fused. (The dry run keeps its kernels when their CUDA tests skip: ``dry_run=False`` here, on the CPU.)
     Then the lease's studies in turn (:data:`gpu_check.STUDY_GATES`): with comet's complete the next run trains
     Top-k's into the same journal, and with both complete the study step has nothing to train."""
-    from mtmoe.plain_kernels import KERNELS
+    from mtmoe.plain_kernels import NAMES
 
-    assert set(gpu_check.PREFLIGHT.values()) <= set(KERNELS)
+    assert set(gpu_check.PREFLIGHT.values()) <= set(NAMES)
     monkeypatch.setattr(gpu_check, "PREFLIGHT", {"tests/test_epilogue.py::test_cuda_equals_cpu[dtype0]": "epilogue",
                                                  "tests/test_plain_kernels.py::test_a_value_names_kernels_or_all_and_"
                                                  "an_unknown_name_is_refused": "reach"})
@@ -214,7 +214,7 @@ def test_a_kernel_the_preflight_does_not_pass_is_trained_as_torch_operations(tmp
     with tarfile.open(tmp_path / "out" / "logs.tar.gz") as archive:
         log = archive.extractfile("logs/study.log").read().decode()
     assert "note: MTMOE_PLAIN_KERNELS: epilogue run as torch operations (the same values, slower)" in log
-    assert "trained them as torch operations (MTMOE_PLAIN_KERNELS)" in (tmp_path / "out" / "summary.md").read_text()
+    assert "trained them as torch operations, captures eagerly (MTMOE_PLAIN_KERNELS)" in (tmp_path / "out" / "summary.md").read_text()
 
     assert gpu_check.STUDY_GATES == ("comet", "topk")
     summary = gpu_check.run(tmp_path / "out2", sizes, tmp_path / "study", chosen=("study", "report"))

@@ -69,7 +69,7 @@ def fused_pack() -> tuple[dict[str, torch.Tensor], set[str]]:
 def test_a_value_names_kernels_or_all_and_an_unknown_name_is_refused() -> None:
     assert plain.parse("") == frozenset() and plain.parse(" , ") == frozenset()
     assert plain.parse("mixing, epilogue") == {"mixing", "epilogue"}
-    assert plain.parse("all") == frozenset(plain.KERNELS)
+    assert plain.parse("all") == frozenset(plain.KERNELS) | {"eval_graphs"}
     with pytest.raises(UsageError, match=r"MTMOE_PLAIN_KERNELS='mixing,epilog': unknown kernel 'epilog'; give a "
                                          r"comma-separated list of adam, dropout, .*, or all"):
         plain.parse("mixing,epilog")
@@ -123,7 +123,7 @@ def test_the_cli_refuses_an_unknown_kernel_in_one_line(monkeypatch, capsys) -> N
             assert run_cli(argv) == 2
             assert capsys.readouterr().err.splitlines() == [
                 "error: MTMOE_PLAIN_KERNELS='mixin': unknown kernel 'mixin'; give a comma-separated list of adam, "
-                "dropout, epilogue, mixing, reach, shared_input, or all"]
+                "dropout, epilogue, eval_graphs, mixing, reach, shared_input, or all"]
     finally:
         plain.plain_kernels.cache_clear()
 

@@ -9,7 +9,8 @@ host: a trial's schedules are its own buffers (local search's window, CompeteSMo
 step), driven through one interface (:class:`mtmoe.schedules.Schedule`, found by walking the template's modules),
 its losses and routing statistics accumulate on the device (:class:`~mtmoe.pack.metrics.PackMetrics`), and
 on a GPU the whole step (forward, backward, Adam) is captured once per batch shape in a CUDA graph and replayed
-(:class:`~mtmoe.pack.graphs.CapturedStep`; ``cuda_graphs=False`` runs it eagerly). ``vmap`` runs with
+(:class:`~mtmoe.pack.graphs.CapturedStep`; ``cuda_graphs=False`` runs it eagerly), and so is each evaluation batch
+of a pass (``MTMOE_PLAIN_KERNELS=eval_graphs`` runs those eagerly). ``vmap`` runs with
 ``randomness="error"``: a trial's every random draw comes from its own counter-based stream (:mod:`mtmoe.random`),
 so it depends on its seed and its own step alone, not on its slot, its neighbours or the pack size.
 
@@ -44,6 +45,7 @@ from mtmoe.pack.adam import PackedAdam
 from mtmoe.pack.graphs import CapturedStep
 from mtmoe.pack.metrics import PackMetrics
 from mtmoe.pack.stack import TrialStack
+from mtmoe.plain_kernels import plain_kernels
 from mtmoe.schedules import Trials, local_state, schedules
 # a one-row parameter's gradient view has the stride of its row in the flat gradient, which the contract's check
 # does not expect; autograd still accumulates in place
@@ -164,7 +166,11 @@ class PackEngine:
         self.aux_sum = torch.zeros(capacity, device=self.device)
         self.slots: list[Trial | None] = [None] * capacity
         self.best: dict[str, Tensor] | None = None
-        self.captured = CapturedStep(self._train_step) if cuda_graphs and self.device.type == "cuda" else None
+        self.captured = self.captured_eval = None
+        if cuda_graphs and self.device.type == "cuda":
+            self.captured = CapturedStep(self._train_step)
+            if "eval_graphs" not in plain_kernels():
+                self.captured_eval = CapturedStep(self._eval_step, self.captured.pool)
         self.cast_names = frozenset(f"{prefix}.{name}" if prefix else name
                                     for prefix, module in self.template.named_modules()
                                     for name in getattr(module, "autocast_parameters", ()))
@@ -341,7 +347,21 @@ class PackEngine:
     @torch.no_grad()
     def eval_step(self, batch: dict[str, Tensor]) -> None:
         """Evaluate every slot on one shared batch (``[B, ...]`` tensors) into :attr:`eval_metrics` (after
-        :meth:`prepare_evaluation`)."""
+        :meth:`prepare_evaluation`). On a GPU each batch of a pass is captured in a CUDA graph (keyed by its rows in
+        the pass, the metrics' sample buffers and the schedules' flags) and replayed in later passes, as the training
+        step is; the one Python state a batch changes, the metrics' ``offset``, is set here."""
+        if self.captured_eval is None:
+            self._eval_step(batch)
+            return
+        metrics = self.eval_metrics
+        start, size = metrics.offset, next(iter(batch.values())).shape[0]
+        metrics.reserve(start + size)  # before the key: no buffer grows inside a capture
+        buffers = tuple((t.data_ptr(), tuple(t.shape)) for t in metrics.sample_buffers())
+        flags = tuple(flag for _, schedule in self.schedules for flag in schedule.flags())
+        self.captured_eval((start, size, metrics.tracking, buffers, flags), batch)
+        metrics.offset = start + size
+
+    def _eval_step(self, batch: dict[str, Tensor]) -> None:
         self.template.eval()
         loss, _, task_losses, counts, predictions, weights = self._forward(
             self._tensors(), shared(batch, self.capacity), self.task_weights, False)

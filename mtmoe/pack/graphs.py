@@ -5,7 +5,8 @@
 initialisation (cuBLAS handles, Triton's compilation, the allocator) happens outside a capture; then it captures
 one call and replays the graph from then on, with the inputs copied into the captured call's static buffers.
 Every call, eager, captured or replayed, is a real step: capturing records the kernels without running them, so the
-captured call is replayed at once. The graphs of one step share a memory pool (they never run concurrently).
+captured call is replayed at once. The graphs of one step share a memory pool (they never run concurrently), and
+steps that never run concurrently may share one (``pool``): no step reads, after its call, a tensor it allocated.
 Python's cyclic garbage collector is paused during a capture (:func:`collector_paused`).
 """
 from __future__ import annotations
@@ -39,11 +40,11 @@ def collector_paused() -> Iterator[None]:
 class CapturedStep:
     """``step(inputs)`` for dicts of CUDA tensors, captured per ``key`` after :data:`EAGER_CALLS` eager calls."""
 
-    def __init__(self, step: Callable[[dict[str, Tensor]], None]) -> None:
+    def __init__(self, step: Callable[[dict[str, Tensor]], None], pool: tuple | None = None) -> None:
         self.step = step
         self.graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, dict[str, Tensor]]] = {}
         self.calls: dict[Hashable, int] = {}
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool = torch.cuda.graph_pool_handle() if pool is None else pool
 
     def __call__(self, key: Hashable, inputs: dict[str, Tensor]) -> None:
         if key in self.graphs:

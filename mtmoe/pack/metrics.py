@@ -36,6 +36,11 @@ weights, ``k`` the gate's cardinality ``GateDims.k`` (``selection="topk"``), or 
   no sample has one. The previous selections stay on the device, one bit per expert (``[P, N, T, ceil(n/8)]``
   bytes), filled in as the passes go (the validation batches come in the same order every epoch).
 
+A pass's per-sample values (the recorded selections, a binary task's probabilities for AUROC) go into buffers at the
+rows ``[offset, offset + B)`` of its batch. A buffer grows (by doubling) only in :meth:`PackMetrics.reserve`, on a
+pass's first batches: afterwards ``update`` changes no Python state but ``offset``, so a CUDA graph of an evaluation
+batch, replayed, updates what the eager batch updates (:meth:`mtmoe.pack.engine.PackEngine.eval_step`).
+
 The tests check them against a per-sample computation and a packed trial's against the trial's alone.
 """
 from __future__ import annotations
@@ -138,13 +143,15 @@ class PackMetrics:
         self.entropy, self.overlap = zeros(P, T, dtype=torch.float64), zeros(P, T, dtype=torch.float64)
         self.chosen, self.evaluated_rows = zeros(P, T, n, dtype=torch.float64), zeros(P, dtype=torch.float64)
         self.changed, self.compared_rows = zeros(P, T, dtype=torch.float64), zeros(P, dtype=torch.float64)
-        # the latest tracked selection of each trial and sample (packed bits), and whether it was recorded
         self.offset = 0  # the pass's next sample
+        # the latest tracked selection of each trial and sample (packed bits), and whether it was recorded
         self.previous = zeros(P, 0, T, -(-n // 8), dtype=torch.uint8)
         self.recorded = zeros(P, 0, dtype=torch.bool)
-        # per binary task, per batch: sigmoid probabilities [P, B], positive targets [B] or [P, B], rows seen [P, B]
-        self.scored: dict[int, list[tuple[Tensor, Tensor, Tensor]]] = {
-            t: [] for t, task in enumerate(tasks) if task.kind == "binary"}
+        # the pass's samples, per binary task (its column in ``binary``): sigmoid probability, positive target, seen
+        self.binary = {t: column for column, t in enumerate(t for t, task in enumerate(tasks) if task.kind == "binary")}
+        self.auroc_scores = zeros(P, 0, len(self.binary))
+        self.auroc_positive = zeros(P, 0, len(self.binary), dtype=torch.bool)
+        self.auroc_seen = zeros(P, 0, len(self.binary), dtype=torch.bool)
 
     @property
     def _sums(self) -> tuple[Tensor, ...]:
@@ -157,8 +164,6 @@ class PackMetrics:
         """Forget everything accumulated (a new epoch); the recorded selections stay, for the next tracked pass."""
         for tensor in self._sums:
             tensor.zero_()
-        for batches in self.scored.values():
-            batches.clear()
         self.offset = 0
 
     def forget(self, slots: list[int] | None = None) -> None:
@@ -173,11 +178,7 @@ class PackMetrics:
         """A checkpointed trial's recorded selections (its rows of :attr:`previous` and :attr:`recorded`) into
         ``slot``, the buffers grown to hold them."""
         width = previous.shape[0]
-        if width > self.recorded.shape[1]:
-            grow = width - self.recorded.shape[1]
-            self.previous = torch.cat([self.previous, self.previous.new_zeros(
-                self.capacity, grow, *self.previous.shape[2:])], dim=1)
-            self.recorded = torch.cat([self.recorded, self.recorded.new_zeros(self.capacity, grow)], dim=1)
+        self._grow(("previous", "recorded"), width)
         self.previous[slot, :width] = previous.to(self.device)
         self.recorded[slot, :width] = recorded.to(self.device)
 
@@ -185,6 +186,26 @@ class PackMetrics:
         """The recorded selections of ``other``'s ``slots``, in that order (a compacted pack keeps them)."""
         index = torch.tensor(slots, device=self.device)
         self.previous, self.recorded = other.previous[index], other.recorded[index]
+
+    def sample_buffers(self) -> tuple[Tensor, ...]:
+        """The buffers a pass fills at its samples' rows (module docstring)."""
+        return self.previous, self.recorded, self.auroc_scores, self.auroc_positive, self.auroc_seen
+
+    @torch.no_grad()
+    def reserve(self, end: int) -> None:
+        """Room in the sample buffers a pass with prediction metrics fills for its samples up to ``end``: the
+        selections' (while :attr:`tracking`) and the binary tasks' (each grows by doubling, its rows kept)."""
+        self._grow(("previous", "recorded") if self.tracking else (), end)
+        if self.binary:
+            self._grow(("auroc_scores", "auroc_positive", "auroc_seen"), end)
+
+    def _grow(self, names: tuple[str, ...], end: int) -> None:
+        for name in names:
+            buffer = getattr(self, name)
+            width = buffer.shape[1]
+            if end > width:
+                grow = max(end, 2 * width) - width
+                setattr(self, name, torch.cat([buffer, buffer.new_zeros(buffer.shape[0], grow, *buffer.shape[2:])], 1))
 
     @property
     def loss(self) -> Tensor:
@@ -216,16 +237,19 @@ class PackMetrics:
         self.updates += live
         self._add_routing(weights, live)
         if prediction_metrics:
+            rows = slice(self.offset, self.offset + batch_size)
+            self.reserve(rows.stop)
+            self.offset = rows.stop
             selected = selected_experts(weights, self.selection, self.k)
             self._add_behaviour(weights, selected, live)
             if self.tracking:
-                self._add_changes(selected, live)
+                self._add_changes(selected, live, rows)
             for t, (task, prediction) in enumerate(zip(self.tasks, predictions)):
                 seen = live.unsqueeze(1).repeat(1, batch_size)
                 if task.masked:
                     seen &= batch[f"{task.name}_mask"]
                 self.rows[:, t] += seen.sum(1)
-                self._add_predictions(t, task, prediction, batch[task.name], seen)
+                self._add_predictions(t, task, prediction, batch[task.name], seen, rows)
 
     @staticmethod
     def _add_mean(total: Tensor, weight: Tensor, value: Tensor, value_weight: Tensor, live: Tensor) -> None:
@@ -264,23 +288,17 @@ class PackMetrics:
         self.chosen += chosen.sum(1) * live.view(-1, 1, 1)
         self.evaluated_rows += live * weights.shape[1]
 
-    def _add_changes(self, selected: Tensor, live: Tensor) -> None:
+    def _add_changes(self, selected: Tensor, live: Tensor, rows: slice) -> None:
         """Count the live trials' samples whose selection differs from the one recorded, and record the new one."""
-        start, end = self.offset, self.offset + selected.shape[1]
-        self.offset = end
-        if end > self.recorded.shape[1]:  # the first passes fill the buffer in; it grows by doubling
-            grow = max(end, 2 * self.recorded.shape[1]) - self.recorded.shape[1]
-            self.previous = torch.cat([self.previous, self.previous.new_zeros(
-                self.capacity, grow, *self.previous.shape[2:])], dim=1)
-            self.recorded = torch.cat([self.recorded, self.recorded.new_zeros(self.capacity, grow)], dim=1)
-        bits, old = pack_bits(selected), self.previous[:, start:end]
-        known = self.recorded[:, start:end] & live.view(-1, 1)
+        bits, old = pack_bits(selected), self.previous[:, rows]
+        known = self.recorded[:, rows] & live.view(-1, 1)
         self.changed += ((bits != old).any(-1) & known.unsqueeze(-1)).sum(1).double()
         self.compared_rows += known.sum(1).double()
-        self.previous[:, start:end] = torch.where(live.view(-1, 1, 1, 1), bits, old)
-        self.recorded[:, start:end] |= live.view(-1, 1)
+        self.previous[:, rows] = torch.where(live.view(-1, 1, 1, 1), bits, old)
+        self.recorded[:, rows] |= live.view(-1, 1)
 
-    def _add_predictions(self, t: int, task: TaskSpec, prediction: Tensor, target: Tensor, seen: Tensor) -> None:
+    def _add_predictions(self, t: int, task: TaskSpec, prediction: Tensor, target: Tensor, seen: Tensor,
+                         rows: slice) -> None:
         """Task ``t``'s metric sums over the rows ``seen [P, B]``; a binary task's probabilities kept for AUROC."""
         if task.kind == "regression":
             error = prediction - target
@@ -290,18 +308,20 @@ class PackMetrics:
             probability = prediction.sigmoid()
             positive = target == 1
             hit = (probability > BINARY_THRESHOLD) == positive
-            self.scored[t].append((probability, positive, seen))
+            column = self.binary[t]
+            self.auroc_scores[:, rows, column] = probability  # exact: a bfloat16 probability is a float32 one
+            self.auroc_positive[:, rows, column] = positive
+            self.auroc_seen[:, rows, column] = seen
         else:
             hit = prediction.argmax(-1) == target
         self.correct[:, t] += (hit & seen).sum(1)
 
     def _auroc(self, t: int) -> Tensor:
-        batches = self.scored[t]
-        if not batches:
+        if not self.offset:
             return torch.zeros(self.capacity, dtype=torch.float64, device=self.device)
-        scores, positive, seen = (torch.cat([part.expand(self.capacity, -1) for part in parts], dim=1)
-                                  for parts in zip(*batches))
-        return binary_auroc(scores, positive, seen)
+        column, rows = self.binary[t], slice(0, self.offset)
+        return binary_auroc(self.auroc_scores[:, rows, column], self.auroc_positive[:, rows, column],
+                            self.auroc_seen[:, rows, column])
 
     def _columns(self) -> tuple[list[tuple[str, Tensor, int | None]], Tensor]:
         """Every result as ``(key, [P, width] values, presence column or None)`` in ``epoch_results``' order, and
