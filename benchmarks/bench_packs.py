@@ -10,15 +10,17 @@ one trial, operation counts, per-trial set-up, a whole study.
 
 1. **Trial-epochs per hour** (``--packs``): P configurations of the gate's search space (the study's plan, seed 0)
    trained as a pack through the engine inside Lightning, exactly as ``tune --pack P`` trains them
-   (:class:`mtmoe.lit.module.PackModule`); the rate is P x 3600 / (the third pack epoch's time, training and
+   (:class:`mtmoe.lit.module.PackModule`); the rate is P x 3600 / (the fifth pack epoch's time, training and
    validation of all P, and the epoch's end; no trial ends in it, as in most epochs of a study, where each trial's
-   test pass comes once in its tens of epochs). P = 1 is ``fit``'s engine (``tune --pack 1``). "+" gates are timed
+   test pass comes once in its tens of epochs; on a GPU every validation batch is replayed from its CUDA graph by
+   then, captured in the fourth). P = 1 is ``fit``'s engine (``tune --pack 1``). "+" gates are timed
    inside their permutation window (E_perm >= the epochs timed), the costlier phase. ``--graphs on,off`` on a GPU: with the
    training step captured in CUDA graphs and without; ``--adam fused,elementwise``: Adam in one kernel for all
    trials and in element-wise torch operations (:class:`mtmoe.pack.adam.PackedAdam`). Device memory per trial
    (GPU) from :func:`mtmoe.pack.memory.memory_per_trial`. After the table, one line per row, ``phases gate=G P=P
-   graphs=X adam=Y between_s=... train_s=... val_s=... end_s=... train_steps=N val_batches=M``: where that epoch's
-   seconds went (:data:`EPOCH_PHASES`). ``--profile-epoch``: the host's time in the fourth epoch, by Python function
+   graphs=X adam=Y between_s=... train_s=... val_s=... end_s=... train_steps=N val_batches=M val_eager=...``: where
+   that epoch's seconds went (:data:`EPOCH_PHASES`), and the third epoch's validation, whose batches all ran eagerly
+   (before their capture). ``--profile-epoch``: the host's time in the sixth epoch, by Python function
    (``cProfile``; on a GPU, waiting for the device shows in the function that reads a device value): the
    functions with the most cumulative and own time after the table, every function in ``epoch-profile-*.prof``
    in ``--out`` (``python -m pstats``).
@@ -72,6 +74,7 @@ import torch
 
 from mtmoe.files import write_atomic
 from mtmoe.gate_names import split_gate_name
+from mtmoe.pack.graphs import EAGER_CALLS
 from mtmoe.pack.precision import matmul_precision
 
 OUT = Path(__file__).resolve().parent / "out"
@@ -116,18 +119,20 @@ EPOCH_PHASES = ("between", "train", "val", "end")
 def pack_epoch_seconds(gate: str, pack: int, device: str, precision: str, graphs: bool, fused_adam: bool = True,
                        limit_batches: int | None = None, trial_args: tuple[str, ...] = (),
                        profile: Path | None = None) -> tuple[float, dict[str, float], dict[str, int]]:
-    """The third pack epoch (training and validation of every slot, and the epoch's end) of P planned
+    """The fifth pack epoch (training and validation of every slot, and the epoch's end) of P planned
     configurations, in seconds, its :data:`EPOCH_PHASES` (seconds each, summing to it) and its batch counts
-    (``train_steps``, ``val_batches``); no trial ends in it (they are planned for more epochs). ``limit_batches``
-    and ``trial_args`` (``fit`` options) shrink them (``gpu_check.py --dry-run``); ``profile``: a fourth epoch runs
-    under ``cProfile``, its statistics written there."""
+    (``train_steps``, ``val_batches``) and ``val_eager``, the third epoch's validation seconds (its batches
+    dispatched eagerly: :class:`~mtmoe.pack.graphs.CapturedStep` captures each in its fourth call); no trial ends in
+    them (they are planned for more epochs). ``limit_batches`` and ``trial_args`` (``fit`` options) shrink them
+    (``gpu_check.py --dry-run``); ``profile``: a sixth epoch runs under ``cProfile``, its statistics written there."""
     import cProfile
 
     import lightning.pytorch as pl
 
     from mtmoe.lit.module import PackModule
 
-    timed, last = 3, 4 if profile is not None else 3
+    eager, timed = EAGER_CALLS, EAGER_CALLS + 2  # the last eager validation; the first replayed in full
+    last = timed + 1 if profile is not None else timed
     configurations = plan(gate, pack, last + 1)
     trials = factory(gate, configurations[0], device, precision, trial_args)
     queue = [trials.build(i, params, i) for i, params in enumerate(configurations)]
@@ -179,7 +184,7 @@ def pack_epoch_seconds(gate: str, pack: int, device: str, precision: str, graphs
     phases = dict(zip(EPOCH_PHASES, (start - previous_end, val_start - start, val_end - val_start, end - val_end)))
     if profile is not None:
         profiler.dump_stats(profile)
-    return end - previous_end, phases, counts
+    return end - previous_end, phases, {**counts, "val_eager": stamps[eager - 1][2] - stamps[eager - 1][1]}
 
 
 def epoch_profile_lines(path: Path, top: int) -> list[str]:
@@ -450,7 +455,7 @@ def main() -> None:
     parser.add_argument("--limit-batches", type=int, default=None,
                         help="--packs: batches per epoch; --test-pass: test batches (default all)")
     parser.add_argument("--profile-epoch", action="store_true",
-                        help="--packs: a fourth epoch under cProfile, the host's time by function")
+                        help="--packs: a sixth epoch under cProfile, the host's time by function")
     parser.add_argument("--trial-args", default="",
                         help="--packs, --ops, --roofline, --profile, --study, --test-pass: `fit` options of every "
                         "trial, space-separated (--trial-args='--data.batch_size=8 --model.n_experts=4')")
@@ -507,9 +512,10 @@ def main() -> None:
         phase_lines = ["", *(f"phases gate={r['gate']} P={r['P']} graphs={r['graphs']} adam={r['adam']} "
                              + " ".join(f"{name}_s={r['phases_s'][name]:.3f}" for name in EPOCH_PHASES)
                              + f" train_steps={r['train_steps']} val_batches={r['val_batches']}"
+                             + f" val_eager={r['val_eager']:.3f}"
                              for r in rows)]
         for name, profile in profiles:
-            phase_lines += ["", f"epoch-profile {name}: the fourth epoch's host time by function ({profile.name}, "
+            phase_lines += ["", f"epoch-profile {name}: the sixth epoch's host time by function ({profile.name}, "
                                 "every function)", *epoch_profile_lines(profile, 40)]
         print(*phase_lines, sep="\n", flush=True)
         tables += lines + phase_lines

@@ -80,7 +80,7 @@ CUDA_TESTS = ["tests/test_engine_cuda.py",
               "tests/test_shared_input.py::test_cuda_equals_cpu",
               "tests/test_comet_reach.py::test_cuda_equals_cpu",
               "tests/test_plain_kernels.py::test_cuda_all_plain_is_captured_unsynchronised_and_trains_as_fused",
-              "tests/test_eval_graphs.py",
+              "tests/test_eval_graphs.py::test_cuda_evaluation_graphs_compute_the_eager_passes_without_synchronising",
               "tests/test_image_models.py::test_trains_on_gpu_with_uint8_batches"]
 
 
@@ -139,7 +139,7 @@ def study_args(sizes: Sizes, complete: int) -> list[str]:
 # P = 128 epoch).
 GPU = Sizes("1,256", 500, ["--device", "cuda"], ["--trainer.accelerator=gpu", "--model.matmul_precision=high",
                                                "--pack=128"], ["--device", "cuda"],
-            {"install": 40, "tests": 180, "bench": 110, "preflight": 90, "report": 30, "bootstrap": 30},
+            {"install": 40, "tests": 180, "bench": 140, "preflight": 90, "report": 30, "bootstrap": 30},
             drain=120,  # a trial's 26 epochs at least (33 the fewest seen), a pack of 128's about 4 s each (H200)
             last_pack=256, test_passes="1,16,64")
 # the interpreter's pace: each program of a kernel costs milliseconds, each 1,024 parameters one Adam program
@@ -387,6 +387,7 @@ def throughput(output: str, precision: str) -> list[dict]:
     for row, phases in zip(rows, key_value_lines(output, "phases")):
         row["phases_s"] = {key.removesuffix("_s"): value for key, value in phases.items() if key.endswith("_s")}
         row["train_steps"], row["val_batches"] = int(phases["train_steps"]), int(phases["val_batches"])
+        row["val_eager_s"] = phases["val_eager"]
     return rows
 
 
@@ -613,10 +614,11 @@ def short_table(summary: dict) -> str:
         lines += [f"preflight: {summary['preflight'].get('line') or 'no summary line'}"]
     lines += ["",
               "| precision | gate | P | epoch (s) | trial-epochs / hour | between / train / val / end (s) "
-              "| train step (ms) |", "|---|---|---|---|---|---|---|"]
+              "| train step (ms) | val, eager (s) |", "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['precision']} | {r['gate']} | {r['P']} | {r['epoch_s']:.2f} | {r['trial_epochs_per_hour']:,} | "
               + " / ".join(f"{seconds:.2f}" for seconds in r.get("phases_s", {}).values())
               + (f" | {1000 * r['phases_s']['train'] / r['train_steps']:.2f} |" if r.get("train_steps") else " | |")
+              + (f" {r['val_eager_s']:.2f} |" if "val_eager_s" in r else " |")
               for r in summary["throughput"]]
     lines += ["", "| precision | P | eager step (ms) | kernels' time (ms) | kernels |", "|---|---|---|---|---|"]
     lines += [f"| {r['precision']} | {r['P']:.0f} | {r['step_ms']:.2f} | {r.get('kernel_ms', 'n/a')} | "

@@ -44,8 +44,9 @@ ENDED = re.compile(r"\] (\d+)/\d+ done, .*pack of (\d+), pack epoch (\d+) done, 
 STARTUP_S = 10.0  # tune's start before its first claim: the storage, the data, the plan
 SETUP_S = 0.04  # a trial's claim, build and load into a slot (bench_packs.py --setup, this VM's order)
 # gpu_check's preflight before the study, when --steps has it: pytest's start and the float32 epilogue and mixing
-# CUDA tests (3.1 s and about as long on the H200: docs/results/gpu-2026-11-27-2's tests log)
-PREFLIGHT_S = 15
+# CUDA tests (3.1 s and about as long on the H200: docs/results/gpu-2026-11-27-2's tests log), and the evaluation
+# graphs' test (not yet run on a GPU: a guess of 15 s beyond the Triton compilations the study would pay anyway)
+PREFLIGHT_S = 30
 
 
 def trial_epochs(journal: Path, study: str) -> tuple[list[int], list[int]]:

@@ -28,11 +28,15 @@ def containers_copied(value):
 
 
 class ReplayStandIn:
-    """``CapturedStep``'s interface on the CPU: a key's first call runs the step; later calls run its tensor
-    operations again with the ``watched`` objects' attributes (and the containers in them) restored after it."""
+    """``CapturedStep``'s interface on the CPU: a key's first call (its capture) runs the step; later calls (its
+    replays, until ``drop_graphs``) run its tensor operations again with the ``watched`` objects' attributes (and the
+    containers in them) restored after it."""
 
     def __init__(self, step, watched) -> None:
         self.step, self.watched, self.keys = step, watched, set()
+
+    def drop_graphs(self) -> None:
+        self.keys.clear()
 
     def __call__(self, key, inputs: dict[str, torch.Tensor]) -> None:
         if key not in self.keys:

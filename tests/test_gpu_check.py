@@ -77,6 +77,7 @@ def test_the_dry_run_runs_every_step_and_writes_the_summary(tmp_path: Path) -> N
     for row in summary["throughput"]:  # the epoch's phases sum to it (bench_packs.py's rounding to 0.01 s)
         assert set(row["phases_s"]) == {"between", "train", "val", "end"}
         assert row["train_steps"] == row["val_batches"] == 1  # --limit-batches 1
+        assert row["val_eager_s"] > 0  # the third epoch's validation, before its batches' capture
         assert all(s >= 0 for s in row["phases_s"].values())
         assert sum(row["phases_s"].values()) == pytest.approx(row["epoch_s"], abs=0.01)
     install = summary["steps"].pop("install")["status"]  # CI has no gathered wheels; this VM may
@@ -98,9 +99,9 @@ def test_bench_packs_lines_are_read_with_their_numbers() -> None:
     output = ("| comet | 256 | on | fused | 9.27 | 99,455 |  | 34 |\n"
               "\n"
               "phases gate=comet P=256 graphs=on adam=fused between_s=0.010 train_s=7.500 val_s=0.600 end_s=1.160 "
-              "train_steps=157 val_batches=20\n"
+              "train_steps=157 val_batches=20 val_eager=0.900\n"
               "\n"
-              "epoch-profile gate=comet P=256 graphs=on adam=fused: the fourth epoch's host time by function\n"
+              "epoch-profile gate=comet P=256 graphs=on adam=fused: the sixth epoch's host time by function\n"
               "profile gate=comet P=256 device=cuda precision=bf16 step_ms=31.250 profiled_step_ms=40.100 "
               "kernel_ms=12.500 kernels=1184 adam_fused_ms=0.800 adam_elementwise_ms=3.100\n")
     assert gpu_check.key_value_lines(output, "profile") == [
@@ -112,7 +113,7 @@ def test_bench_packs_lines_are_read_with_their_numbers() -> None:
         {"precision": "bf16", "gate": "comet", "P": 256, "graphs": "on", "epoch_s": 9.27,
          "trial_epochs_per_hour": 99455, "memory_per_trial_mib": "34",
          "phases_s": {"between": 0.01, "train": 7.5, "val": 0.6, "end": 1.16}, "train_steps": 157,
-         "val_batches": 20}]
+         "val_batches": 20, "val_eager_s": 0.9}]
 
 
 def test_the_studys_checkpoints_come_back_only_within_the_returned_file_limit(tmp_path: Path,

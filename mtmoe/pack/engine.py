@@ -171,6 +171,7 @@ class PackEngine:
             self.captured = CapturedStep(self._train_step)
             if "eval_graphs" not in plain_kernels():
                 self.captured_eval = CapturedStep(self._eval_step, self.captured.pool)
+        self._eval_buffers: tuple = ()  # the sample buffers the evaluation graphs write (data pointers, shapes)
         self.cast_names = frozenset(f"{prefix}.{name}" if prefix else name
                                     for prefix, module in self.template.named_modules()
                                     for name in getattr(module, "autocast_parameters", ()))
@@ -348,17 +349,21 @@ class PackEngine:
     def eval_step(self, batch: dict[str, Tensor]) -> None:
         """Evaluate every slot on one shared batch (``[B, ...]`` tensors) into :attr:`eval_metrics` (after
         :meth:`prepare_evaluation`). On a GPU each batch of a pass is captured in a CUDA graph (keyed by its rows in
-        the pass, the metrics' sample buffers and the schedules' flags) and replayed in later passes, as the training
-        step is; the one Python state a batch changes, the metrics' ``offset``, is set here."""
+        the pass and the schedules' flags) and replayed in later passes, as the training step is; the graphs are
+        captured again when the metrics' sample buffers have grown (a pass's first batches grow them); the one Python
+        state a batch changes, the metrics' ``offset``, is set here."""
         if self.captured_eval is None:
             self._eval_step(batch)
             return
         metrics = self.eval_metrics
         start, size = metrics.offset, next(iter(batch.values())).shape[0]
-        metrics.reserve(start + size)  # before the key: no buffer grows inside a capture
+        metrics.reserve(start + size)  # no buffer grows inside a capture
         buffers = tuple((t.data_ptr(), tuple(t.shape)) for t in metrics.sample_buffers())
+        if buffers != self._eval_buffers:
+            self._eval_buffers = buffers
+            self.captured_eval.drop_graphs()
         flags = tuple(flag for _, schedule in self.schedules for flag in schedule.flags())
-        self.captured_eval((start, size, metrics.tracking, buffers, flags), batch)
+        self.captured_eval((start, size, metrics.tracking, flags), batch)
         metrics.offset = start + size
 
     def _eval_step(self, batch: dict[str, Tensor]) -> None:

@@ -46,6 +46,11 @@ class CapturedStep:
         self.calls: dict[Hashable, int] = {}
         self.pool = torch.cuda.graph_pool_handle() if pool is None else pool
 
+    def drop_graphs(self) -> None:
+        """Forget every captured graph (a tensor they write, outside their inputs, was replaced): each key is captured
+        again at its next call, without more eager calls."""
+        self.graphs.clear()
+
     def __call__(self, key: Hashable, inputs: dict[str, Tensor]) -> None:
         if key in self.graphs:
             graph, static = self.graphs[key]
