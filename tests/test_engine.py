@@ -631,6 +631,33 @@ def test_gradients_written_in_place_equal_zeroed_and_accumulated_ones(name: str,
             assert written.adam._half_version == written.stack.flat._version
 
 
+@pytest.mark.parametrize("name, autocast", variants_over([False, True]))
+def test_a_replayed_training_step_needs_no_python_state(name: str, autocast: bool) -> None:
+    """A CUDA graph of the training step replays its kernels and no Python. On this CPU a stand-in for the capture
+    (``tests/replay.py``) reruns each step after its key's first with every Python attribute of the engine, its stack,
+    Adam, metrics and template modules put back as it was: over steps inside and after local search's window and a
+    refilled slot, every gate's losses and weights are the eager engine's, bit for bit (each gate in float32 or in
+    bf16 autocast, its "+" in the other)."""
+    from replay import ReplayStandIn
+
+    data = [batches(p, 8) for p in range(3)]
+    results = []
+    for replayed in (False, True):
+        engine = engine_of(trials(name, 0.5, 3)[:3])
+        if replayed:
+            engine.captured = ReplayStandIn(engine._train_step, [engine, engine.stack, engine.adam,
+                                                                 engine.train_metrics, *engine.template.modules()])
+        losses = []
+        for i in range(8):
+            if i == 4:
+                engine.slots[1] = None
+                engine.load(1, trials(name, 0.5, 4)[3])
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                losses.append(step(engine, data, i))
+        results.append((torch.stack(losses), engine.stack.flat.clone()))
+    assert torch.equal(results[1][0], results[0][0]) and torch.equal(results[1][1], results[0][1])
+
+
 def test_the_collector_is_paused_during_a_capture_and_restored_after() -> None:
     """``collector_paused`` (around each CUDA graph capture): dead reference cycles survive allocations that would
     trigger a collection (so none finalises a dead engine's graph mid-capture), the collector is on again after,
