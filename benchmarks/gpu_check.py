@@ -91,8 +91,8 @@ CUDA_TESTS = ["tests/test_engine_cuda.py",
 # dry run: skipped, no CUDA, the kernels kept). Empty it once a lease's tests step passes them.
 PREFLIGHT = {"tests/test_epilogue.py::test_cuda_equals_cpu[dtype0]": "epilogue",
              "tests/test_mixing.py::test_cuda_equals_cpu[dtype0]": "mixing",
-             "tests/test_eval_graphs.py::test_cuda_evaluation_graphs_compute_the_eager_passes_without_synchronising"
-             "[comet]": "eval_graphs"}
+             **{f"tests/test_eval_graphs.py::test_cuda_evaluation_graphs_compute_the_eager_passes_without_synchronising"
+                f"[{gate}]": "eval_graphs" for gate in STUDY_GATES}}
 STEPS = ("tests", "bench", "preflight", "study", "report", "bootstrap")  # --steps chooses; install always runs
 KILL_GRACE = 5  # seconds from a step's SIGTERM to its SIGKILL; the study's clean stop has Sizes.stop
 MIN_STEP = 15  # seconds: a step with less left of --total is skipped

@@ -47,7 +47,7 @@ def passes(name: str, engine: PackEngine, device: str) -> list:
     return results
 
 
-@pytest.mark.parametrize("name", ["comet", "comet+", "softmax"])
+@pytest.mark.parametrize("name", ["comet", "topk", "comet+", "softmax"])
 def test_a_replayed_evaluation_batch_needs_no_python_state(name: str) -> None:
     """A binary task's AUROC (its probabilities kept across the pass's batches), ``selection_changed`` (each sample's
     selection kept across passes) and every other result of passes replayed as a graph would replay them are the eager
@@ -65,7 +65,7 @@ def test_a_replayed_evaluation_batch_needs_no_python_state(name: str) -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("name", ["comet", "comet+"])
+@pytest.mark.parametrize("name", ["comet", "topk", "comet+"])
 def test_cuda_evaluation_graphs_compute_the_eager_passes_without_synchronising(name: str) -> None:
     from test_engine_cuda import cuda_engine, unsynchronised
 
