@@ -14,10 +14,11 @@ one trial, operation counts, per-trial set-up, a whole study.
    validation of all P, and the epoch's end; no trial ends in it, as in most epochs of a study, where each trial's
    test pass comes once in its tens of epochs; on a GPU every validation batch is replayed from its CUDA graph by
    then, captured in the fourth). P = 1 is ``fit``'s engine (``tune --pack 1``). "+" gates are timed
-   inside their permutation window (E_perm >= the epochs timed), the costlier phase. ``--graphs on,off`` on a GPU: with the
-   training step captured in CUDA graphs and without; ``--adam fused,elementwise``: Adam in one kernel for all
-   trials and in element-wise torch operations (:class:`mtmoe.pack.adam.PackedAdam`). Device memory per trial
-   (GPU) from :func:`mtmoe.pack.memory.memory_per_trial`. After the table, one line per row, ``phases gate=G P=P
+   inside their permutation window (E_perm >= the epochs timed), the costlier phase. ``--graphs on,off`` on a GPU:
+   with the training step and the validation batches captured in CUDA graphs and without; ``--adam
+   fused,elementwise``: Adam in one kernel for all trials and in element-wise torch operations
+   (:class:`mtmoe.pack.adam.PackedAdam`). Device memory per trial (GPU) from
+   :func:`mtmoe.pack.memory.memory_per_trial`. After the table, one line per row, ``phases gate=G P=P
    graphs=X adam=Y between_s=... train_s=... val_s=... end_s=... train_steps=N val_batches=M val_eager=...``: where
    that epoch's seconds went (:data:`EPOCH_PHASES`), and the third epoch's validation, whose batches all ran eagerly
    (before their capture). ``--profile-epoch``: the host's time in the sixth epoch, by Python function
@@ -434,7 +435,8 @@ def main() -> None:
     parser.add_argument("--packs", default="", help="pack sizes P to time (with --ops: to count, default 1,16)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--precision", default="32", choices=["32", "bf16-mixed"])
-    parser.add_argument("--graphs", default="on", help="on, off or on,off (CUDA graphs of the training step)")
+    parser.add_argument("--graphs", default="on",
+                        help="on, off or on,off (CUDA graphs of the training step and the validation batches)")
     parser.add_argument("--adam", default="fused",
                         help="fused, elementwise or fused,elementwise (PackedAdam's kernels)")
     parser.add_argument("--ops", action="store_true", help="operation counts per phase, instead of timings")
