@@ -54,7 +54,8 @@ def test_a_replayed_evaluation_batch_needs_no_python_state(name: str) -> None:
     passes'."""
     eager = passes(name, engine_of(trials(name, 0.5, 3)), "cpu")
     engine = engine_of(trials(name, 0.5, 3))
-    engine.captured_eval = ReplayStandIn(engine._eval_step, [engine, engine.eval_metrics])
+    engine.captured_eval = ReplayStandIn(engine._eval_step, [engine, engine.eval_metrics,
+                                                             *engine.template.modules()])
     replayed = passes(name, engine, "cpu")
     assert all("watch/auroc" in trial for trial in eager[-1])
     assert all("watch/selection_changed" in trial for trial in eager[2])  # compared with the first tracked pass
@@ -67,6 +68,8 @@ def test_a_replayed_evaluation_batch_needs_no_python_state(name: str) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("name", ["comet", "topk", "comet+"])
 def test_cuda_evaluation_graphs_compute_the_eager_passes_without_synchronising(name: str) -> None:
+    """The same passes with the evaluation graphs and without (``cuda_graphs=False``): the same results; then a pass
+    of replays reads nothing on the host."""
     from test_engine_cuda import cuda_engine, unsynchronised
 
     results = {}
