@@ -54,6 +54,9 @@ WHEELS_DIR, DATA_DIR, STUDY_DIR = CARRIED / "wheels", CARRIED / "data", CARRIED 
 # The study's checkpoints on the device: git-ignored and not carried, so kept from one call of a lease to the next
 # on the same warm machine (the device tool keeps ignored files between calls; carry replaces .gpu/ whole)
 DEVICE_CHECKPOINTS = ROOT / ".gpu-device" / "checkpoints"
+# The preflight's verdict on this machine (the names its tests did not pass), kept there as the checkpoints are: a
+# call whose --steps lack the preflight trains the study as the preflight of an earlier call decided
+PREFLIGHT_VERDICT = ROOT / ".gpu-device" / "preflight.json"
 DATASET, GATE, SOURCE = "movielens-100k", "comet", "ml-100k"  # GATE: the bench's
 # The lease's studies, trained in this order, each to its 500 trials: COMET's, then Top-k's, the pair whose
 # tuning-trial reduction factor is the paper's Figures 2-3. One journal holds them; report and bootstrap read both.
@@ -441,11 +444,24 @@ def next_study(states: dict[str, dict], trials: int) -> str | None:
                  if states.get(study_name(gate), NO_STUDY).get("configurations_evaluated", 0) < trials), None)
 
 
+def read_verdict(path: Path | None, commit: str) -> list[str] | None:
+    """The names a preflight of ``commit`` on this machine did not pass, as ``path`` keeps them (``None``: no such
+    preflight)."""
+    try:
+        verdict = json.loads(path.read_text()) if path is not None else None
+    except (OSError, ValueError):
+        return None
+    return verdict["plain"] if isinstance(verdict, dict) and verdict.get("commit") == commit else None
+
+
 def run(out: Path, sizes: Sizes, study_dir: Path, dry_run: bool = False, chosen: tuple[str, ...] = STEPS,
-        precisions: tuple[str, ...] = tuple(PRECISIONS), checkpoint_dir: Path | None = None) -> dict:
+        precisions: tuple[str, ...] = tuple(PRECISIONS), checkpoint_dir: Path | None = None,
+        verdict_file: Path | None = None) -> dict:
     """The ``chosen`` steps, their logs and the summary in ``out`` (see the module's docstring); the study's
-    checkpoints in ``checkpoint_dir`` (``tune --checkpoint-dir``; default: beside its journal); returns the
-    summary."""
+    checkpoints in ``checkpoint_dir`` (``tune --checkpoint-dir``; default: beside its journal); the preflight's
+    verdict in ``verdict_file``, for a later call's study (the study never trains kernels this machine has not
+    checked: without the preflight in ``chosen`` it takes the verdict there, and without one it runs the preflight
+    first); returns the summary."""
     start = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="gpu-check-"))
@@ -464,6 +480,9 @@ def run(out: Path, sizes: Sizes, study_dir: Path, dry_run: bool = False, chosen:
     summary = {"environment": environment(dry_run)}
     summary["device"], summary["commit"] = summary["environment"]["device"], summary["environment"]["commit"]
     print(json.dumps(summary["environment"]), flush=True)
+    verdict = read_verdict(verdict_file, summary["commit"])
+    if "study" in chosen and "preflight" not in chosen and PREFLIGHT and verdict is None and not dry_run:
+        chosen = (*chosen, "preflight")  # no verdict on this machine for this commit: the preflight first
     steps: list[Step] = []
     budgets = sizes.budgets
 
@@ -508,6 +527,11 @@ def run(out: Path, sizes: Sizes, study_dir: Path, dry_run: bool = False, chosen:
     summary["preflight"] = tests_summary(preflight.output) if preflight is not None else {}
     plain = [] if preflight is None or preflight.status == "skipped (not in --steps)" or dry_run else sorted(
         {kernel for test, kernel in PREFLIGHT.items() if test not in passed_tests(preflight.output)})
+    if preflight is not None and not preflight.status.startswith("skipped") and verdict_file is not None:
+        verdict_file.parent.mkdir(parents=True, exist_ok=True)
+        verdict_file.write_text(json.dumps({"commit": summary["commit"], "plain": plain}))  # a torn file: no verdict
+    elif preflight is not None and preflight.status == "skipped (not in --steps)" and verdict is not None:
+        plain = verdict  # an earlier call's preflight on this machine
     study_dir.mkdir(parents=True, exist_ok=True)
     journal = study_journal(study_dir)
     storage = f"journal:{journal}"
@@ -707,7 +731,8 @@ def main() -> None:
         if args.out is None:
             fail("run needs --out DIR (on the device: --out $OUT)")
         sizes = replace(GPU, total=args.total or GPU.total, drain=GPU.drain if args.drain is None else args.drain)
-        run(args.out, sizes, STUDY_DIR, chosen=chosen, precisions=precisions, checkpoint_dir=DEVICE_CHECKPOINTS)
+        run(args.out, sizes, STUDY_DIR, chosen=chosen, precisions=precisions, checkpoint_dir=DEVICE_CHECKPOINTS,
+            verdict_file=PREFLIGHT_VERDICT)
     else:
         fail("give a command: gather, run --out DIR, or --dry-run")
 

@@ -195,7 +195,9 @@ def test_a_kernel_the_preflight_does_not_pass_is_trained_as_torch_operations(tmp
     trial is trained by a kernel the GPU computes wrongly, and the study still runs; a kernel whose test passed
     stays fused. (The dry run keeps its kernels when their CUDA tests skip: ``dry_run=False`` here, on the CPU.)
     Then the lease's studies in turn (:data:`gpu_check.STUDY_GATES`): with comet's complete the next run trains
-    Top-k's into the same journal, and with both complete the study step has nothing to train."""
+    Top-k's into the same journal, and with both complete the study step has nothing to train. A run without the
+    preflight in its steps trains as the verdict an earlier run left on the machine decided, and without a verdict it
+    runs the preflight first."""
     from mtmoe.plain_kernels import NAMES
 
     assert set(gpu_check.PREFLIGHT.values()) <= set(NAMES)
@@ -203,7 +205,9 @@ def test_a_kernel_the_preflight_does_not_pass_is_trained_as_torch_operations(tmp
                                                  "tests/test_plain_kernels.py::test_a_value_names_kernels_or_all_and_"
                                                  "an_unknown_name_is_refused": "reach"})
     sizes = dataclasses.replace(gpu_check.DRY, tune_args=(*gpu_check.DRY.tune_args, "--trainer.accelerator=cpu"))
-    summary = gpu_check.run(tmp_path / "out", sizes, tmp_path / "study", chosen=("preflight", "study"))
+    verdict = tmp_path / "device" / "preflight.json"
+    summary = gpu_check.run(tmp_path / "out", sizes, tmp_path / "study", chosen=("preflight", "study"),
+                            verdict_file=verdict)
     steps = summary["steps"]
     assert steps["preflight"]["status"] == "ok" and summary["preflight"]["skipped"] == 1, summary["preflight"]
     assert steps["study"]["status"] == "ok" and summary["study"]["plain_kernels"] == ["epilogue"], steps
@@ -218,14 +222,19 @@ def test_a_kernel_the_preflight_does_not_pass_is_trained_as_torch_operations(tmp
     assert "trained them as torch operations, captures eagerly (MTMOE_PLAIN_KERNELS)" in (tmp_path / "out" / "summary.md").read_text()
 
     assert gpu_check.STUDY_GATES == ("comet", "topk")
-    summary = gpu_check.run(tmp_path / "out2", sizes, tmp_path / "study", chosen=("study", "report"))
+    assert json.loads(verdict.read_text()) == {"commit": summary["commit"], "plain": ["epilogue"]}
+    summary = gpu_check.run(tmp_path / "out2", sizes, tmp_path / "study", chosen=("study", "report"),
+                            verdict_file=verdict)
     assert summary["study"]["name"] == "movielens-100k/topk" and summary["trials_complete"] == gpu_check.DRY.trials
-    assert summary["study"]["plain_kernels"] == [] and summary["steps"]["report"]["status"] == "ok"
+    assert summary["steps"]["preflight"]["status"] == "skipped (not in --steps)"
+    assert summary["study"]["plain_kernels"] == ["epilogue"] and summary["steps"]["report"]["status"] == "ok"
     assert "the journal's other studies: movielens-100k/comet 2 of 2 configurations evaluated" in \
         (tmp_path / "out2" / "summary.md").read_text()
     report = (tmp_path / "out2" / "report.md").read_text()  # both studies, one journal
     assert "| movielens-100k/topk | topk |" in report and "| movielens-100k/comet | comet |" in report
-    summary = gpu_check.run(tmp_path / "out3", sizes, tmp_path / "study", chosen=("study",))
+    another = tmp_path / "another-device" / "preflight.json"  # no verdict there: the preflight runs first
+    summary = gpu_check.run(tmp_path / "out3", sizes, tmp_path / "study", chosen=("study",), verdict_file=another)
+    assert summary["steps"]["preflight"]["status"] == "ok" and json.loads(another.read_text())["plain"] == ["epilogue"]
     assert summary["steps"]["study"]["status"] == "skipped (the studies of comet, topk are complete)"
 
 
