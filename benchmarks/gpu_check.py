@@ -525,13 +525,15 @@ def run(out: Path, sizes: Sizes, study_dir: Path, dry_run: bool = False, chosen:
     preflight = step("preflight", [python, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-o", "addopts=",
                                    *PREFLIGHT], budgets["preflight"]) if PREFLIGHT else None
     summary["preflight"] = tests_summary(preflight.output) if preflight is not None else {}
-    plain = [] if preflight is None or preflight.status == "skipped (not in --steps)" or dry_run else sorted(
-        {kernel for test, kernel in PREFLIGHT.items() if test not in passed_tests(preflight.output)})
-    if preflight is not None and not preflight.status.startswith("skipped") and verdict_file is not None:
-        verdict_file.parent.mkdir(parents=True, exist_ok=True)
-        verdict_file.write_text(json.dumps({"commit": summary["commit"], "plain": plain}))  # a torn file: no verdict
-    elif preflight is not None and preflight.status == "skipped (not in --steps)" and verdict is not None:
-        plain = verdict  # an earlier call's preflight on this machine
+    if preflight is None or dry_run:
+        plain = []
+    elif preflight.status == "skipped (not in --steps)":
+        plain = verdict or []  # an earlier call's preflight on this machine
+    else:  # the names whose tests did not pass (none passed in a preflight skipped for want of time)
+        plain = sorted({kernel for test, kernel in PREFLIGHT.items() if test not in passed_tests(preflight.output)})
+        if verdict_file is not None and not preflight.status.startswith("skipped"):
+            verdict_file.parent.mkdir(parents=True, exist_ok=True)
+            verdict_file.write_text(json.dumps({"commit": summary["commit"], "plain": plain}))  # torn: no verdict
     study_dir.mkdir(parents=True, exist_ok=True)
     journal = study_journal(study_dir)
     storage = f"journal:{journal}"

@@ -24,6 +24,7 @@ import torch
 from jsonargparse import Namespace
 
 from covering import variants_over
+from replay import ReplayStandIn
 
 from mtmoe.host_threads import MIN_PART
 from mtmoe.dataset_info import DatasetInfo, TaskSpec
@@ -638,8 +639,6 @@ def test_a_replayed_training_step_needs_no_python_state(name: str, autocast: boo
     Adam, metrics and template modules put back as it was: over steps inside and after local search's window and a
     refilled slot, every gate's losses and weights are the eager engine's, bit for bit (each gate in float32 or in
     bf16 autocast, its "+" in the other)."""
-    from replay import ReplayStandIn
-
     data = [batches(p, 8) for p in range(3)]
     results = []
     for replayed in (False, True):

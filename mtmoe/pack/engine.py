@@ -315,7 +315,11 @@ class PackEngine:
             self._train_step(batch)
         else:
             size = next(iter(batch.values())).shape[1]
-            self.captured((size, *(flag for _, schedule in self.schedules for flag in schedule.flags())), batch)
+            self.captured((size, *self._flags()), batch)
+
+    def _flags(self) -> tuple:
+        """The schedules' host flags, which change what a step computes (a CUDA graph per value)."""
+        return tuple(flag for _, schedule in self.schedules for flag in schedule.flags())
 
     def _bfloat16_copies(self) -> dict[str, Tensor]:
         """Under bfloat16 autocast, the parameters that the model only ever uses cast to bfloat16 (a module's
@@ -362,8 +366,7 @@ class PackEngine:
         if buffers != self._eval_buffers:
             self._eval_buffers = buffers
             self.captured_eval.drop_graphs()
-        flags = tuple(flag for _, schedule in self.schedules for flag in schedule.flags())
-        self.captured_eval((start, size, metrics.tracking, flags), batch)
+        self.captured_eval((start, size, metrics.tracking, *self._flags()), batch)
         metrics.offset = start + size
 
     def _eval_step(self, batch: dict[str, Tensor]) -> None:

@@ -94,6 +94,10 @@ def binary_auroc(scores: Tensor, positive: Tensor, seen: Tensor) -> Tensor:
     return torch.where(pairs > 0, wins / pairs.clamp_min(1), 0.0)
 
 
+SELECTION_BUFFERS = ("previous", "recorded")  # PackMetrics' sample buffers of tracked selections
+AUROC_BUFFERS = ("auroc_scores", "auroc_positive", "auroc_seen")  # and of the binary tasks' AUROC inputs
+
+
 class PackMetrics:
     """Every trial's epoch metrics for a pack of ``capacity`` trials: losses, routing statistics and (validation,
     test) the tasks' metrics.
@@ -178,7 +182,7 @@ class PackMetrics:
         """A checkpointed trial's recorded selections (its rows of :attr:`previous` and :attr:`recorded`) into
         ``slot``, the buffers grown to hold them."""
         width = previous.shape[0]
-        self._grow(("previous", "recorded"), width)
+        self._grow(SELECTION_BUFFERS, width)
         self.previous[slot, :width] = previous.to(self.device)
         self.recorded[slot, :width] = recorded.to(self.device)
 
@@ -189,15 +193,15 @@ class PackMetrics:
 
     def sample_buffers(self) -> tuple[Tensor, ...]:
         """The buffers a pass fills at its samples' rows (module docstring)."""
-        return self.previous, self.recorded, self.auroc_scores, self.auroc_positive, self.auroc_seen
+        return tuple(getattr(self, name) for name in SELECTION_BUFFERS + AUROC_BUFFERS)
 
     @torch.no_grad()
     def reserve(self, end: int) -> None:
         """Room in the sample buffers a pass with prediction metrics fills for its samples up to ``end``: the
         selections' (while :attr:`tracking`) and the binary tasks' (each grows by doubling, its rows kept)."""
-        self._grow(("previous", "recorded") if self.tracking else (), end)
+        self._grow(SELECTION_BUFFERS if self.tracking else (), end)
         if self.binary:
-            self._grow(("auroc_scores", "auroc_positive", "auroc_seen"), end)
+            self._grow(AUROC_BUFFERS, end)
 
     def _grow(self, names: tuple[str, ...], end: int) -> None:
         for name in names:
