@@ -34,7 +34,10 @@ one trial, operation counts, per-trial set-up, a whole study.
    :class:`mtmoe.tuning.packs.TrialFactory` and loaded into a slot: mean milliseconds over N trials.
 4. **A whole study** (``--study NxE``): the ``tune`` command, packed (``--study-pack``) and ``--pack 1``, each on a
    fresh journal storage: wall time, and the objectives configuration by configuration (equal to float32 rounding:
-   each trial draws from its own random stream whatever its pack).
+   each trial draws from its own random stream whatever its pack); then one line ``trial-host pack=P
+   refill_ms_per_trial=... results_ms_per_trial=...``: what the packed study's epoch ends spent on the host (its
+   ``pack-epochs.csv``) claiming, setting up and loading each trial of a refill, and recording and telling each
+   trial's results (with tiny trials, ``--trial-args``, the host's share shows as on a GPU).
 5. **The matmul floor** (``--floor``): the expert layer's three matmuls of one step alone, per trial-epoch.
 6. **Where a step's time goes** (``--profile P[,P...]``, with ``--device``, ``--precision``, ``--matmul-precision`` and
    ``--trial-args``): a pack of P's eager training step on 512-row batches, one line ``profile gate=G P=P
@@ -409,6 +412,20 @@ def study(gate: str, trials: int, epochs: int, pack: str, device: str, scratch: 
     return seconds, {t.user_attrs["config_id"]: t.value for t in done if t.value is not None}
 
 
+def trial_host_milliseconds(log_dir: Path, trials: int) -> dict[str, float]:
+    """What the pack epoch ends of a one-worker study of ``trials`` trials and one structure (one pack) spent on the
+    host per trial, from its ``pack-epochs.csv`` under ``log_dir``: the refills (claims, set-ups, loads into slots)
+    per trial claimed in them (all but the pack's first fill), and the results told (logs, user attributes,
+    ``tell``) per trial tested."""
+    import pandas as pd
+
+    (path,) = log_dir.rglob("pack-epochs.csv")
+    epochs = pd.read_csv(path)
+    refilled = trials - epochs["trained"].iloc[0]
+    return {"refill_ms_per_trial": 1000 * epochs["refill_s"].sum() / max(refilled, 1),
+            "results_ms_per_trial": 1000 * epochs["results_s"].sum() / max(epochs["tested"].sum(), 1)}
+
+
 def expert_matmul_floor(precision: str, steps: int, device: str, repeats: int = 20) -> float:
     """Seconds per trial-epoch of the expert layer's three matmuls alone (forward, the two gradients) at MovieLens'
     shape ([512, 256] x [256, 16 x 256]) in ``precision``: no trial trains faster on this device's matmul kernel."""
@@ -588,15 +605,17 @@ def main() -> None:
         scratch = Path(tempfile.mkdtemp())
         trial_args = tuple(args.trial_args.split())
         packed, packed_values = study(gates[0], trials, epochs, args.study_pack, args.device, scratch, trial_args)
+        host = trial_host_milliseconds(scratch / f"runs-{args.study_pack}", trials)
         alone, alone_values = study(gates[0], trials, epochs, "1", args.device, scratch, trial_args)
         ids = sorted(set(packed_values) & set(alone_values))
         worst = max(abs(packed_values[i] - alone_values[i]) / abs(alone_values[i]) for i in ids)
         rows.append({"study": args.study, "packed_s": packed, "unpacked_s": alone,
-                     "objectives": {"packed": packed_values, "unpacked": alone_values}})
+                     "objectives": {"packed": packed_values, "unpacked": alone_values}, "packed_host": host})
         tables += ["", f"{gates[0]}, {trials} trials x {epochs} epochs (`tune`, whole command): --pack "
                    f"{args.study_pack} {packed:.0f} s, --pack 1 {alone:.0f} s, {alone / packed:.2f}x; objectives of the "
-                   f"{len(ids)} configurations: largest relative difference {worst:.1e}"]
-        print(tables[-1], flush=True)
+                   f"{len(ids)} configurations: largest relative difference {worst:.1e}",
+                   f"trial-host pack={args.study_pack} " + " ".join(f"{k}={v:.2f}" for k, v in host.items())]
+        print(*tables[-2:], sep="\n", flush=True)
     for pack in [int(p) for p in args.profile.split(",") if p]:
         bf16 = args.precision == "bf16-mixed"
         with matmul_precision(args.matmul_precision):

@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from datetime import datetime
 from pathlib import Path
@@ -24,6 +25,8 @@ import pytest
 from optuna.trial import TrialState
 
 from conftest import run_cli
+from mtmoe.tuning import packs
+from mtmoe.tuning.storage import storage_for
 from sleep_callback import hold_args, pythonpath_with_tests
 from test_tuning import (SHORT, assert_each_config_once, interrupt_while_running, run_tune, start_tune, subprocess_env,
                          trials_of, tune_args, wait_for_running)
@@ -282,6 +285,46 @@ def test_two_packing_workers_on_postgres_evaluate_each_configuration_once(postgr
     log = tmp / "runs" / name / "pack-epochs.csv"  # the workers' rows under one header
     assert sum(line.startswith("time,") for line in log.read_text().splitlines()) == 1
     assert pd.read_csv(log)["ended"].sum() == 6
+
+
+def test_an_epoch_end_leaves_the_trials_results_to_the_writes_thread(tiny_root: Path, tmp_path: Path,
+                                                                     monkeypatch) -> None:
+    """Each ended trial's results (some forty user attributes), its tell, the intermediate values and each trial's
+    ``config.yaml`` are written by the worker's writes' thread, the training thread only claims (its ``RUNNING``
+    writes). Before, the results, the tell and the configuration were written at the epoch end, holding the next
+    epoch up by some forty storage writes a trial (each an fsync on a journal, a transaction on PostgreSQL) and
+    a YAML dump. The study's records and files are complete all the same."""
+    journal = optuna.storages.JournalStorage
+    main, writes = threading.main_thread(), []
+
+    def noting(name: str, what):
+        original = getattr(journal, name)
+
+        def write(self, trial_id, *args):
+            writes.append((threading.current_thread() is main, name, what(*args)))
+            return original(self, trial_id, *args)
+
+        monkeypatch.setattr(journal, name, write)
+
+    noting("set_trial_user_attr", lambda key, value: key)
+    noting("set_trial_state_values", lambda state, values=None: state.name)
+    noting("set_trial_intermediate_value", lambda step, value: "intermediate")
+    written, write_atomic = [], packs.write_atomic
+
+    def writing(text: str, path: Path) -> None:
+        written.append((threading.current_thread() is main, path.name))
+        write_atomic(text, path)
+
+    monkeypatch.setattr(packs, "write_atomic", writing)
+    url = f"journal:{tmp_path / 'journal.log'}"
+    assert run_cli(tune_args(url, tiny_root, tmp_path / "runs", *FAST, "--pack", "2", trials=3)) == 0
+    assert_each_config_once(trials_of(storage_for(url), "movielens-100k/topk"), 3)
+    in_main = {what for main_thread, _, what in writes if main_thread}
+    assert "RUNNING" in in_main  # the claims: the worker trains in this thread
+    results = {"seed", "wall_time_s", "epochs_run", "test/loss", "test_loss", "device", "COMPLETE", "intermediate"}
+    assert not results & in_main, results & in_main
+    assert results <= {what for _, _, what in writes}
+    assert sorted(written) == [(False, "config.yaml")] * 3 + [(False, "results.json")] * 3
 
 
 def test_a_packed_study_on_a_journal_storage(tiny_root: Path, tmp_path: Path, capsys) -> None:

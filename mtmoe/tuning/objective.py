@@ -138,11 +138,16 @@ def record_result(trial: optuna.Trial, seed: int, wall_time_s: float, results: d
     for key, value in routing_of(results.get("val", {})).items():
         trial.set_user_attr(f"val/{key}", value)
     trial.set_user_attr("test_loss", results.get("test", {}).get("loss"))
-    objective = results.get("best_val_loss", math.inf)
-    if diverged is not None or not math.isfinite(objective):
+    objective = objective_of(results, diverged)
+    if math.isnan(objective):
         trial.set_user_attr("fail_reason", f"diverged: {diverged or 'no finite validation loss'}")
-        return math.nan
     return objective
+
+
+def objective_of(results: dict, diverged: str | None) -> float:
+    """A finished trial's objective: its best epoch's validation loss, or NaN if it diverged or has none finite."""
+    objective = results.get("best_val_loss", math.inf)
+    return math.nan if diverged is not None or not math.isfinite(objective) else objective
 
 
 def duplicate_of(study: optuna.Study, number: int, config_id: int) -> int | None:

@@ -45,7 +45,9 @@ import os
 import shutil
 import socket
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import fields
 from functools import partial
 from pathlib import Path
@@ -79,6 +81,7 @@ from mtmoe.tuning.objective import (
     TrialInterrupted,
     cli_args,
     duplicate_of,
+    objective_of,
     record_result,
     study_counts,
     suggest,
@@ -170,11 +173,17 @@ class PackWorker:
         self.running: dict[int, optuna.Trial] = {}  # trial number -> trial, claimed and not yet told
         self.trial_ids: dict[int, int] = {}  # trial number -> the storage's trial id, of the trials claimed
         self.dropped: list[optuna.Trial] = []  # taken over by another worker since the last epoch's end
+        self.dropped_lock = threading.Lock()  # the writes' thread drops a trial failed as stale before its tell
         self.still_running: set[int] | None = None  # the numbers of the storage's RUNNING trials at this epoch's end
         self.worker = f"{socket.gethostname()}:{os.getpid()}"
         self.device = ""  # what trains the pack now (a GPU's name, or cpu), recorded with each trial's results
         self.module: PackModule | None = None  # the pack training now
-        self.reports = OrderedWrites()  # the trials' intermediate values, written while the pack trains on
+        # what the storage and the logs take that training need not wait for, written by a thread while the pack
+        # trains on, in order: each epoch's intermediate values, each trial's config.yaml, logs, results and tell
+        self.writes = OrderedWrites()
+        # the configurations and results of an epoch end, queued when its own work is done (:meth:`_flush`): the
+        # thread's Python would otherwise share the interpreter with the claims and set-ups of the refill
+        self.held: list[Callable[[], None]] = []
 
     def run(self) -> None:
         """Pack and train until no waiting trial is left; Ctrl-C or SIGTERM fails the running ones (re-run on
@@ -200,6 +209,9 @@ class PackWorker:
                     return self._start(factory, *claimed)
 
                 self._train(run, key, next_trial, alone)
+            self._flush()
+            self.writes.join()  # every result told before the study's counts are read
+            self.progress.finish()
             if self.checkpoints is not None:
                 self.checkpoints.clear()
         except (KeyboardInterrupt, SystemExit) as interrupt:  # Lightning answers Ctrl-C with sys.exit(1), SIGTERM
@@ -225,19 +237,26 @@ class PackWorker:
             self.progress.close()
 
     def _start(self, factory: TrialFactory, trial: optuna.Trial, params: dict[str, Any], config_id: int) -> Trial:
-        """The trial of a claimed configuration, its configuration written as ``config-NNNN/config.yaml`` first
-        (``fit --config`` on it retrains the trial)."""
+        """The trial of a claimed configuration; its configuration is written as ``config-NNNN/config.yaml`` by
+        the writes' thread (``fit --config`` on it retrains the trial)."""
         seed = self.seed + config_id
         config = factory.config(params, seed)
-        folder = self.log_dir / f"config-{config_id:04d}"
-        folder.mkdir(parents=True, exist_ok=True)
-        write_atomic(factory.yaml(config), folder / "config.yaml")
+        self.held.append(partial(self._write_config, factory, config, trial, config_id))
         built = factory.trial((trial, seed, config_id), config)
         if self.checkpoints is not None:
             built.saved = self.checkpoints.resume(config_id, self.keys[config_id], trial.user_attrs["config_hash"])
             for record in built.saved["progress"]["history"] if built.saved is not None else []:
                 self._report(trial, record)  # the learning curve so far, on the trial that continues it
         return built
+
+    def _write_config(self, factory: TrialFactory, config: Namespace, trial: optuna.Trial, config_id: int) -> None:
+        """In the writes' thread: ``config-NNNN/config.yaml``, unless the trial was dropped since (taken over by
+        another worker: the logs are that worker's)."""
+        if trial.number not in self.running:
+            return
+        folder = self.log_dir / f"config-{config_id:04d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        write_atomic(factory.yaml(config), folder / "config.yaml")
 
     def _train(self, run: Run, key: str, next_trial, alone: bool = False) -> None:
         """Train the pack of structure ``key`` that ``next_trial`` fills, of one slot if ``alone``."""
@@ -279,8 +298,12 @@ class PackWorker:
 
     def _release(self, saved: list[int] = ()) -> None:
         """Fail the running trials as interrupted (no reason, no lost attempt): ``tune`` runs them again, those of
-        the config_ids ``saved`` in a checkpoint from it (their ``checkpoint`` attribute: its file). The heartbeat
-        thread stops first, so the two do not contend for the storage (hundreds of trials in a pack)."""
+        the config_ids ``saved`` in a checkpoint from it (their ``checkpoint`` attribute: its file). The queued
+        writes go first (a trial that ended is told its result, not failed), unless one failed: those after it are
+        not written, and their trials fail as running ones. The heartbeat thread stops next, so the two do not
+        contend for the storage (hundreds of trials in a pack)."""
+        self._flush()
+        self.writes.join(check=False)
         self.heartbeats.stop()
         for number, trial in list(self.running.items()):
             running_id = self.trial_ids[number]
@@ -324,32 +347,38 @@ class PackWorker:
             duplicate = duplicate_of(self.study, trial.number, config_id)
             if duplicate is not None:  # enqueued twice: run once
                 trial.set_user_attr("skipped", f"config_id {config_id} is evaluated by trial {duplicate}")
-                self._tell(trial, state=TrialState.PRUNED)
+                self._told(trial, state=TrialState.PRUNED)
                 continue
             return trial, params, int(config_id)
         return None
 
     def _finished(self, result: TrialResult) -> None:
-        trial, seed, config_id = result.key
+        """A trial's results: its last intermediate value, logs, user attributes and tell, queued for the writes'
+        thread (:meth:`_record`): the next epoch does not wait for some forty storage writes a trial."""
+        trial, _, config_id = result.key
         if self._taken_over([trial]):
             return
-        self._write_log(config_id, result)
         history = result.results.get("history")
         if history:
             self._report(trial, history[-1])  # its last epoch (the earlier ones were reported as they ended)
+        self.held.append(partial(self._record, result, self.device))
+        self.progress.ended(trial.number, objective_of(result.results, result.diverged))
+
+    def _record(self, result: TrialResult, device: str) -> None:
+        """In the writes' thread: the trial's logs, its results as user attributes, its tell."""
+        trial, seed, config_id = result.key
+        self._write_log(config_id, result)
         try:
-            trial.set_user_attr("device", self.device)
+            trial.set_user_attr("device", device)
             objective = record_result(trial, seed, result.wall_time_s, result.results, result.diverged)
             if math.isnan(objective):
                 self.progress.write(f"[{self.study.study_name}] trial {trial.number} (config_id {config_id}) failed: "
                                     f"{trial.user_attrs['fail_reason']}")
-                self._tell(trial, state=TrialState.FAIL)
+                self._told(trial, state=TrialState.FAIL)
             else:
-                self._tell(trial, values=objective)
+                self._told(trial, values=objective)
         except optuna.exceptions.UpdateFinishedTrialError:  # failed as stale since _taken_over looked
             self._drop([trial])
-            return
-        self.progress.finished += 1
 
     def _taken_over(self, trials: list[optuna.Trial]) -> list[optuna.Trial]:
         """Those of ``trials`` no longer RUNNING in the storage (this worker went silent past the grace period, e.g.
@@ -366,7 +395,8 @@ class PackWorker:
         """Forget ``trials`` (failed by another worker): no result, no log written; :meth:`_epoch` warns."""
         for trial in trials:
             self._forget(trial)
-        self.dropped += trials
+        with self.dropped_lock:
+            self.dropped += trials
 
     def _write_log(self, config_id: int, result: TrialResult) -> None:
         """``config-NNNN/metrics.csv`` (one row per epoch, the columns Lightning's CSV logger writes for ``fit``) and
@@ -401,18 +431,26 @@ class PackWorker:
                 module.engine.drop(slot)
             elif trial.history:
                 self._report(trial.key[0], trial.history[-1])
-        if self.dropped:  # one line for the epoch's (a frozen worker wakes up to all its trials taken over at once)
-            names = ", ".join(f"{t.number} (config_id {t.user_attrs.get('config_id')})" for t in self.dropped)
+        with self.dropped_lock:
+            dropped, self.dropped = self.dropped, []
+        if dropped:  # one line for the epoch's (a frozen worker wakes up to all its trials taken over at once)
+            names = ", ".join(f"{t.number} (config_id {t.user_attrs.get('config_id')})" for t in dropped)
             self.progress.write(f"warning: [{self.study.study_name}] trial(s) {names} were failed by another worker "
                                 f"while this one ({self.worker}) was silent past the {heartbeat_settings()[1]} s "
                                 "grace period (frozen or paused?) and run again there: dropped here, their logs left "
                                 "alone", warning=True)
-            self.dropped = []
         self.still_running = None
         if self.checkpoints is not None:
             self.checkpoints.keep([(key[2], self.keys[key[2]], key[0].user_attrs["config_hash"], state)
                                    for key, state in module.engine.checkpoint(on_device=True)])
         self.progress(module)
+        self._flush()
+
+    def _flush(self) -> None:
+        """The held writes to the writes' thread, in order."""
+        held, self.held = self.held, []
+        for call in held:
+            self.writes.put(call)
 
     def _log_epoch(self, seconds: dict[str, float]) -> None:
         """A row of ``pack-epochs.csv`` in the study's log folder, one per pack epoch of every worker: when it ended,
@@ -438,7 +476,7 @@ class PackWorker:
         """An epoch's validation loss as the trial's intermediate value (optuna-dashboard's learning curves),
         written by a thread: a pack of hundreds of trials does not wait for hundreds of storage writes an epoch."""
         if "val" in record and math.isfinite(record["val"]["loss"]):
-            self.reports.put(partial(self._write_report, trial, record["val"]["loss"], record["epoch"]))
+            self.writes.put(partial(self._write_report, trial, record["val"]["loss"], record["epoch"]))
 
     @staticmethod
     def _write_report(trial: optuna.Trial, value: float, epoch: int) -> None:
@@ -447,8 +485,10 @@ class PackWorker:
         except optuna.exceptions.UpdateFinishedTrialError:  # failed as stale meanwhile
             pass
 
-    def _tell(self, trial: optuna.Trial, **kwargs: Any) -> None:
-        self.reports.join()  # its intermediate values first: a finished trial takes none
+    def _told(self, trial: optuna.Trial, **kwargs: Any) -> None:
+        """Tell ``trial``, after its intermediate values (a finished trial takes none): from the writes' thread, or
+        for a trial with none queued."""
+        self.progress.told(trial.number)  # first: a count read meanwhile misses it rather than counts it twice
         self.study.tell(trial, **kwargs)
         self._forget(trial)
 
@@ -466,24 +506,37 @@ class PackProgress(Callback):
 
     The bar counts trials, a running one by the share of its ``max_epochs`` it has trained (none if it runs until
     early stopping), so it moves within the first pack epoch; the ETA is the rest at the average rate so far (an
-    upper bound where trials stop early). Done, failed and best are the study's, read at each epoch's end.
+    upper bound where trials stop early). Done, failed and best are the study's, read at each epoch's end, with the
+    trials that ended here and whose tells the writes' thread has not written yet (:meth:`ended`).
     """
 
     def __init__(self, study: optuna.Study, total: int, bar: bool, every: float = 10.0) -> None:
         self.study, self.total, self.every, self.use_bar = study, total, every, bar
         self.start = self.last = time.perf_counter()
         self.finished, self.reported, self.epochs = 0, 0, 0
+        self.pending: dict[int, float] = {}  # trial number -> objective (NaN: failed), ended here and not yet told
         self.module: PackModule | None = None
         self.batch, self.batches = 0, 1
         self.done, self.failed, self.best = self._counts()
         self.initial = self.done
         self.bar: tqdm | None = None  # made when the first epoch starts (after --pack auto's line)
 
+    def ended(self, number: int, objective: float) -> None:
+        """Trial ``number`` ended here with ``objective``; its tell is queued."""
+        self.pending[number] = objective
+        self.finished += 1
+
+    def told(self, number: int) -> None:
+        """Trial ``number``'s tell is being written (from the writes' thread)."""
+        self.pending.pop(number, None)
+
     def _counts(self) -> tuple[int, int, float | None]:
         self.counted = time.perf_counter()
         counts = study_counts(self.study)
-        best = min((t.value for t in counts["complete"]), default=None)
-        return len(counts["complete"]) + len(counts["failed"]), len(counts["failed"]), best
+        pending = list(self.pending.values())  # after the storage: a trial told in between is in neither
+        failed = len(counts["failed"]) + sum(map(math.isnan, pending))
+        best = min([t.value for t in counts["complete"]] + [v for v in pending if not math.isnan(v)], default=None)
+        return len(counts["complete"]) + len(counts["failed"]) + len(pending), failed, best
 
     def progress(self) -> float:
         """Trials done, plus each running trial's trained share of its ``max_epochs``."""
@@ -550,11 +603,16 @@ class PackProgress(Callback):
         self.show(force=self.finished != self.reported)
         self.reported = self.finished
 
+    def finish(self) -> None:
+        """The study's counts once more, this worker's writes done: the bar's last state, or a last line where they
+        changed since the last one (other workers' trials, told after this one's last epoch)."""
+        counts = self._counts()
+        if counts != (self.done, self.failed, self.best) or self.bar is not None:
+            self.done, self.failed, self.best = counts
+            self.show(force=True)
+
     def close(self) -> None:
         if self.bar is not None:
-            self.done, self.failed, self.best = self._counts()
-            self.bar.n = self.done
-            self.bar.set_postfix_str(self.status(), refresh=False)
             self.bar.close()
 
 

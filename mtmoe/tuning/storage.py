@@ -531,7 +531,8 @@ class Periodic:
 
 class OrderedWrites:
     """Runs the calls given to :meth:`put` one after another, in order, in a daemon thread: storage writes a pack
-    makes by the hundred an epoch (its trials' intermediate values), which training need not wait for. A call that
+    makes by the hundred an epoch (its trials' intermediate values, results and tells), which training need not wait
+    for. A call that
     raises stops the thread's work: the calls queued after it are dropped, and :meth:`put` and :meth:`join` raise that
     error in the caller's thread from then on (without it, :meth:`join` would wait forever for calls no thread runs)."""
 
@@ -544,10 +545,12 @@ class OrderedWrites:
         self._raise()
         self.calls.put(call)
 
-    def join(self) -> None:
-        """Wait until every call put so far has run; raise the error of one that failed."""
+    def join(self, check: bool = True) -> None:
+        """Wait until every call put so far has run (or was dropped after a failed one); with ``check``, raise the
+        error of one that failed."""
         self.calls.join()
-        self._raise()
+        if check:
+            self._raise()
 
     def _raise(self) -> None:
         if self.error is not None:
