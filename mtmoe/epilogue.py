@@ -140,7 +140,8 @@ def _epilogue_backward_cpu_bfloat16(grad: np.ndarray, h: np.ndarray, out: np.nda
 if triton is not None:
     from mtmoe.random import _keep_multiplier, _rounded, _widened
 
-    @triton.jit(do_not_specialize=["n", "columns", "iv0", "iv1", "threshold"])
+    # the sizes are specialised (an int divisible by 16 or not): 128-bit loads and stores
+    @triton.jit(do_not_specialize=["iv0", "iv1", "threshold"])
     def _epilogue_cuda(y_ptr, bias_ptr, out_ptr, seed_ptr, step_ptr, n, columns, iv0, iv1, threshold, scale,
                        BLOCK: tl.constexpr, DROPOUT: tl.constexpr, FLOAT64: tl.constexpr, BFLOAT16: tl.constexpr):
         """Program ``(block, trial)``: :func:`_epilogue_cpu` on ``BLOCK`` elements of trial ``trial``."""
@@ -157,7 +158,8 @@ if triton is not None:
             v = v * _keep_multiplier(seed_ptr, step_ptr, trial, offsets, iv0, iv1, threshold, scale)
         tl.store(out_ptr + trial * n + offsets, _rounded(v, BFLOAT16).to(out_ptr.dtype.element_ty), mask=inside)
 
-    @triton.jit(do_not_specialize=["numel"])
+    # the sizes are specialised (an int divisible by 16 or not): 128-bit loads and stores
+    @triton.jit
     def _epilogue_backward_cuda(grad_ptr, h_ptr, out_ptr, numel, scale, BLOCK: tl.constexpr, FLOAT64: tl.constexpr,
                                 BFLOAT16: tl.constexpr):
         """Program ``block``: :func:`_epilogue_backward_cpu` on ``BLOCK`` elements."""

@@ -202,7 +202,8 @@ def _mix_backward_sums_cpu_bfloat16(grad: np.ndarray, weights: np.ndarray, h: np
 if triton is not None:
     from mtmoe.random import _rounded, _widened
 
-    @triton.jit(do_not_specialize=["columns", "units", "n", "tasks"])
+    # the sizes are specialised (an int divisible by 16 or not): 128-bit loads and stores
+    @triton.jit(do_not_specialize=["n", "tasks"])
     def _mix_backward_cuda(grad_ptr, weights_ptr, h_ptr, out_ptr, columns, units, n, tasks, scale,
                            BLOCK: tl.constexpr, FLOAT64: tl.constexpr, BFLOAT16: tl.constexpr):
         """Program ``(row, block)``: :func:`_mix_backward_cpu` on ``BLOCK`` columns of row ``row``. The rows are

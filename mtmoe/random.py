@@ -414,7 +414,8 @@ if triton is not None:
             x = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
         return x
 
-    @triton.jit(do_not_specialize=["n", "iv0", "iv1", "threshold"])
+    # the sizes are specialised (an int divisible by 16 or not): 128-bit loads and stores
+    @triton.jit(do_not_specialize=["iv0", "iv1", "threshold"])
     def _dropout_cuda(h_ptr, out_ptr, seed_ptr, step_ptr, n, iv0, iv1, threshold, scale, BLOCK: tl.constexpr,
                       FLOAT64: tl.constexpr, BFLOAT16: tl.constexpr):
         """Program ``(block, trial)``: :func:`_dropout_cpu` on ``BLOCK`` elements of trial ``trial``."""

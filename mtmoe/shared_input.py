@@ -78,7 +78,8 @@ def _sum_cpu_bfloat16(grads, out: np.ndarray, lo: int, hi: int) -> None:
 if triton is not None:
     from mtmoe.random import _widened
 
-    @triton.jit(do_not_specialize=["numel"])
+    # the sizes are specialised (an int divisible by 16 or not): 128-bit loads and stores
+    @triton.jit
     def _sum_cuda(out_ptr, g0, g1, g2, g3, g4, g5, g6, g7, numel, COUNT: tl.constexpr, BLOCK: tl.constexpr,
                   BFLOAT16: tl.constexpr):
         """Program ``block``: the float32 sum of the first ``COUNT`` gradients ``g0, g1, ...`` in order, on

@@ -35,14 +35,17 @@ def bits_of(x: torch.Tensor) -> torch.Tensor:
 
 def cases(dtype: torch.dtype) -> list[tuple[torch.Tensor, ...]]:
     """``(y, bias, seed, step)``: one trial ``[6, 14]``; a pack of three whose trials span two numba chunks and end
-    mid-row (``[3, 91, 45]``); for bfloat16, a bias of 2^-8 times y's first row, whose sums there lie halfway
-    between two bfloat16 values (ties)."""
+    mid-row (``[3, 91, 45]``); a pack of two whose sizes are divisible by 16 (``[2, 40, 48]``: the Triton kernel's
+    128-bit loads); for bfloat16, a bias of 2^-8 times y's first row, whose sums there lie halfway between two
+    bfloat16 values (ties)."""
     generator = torch.Generator().manual_seed(0)
     one = (torch.randn(6, 14, generator=generator).to(dtype), torch.randn(14, generator=generator).to(dtype),
            torch.tensor(99), torch.tensor(4))
     three = (torch.randn(3, 91, 45, generator=generator).to(dtype), torch.randn(3, 45, generator=generator).to(dtype),
              torch.tensor([1, 2**40, 7]), torch.tensor([0, 5, 2**33]))
-    out = [one, three]
+    two = (torch.randn(2, 40, 48, generator=generator).to(dtype), torch.randn(2, 48, generator=generator).to(dtype),
+           torch.tensor([3, 2**35]), torch.tensor([2**32 + 1, 6]))
+    out = [one, three, two]
     if dtype == torch.bfloat16:
         y = torch.randn(2, 64, 32, generator=generator).to(dtype)
         bias = (y[:, 0] * 2**-8).to(dtype)

@@ -76,12 +76,15 @@ def test_numba_stream_equals_the_reference() -> None:
 
 
 def packs(dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """``(h, seed, step)``: one trial, a pack of three with a trial numel that spans two numba chunks and is odd,
-    and, for half precision, one trial of every finite value (p = 1/3 scales by 1.5: many rounding ties)."""
+    """``(h, seed, step)``: one trial, a pack of three with a trial numel that spans two numba chunks and is odd, a
+    pack of two of 4,096 elements each (divisible by 16: the Triton kernel's 128-bit loads), and, for half
+    precision, one trial of every finite value (p = 1/3 scales by 1.5: many rounding ties)."""
     generator = torch.Generator().manual_seed(0)
     one = torch.randn(6, 7, generator=generator).to(dtype)
     three = torch.randn(3, 4099, generator=generator).to(dtype)
-    cases = [(one, tensor(99), tensor(4)), (three, tensor([1, 2**40, 7]), tensor([0, 5, 2**33]))]
+    two = torch.randn(2, 4096, generator=generator).to(dtype)
+    cases = [(one, tensor(99), tensor(4)), (three, tensor([1, 2**40, 7]), tensor([0, 5, 2**33])),
+             (two, tensor([3, 11]), tensor([1, 2]))]
     if dtype.itemsize == 2:
         every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
         cases.append((every[torch.isfinite(every)], tensor(5), tensor(6)))

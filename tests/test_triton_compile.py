@@ -31,6 +31,10 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGETS = [("cuda", 90, 32), ("cuda", 80, 32)]
+#: The element-wise kernels over a layer's activations: where their sizes are divisible by 16 (MovieLens' [P, 512,
+#: 4096]), their contiguous loads compile to 128-bit ones (``ld.global.v4`` or ``.v2`` of 64-bit words), a quarter of
+#: the memory instructions: their sizes are specialised, not ``do_not_specialize``.
+VECTORISED = {"_epilogue_cuda", "_epilogue_backward_cuda", "_mix_backward_cuda", "_dropout_cuda", "_sum_cuda"}
 
 
 def kernel_modules() -> list[str]:
@@ -90,22 +94,26 @@ def record_launches() -> None:
             return _run(*args, grid=grid, warmup=warmup, **kwargs)
 
         kernel.run = recording
+    shapes = ((2, 3, 40), (2, 4, 64))  # sizes specialised by their divisibility by 16: neither, and all
     for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):  # dropout's dtypes (autocast: 16-bit)
-        h = torch.randn(2, 3, 40).to(dtype).requires_grad_()
-        for site in range(4):  # lanes H(2 site), H(2 site + 1) on either side of 2^31
-            streams.dropout(h, torch.tensor(site + 5), site, torch.tensor(3), 0.25).sum().backward()
+        for shape in shapes:
+            h = torch.randn(shape).to(dtype).requires_grad_()
+            for site in range(4):  # lanes H(2 site), H(2 site + 1) on either side of 2^31
+                streams.dropout(h, torch.tensor(site + 5), site, torch.tensor(3), 0.25).sum().backward()
     for dtype in (torch.float32, torch.float64, torch.bfloat16):  # the expert layer's epilogue (autocast: bf16)
-        y, bias = torch.randn(2, 3, 40).to(dtype).requires_grad_(), torch.randn(2, 40).to(dtype)
-        for p in (0.25, 0.0):
-            epilogue.bias_relu_dropout(y, bias, p, torch.tensor([5, 6]), torch.tensor(3), 1).sum().backward()
-            weights = torch.rand(2, 3, 2, 4).to(dtype).requires_grad_()  # the experts' mixing, 4 experts, 2 tasks
-            mixing.mixed_experts(y, bias, weights, p, torch.tensor([5, 6]), torch.tensor(3), 1).sum().backward()
-            if dtype != torch.float64:  # the mixing's sums too (--model.fused_mixing_sums)
-                mixing.mixed_experts(y, bias, weights, p, torch.tensor([5, 6]), torch.tensor(3), 1,
-                                     sums=True).sum().backward()
+        for shape in shapes:
+            y, bias = torch.randn(shape).to(dtype).requires_grad_(), torch.randn(2, shape[-1]).to(dtype)
+            for p in (0.25, 0.0):
+                epilogue.bias_relu_dropout(y, bias, p, torch.tensor([5, 6]), torch.tensor(3), 1).sum().backward()
+                weights = torch.rand(*shape[:2], 2, 4).to(dtype).requires_grad_()  # the mixing: 4 experts, 2 tasks
+                mixing.mixed_experts(y, bias, weights, p, torch.tensor([5, 6]), torch.tensor(3), 1).sum().backward()
+                if dtype != torch.float64:  # the mixing's sums too (--model.fused_mixing_sums)
+                    mixing.mixed_experts(y, bias, weights, p, torch.tensor([5, 6]), torch.tensor(3), 1,
+                                         sums=True).sum().backward()
     for dtype in (torch.float32, torch.bfloat16):  # the bottom's readers' gradients (autocast: bf16)
         for count in range(2, shared_input.MAX_KERNEL_READERS + 1):
-            shared_input.summed([torch.randn(2, 3, 40).to(dtype) for _ in range(count)], torch.float32)
+            for shape in ((2, 3, 41), (2, 3, 40)):
+                shared_input.summed([torch.randn(shape).to(dtype) for _ in range(count)], torch.float32)
     n_experts = sorted({yaml.safe_load(path.read_text())["fixed"]["model.n_experts"]
                         for path in (ROOT / "mtmoe" / "tuning" / "spaces").glob("*.yaml")} | {33})  # 33: BLOCK 64,
     # as the CUDA tests of tests/test_sinkhorn.py launch it
@@ -197,7 +205,7 @@ def test_every_kernel_compiles_for_sm90_and_sm80_in_every_launched_signature() -
             break
         reached |= more
     assert helpers <= reached, helpers - reached
-    compiled = {}
+    compiled, vectorised = {}, set()
     for launch in launches:
         kernel = found[launch["kernel"]]
         for target in (GPUTarget(*t) for t in TARGETS):
@@ -211,9 +219,12 @@ def test_every_kernel_compiles_for_sm90_and_sm80_in_every_launched_signature() -
             assert binary.asm["cubin"][:4] == b"\x7fELF", key
             assert f".target sm_{target.arch}" in binary.asm["ptx"], key
             compiled[key] = signature
+            if re.search(r"\bld\.global\.v[24]\.", binary.asm["ptx"]):
+                vectorised.add(launch["kernel"].rsplit(".", 1)[1])
     per_kernel = {name: sum(k[0] == name for k in compiled) for name in sorted(launched_names())}
     print(f"compiled {len(compiled)} cubins (sm_90 and sm_80) of {len(per_kernel)} kernels: {per_kernel}")
     assert all(per_kernel.values())
+    assert VECTORISED <= vectorised, VECTORISED - vectorised
 
 
 def test_every_launch_grid_is_checked_against_cudas_limits() -> None:
