@@ -456,7 +456,7 @@ class PackWorker:
         """A row of ``pack-epochs.csv`` in the study's log folder, one per pack epoch of every worker: when it ended,
         the worker, the pack's slots, the trials it trained, that ended in it and that it tested, and where its wall
         time went (training and validation; early stopping and the ended trials' release; the free slots refilled:
-        claims and set-ups; the test pass; the tested trials' results told and logged)."""
+        claims and set-ups; the test pass; the tested trials' results handed to the writes' thread)."""
         path = self.log_dir / "pack-epochs.csv"
         row = {"time": round(time.time(), 3), "worker": self.worker,
                **{k: round(v, 4) if isinstance(v, float) else v for k, v in seconds.items()}}
