@@ -541,24 +541,26 @@ def test_a_checkpointed_trial_continues_in_another_slot_and_pack_exactly() -> No
             assert torch.equal(row, whole_engine.adam.slot_state(p)[name]), name
 
 
+def flat(checkpoint) -> dict[str, torch.Tensor]:
+    """Every tensor of a :meth:`PackEngine.checkpoint`'s trials' states, by its path."""
+    out = {}
+
+    def walk(value, prefix: str) -> None:
+        if isinstance(value, torch.Tensor):
+            out[prefix] = value
+        elif isinstance(value, (dict, list, tuple)):
+            for key, item in (value.items() if isinstance(value, dict) else enumerate(value)):
+                walk(item, f"{prefix}/{key}")
+
+    for key, state in checkpoint:
+        walk(state, str(key))
+    return out
+
+
 def test_a_checkpoint_kept_on_the_device_is_the_host_checkpoint_in_buffers_it_reuses() -> None:
     """``checkpoint(on_device=True)`` (what ``tune`` keeps at each epoch end): every tensor of every trial's state
     equal to the host checkpoint's, in buffers the next call overwrites (no new memory an epoch), which then hold
     the later state."""
-    def flat(checkpoint) -> dict[str, torch.Tensor]:
-        out = {}
-
-        def walk(value, prefix: str) -> None:
-            if isinstance(value, torch.Tensor):
-                out[prefix] = value
-            elif isinstance(value, (dict, list, tuple)):
-                for key, item in (value.items() if isinstance(value, dict) else enumerate(value)):
-                    walk(item, f"{prefix}/{key}")
-
-        for key, state in checkpoint:
-            walk(state, str(key))
-        return out
-
     pack = trials("comet", 0.5, 3)
     engine = engine_of(pack)
     data = [batches(p, 2 * STEPS_PER_EPOCH) for p in range(3)]
@@ -574,6 +576,28 @@ def test_a_checkpoint_kept_on_the_device_is_the_host_checkpoint_in_buffers_it_re
             first, first_host = kept, host
     assert all(kept[name].untyped_storage().data_ptr() == first[name].untyped_storage().data_ptr() for name in kept)
     assert any(not torch.equal(first_host[name], host[name]) for name in host)  # overwritten with the later state
+
+
+def test_a_snapshot_made_into_states_an_epoch_later_holds_its_own_epoch_end() -> None:
+    """``tune`` keeps ``snapshot(on_device=True)`` at each epoch end and makes the trials' states of it only when it
+    writes a checkpoint (a stop, ``--checkpoint-every``), which may come an epoch later: those states are the host
+    checkpoint of the snapshot's epoch end, tensors and progress, not of the epoch trained since."""
+    pack = trials("comet", 0.5, 3)
+    engine = engine_of(pack)
+    data = [batches(p, 2 * STEPS_PER_EPOCH) for p in range(3)]
+    for epoch in range(2):
+        engine.start_epoch()
+        for i in range(epoch * STEPS_PER_EPOCH, (epoch + 1) * STEPS_PER_EPOCH):
+            step(engine, data, i)
+        engine.end_epoch([{"loss": 1.0 - epoch / 10 - p / 100} for p in range(3)])
+        if epoch == 0:
+            states, host = engine.snapshot(on_device=True), engine.checkpoint()
+    later = states()
+    assert [(key, state["progress"]) for key, state in later] == [(key, state["progress"]) for key, state in host]
+    kept, expected, now = flat(later), flat(host), flat(engine.checkpoint())
+    assert kept.keys() == expected.keys() and len(kept) > 30
+    assert all(torch.equal(kept[name], expected[name]) for name in expected)
+    assert any(not torch.equal(kept[name], now[name]) for name in now)  # trained on since
 
 
 class AccumulatingEngine(PackEngine):

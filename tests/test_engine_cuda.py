@@ -185,7 +185,7 @@ def test_a_checkpoint_kept_on_the_device_is_the_host_checkpoint_and_is_written_t
     assert on_device.keys() == on_host.keys() and all(t.is_cuda for t in on_device.values())
     assert all(torch.equal(on_device[k].cpu(), on_host[k]) for k in on_host)
     checkpoints = PackCheckpoints(tmp_path, {"identity": 1})
-    checkpoints.keep([(slot, "structure", "hash", state) for slot, (_, state) in enumerate(device)])
+    checkpoints.keep(lambda: [(slot, "structure", "hash", state) for slot, (_, state) in enumerate(device)])
     checkpoints.write()
     written = torch.load(checkpoints.path, weights_only=True)["trials"]
     saved = {k: v for slot, entry in written.items() for k, v in tensors(entry["state"], {}, str(slot)).items()}

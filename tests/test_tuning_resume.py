@@ -220,9 +220,9 @@ def test_a_checkpoint_is_resumed_only_by_the_same_settings_and_configuration(tmp
     other settings, another configuration (structure or hash) or a torn file are ignored with one warning each."""
     writer, older = PackCheckpoints(tmp_path, IDENTITY), PackCheckpoints(tmp_path, IDENTITY)
     older.path = tmp_path / "older.pt"  # another worker's file, one epoch behind for config 3
-    writer.keep([(3, "structure", "hash3", state(2)), (5, "structure", "hash5", state(1))])
+    writer.keep(lambda: [(3, "structure", "hash3", state(2)), (5, "structure", "hash5", state(1))])
     assert writer.write() == [3, 5] and writer.path.exists()
-    older.keep([(3, "structure", "hash3", state(1))])
+    older.keep(lambda: [(3, "structure", "hash3", state(1))])
     older.write()
 
     other = PackCheckpoints(tmp_path, {**IDENTITY, "settings": {"trainer.max_epochs": 3}})
@@ -263,7 +263,7 @@ def test_no_checkpoints_is_refused_while_an_earlier_tunes_checkpoints_are_kept(r
     folder = checkpoint_folder(url, NAME, tmp / "runs" / NAME)
     folder.mkdir(parents=True)
     written = PackCheckpoints(folder, IDENTITY)
-    written.keep([(0, "structure", "hash0", state(1))])
+    written.keep(lambda: [(0, "structure", "hash0", state(1))])
     written.write()
     args = tune_args(url, root, tmp / "runs", "--no-checkpoints", *SHORT[1:], "--trainer.max_epochs=1", trials=1,
                      name=NAME)

@@ -30,6 +30,7 @@ import copy
 import math
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -452,6 +453,12 @@ class PackEngine:
         early stopping's best, best epoch and wait, metric history; its step count). The pack's tensors are copied
         once each, then viewed per trial; :meth:`load` continues a trial from its state (``Trial.saved``) in any
         slot, and its data order follows from its epoch (:func:`mtmoe.data.base.shuffled_order`)."""
+        return self.snapshot(on_device)()
+
+    def snapshot(self, on_device: bool = False) -> Callable[[], list[tuple[Any, dict[str, Any]]]]:
+        """:meth:`checkpoint` in two halves: the copies and each trial's progress now, the trials' states (views of
+        the copies, some hundred a trial) when the returned function is called, which ``tune`` does only for the
+        checkpoints it writes, before the next ``on_device`` call overwrites the copies."""
         def copied(group: str, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
             if not on_device:
                 return {name: tensor.to("cpu", copy=True) for name, tensor in tensors.items()}
@@ -467,18 +474,22 @@ class PackEngine:
                                            "recorded": self.eval_metrics.recorded})
         previous, recorded = selections["previous"], selections["recorded"]
         best = None if self.best is None else copied("best", self.best)
-        out = []
+        progresses = []
         for slot, trial in self.running:
             if trial.epochs_run == 0:
                 continue
             progress = {name: getattr(trial, name) for name in (*self.TRIAL_PROGRESS, "steps")}
             progress["history"] = list(trial.history)  # records are appended, never changed
-            out.append((trial.key, {"slot": slot, "tensors": {name: t[slot] for name, t in tensors.items()},
-                                    "adam": self.adam.slot_state(slot, adam), "progress": progress,
-                                    "selections": (previous[slot], recorded[slot]),
-                                    "best": None if best is None or trial.best_epoch < 0 else
-                                    {name: t[slot] for name, t in best.items()}}))
-        return out
+            progresses.append((slot, trial.key, progress, None if best is None or trial.best_epoch < 0 else best))
+
+        def states() -> list[tuple[Any, dict[str, Any]]]:
+            return [(key, {"slot": slot, "tensors": {name: t[slot] for name, t in tensors.items()},
+                           "adam": self.adam.slot_state(slot, adam), "progress": progress,
+                           "selections": (previous[slot], recorded[slot]),
+                           "best": None if kept_best is None else {name: t[slot] for name, t in kept_best.items()}})
+                    for slot, key, progress, kept_best in progresses]
+
+        return states
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.best = None if state["best"] is None else {name: t.to(self.device) for name, t in state["best"].items()}

@@ -25,6 +25,7 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -84,7 +85,8 @@ class PackCheckpoints:
     def __init__(self, folder: Path, identity: dict[str, Any], every: float | None = None) -> None:
         self.folder, self.identity, self.every = folder, identity, every
         self.path = folder / f"{socket.gethostname()}-{os.getpid()}.pt"
-        self.latest: dict[int, dict[str, Any]] = {}  # config_id -> its entry, at the pack's last epoch end
+        # the pack's last epoch end: (config_id, structure, hash, state) per trial, when called
+        self.latest: Callable[[], list[tuple[int, str, str, dict[str, Any]]]] = list
         self.written = time.monotonic()
         self.read: list[Path] = []
         self.saved = self._load()
@@ -121,11 +123,11 @@ class PackCheckpoints:
             return None
         return entry["state"]
 
-    def keep(self, trials: list[tuple[int, str, str, dict[str, Any]]]) -> bool:
-        """The pack's state at an epoch's end (config_id, structure, hash, state per trial), kept to be written;
-        written now if ``--checkpoint-every`` is due. Whether it was written."""
-        self.latest = {config_id: {"structure": structure, "config_hash": config_hash, "state": state}
-                       for config_id, structure, config_hash, state in trials}
+    def keep(self, trials: Callable[[], list[tuple[int, str, str, dict[str, Any]]]]) -> bool:
+        """The pack's state at an epoch's end, kept to be written: ``trials()`` gives (config_id, structure, hash,
+        state) per trial (:meth:`mtmoe.pack.engine.PackEngine.snapshot`: called only for a write); written now if
+        ``--checkpoint-every`` is due. Whether it was written."""
+        self.latest = trials
         if self.every is not None and time.monotonic() - self.written >= self.every:
             self.write()
             return True
@@ -134,7 +136,9 @@ class PackCheckpoints:
     def write(self) -> list[int]:
         """Write the latest epoch end's states and the saved ones not resumed yet to this worker's file; the files
         read are then removed. The config_ids written."""
-        trials = {**self.saved, **self.latest}
+        latest = {config_id: {"structure": structure, "config_hash": config_hash, "state": state}
+                  for config_id, structure, config_hash, state in self.latest()}
+        trials = {**self.saved, **latest}
         if not trials:
             self.path.unlink(missing_ok=True)
         else:

@@ -441,8 +441,9 @@ class PackWorker:
                                 "alone", warning=True)
         self.still_running = None
         if self.checkpoints is not None:
-            self.checkpoints.keep([(key[2], self.keys[key[2]], key[0].user_attrs["config_hash"], state)
-                                   for key, state in module.engine.checkpoint(on_device=True)])
+            states = module.engine.snapshot(on_device=True)  # the trials' states made only if written
+            self.checkpoints.keep(lambda: [(key[2], self.keys[key[2]], key[0].user_attrs["config_hash"], state)
+                                           for key, state in states()])
         self.progress(module)
         self._flush()
 
