@@ -177,7 +177,7 @@ class PackEngine:
                                     for prefix, module in self.template.named_modules()
                                     for name in getattr(module, "autocast_parameters", ()))
         self._copies: dict[str, Tensor] = {}
-        self._snapshot: dict[str, dict[str, Tensor]] = {}  # checkpoint(on_device=True)'s buffers
+        self._snapshot: dict[str, dict[str, Tensor]] = {}  # snapshot(on_device=True)'s buffers
         self._forward = vmap(self._trial_losses, in_dims=(0, 0, 0, None), randomness="error")
 
     def _metrics(self, capacity: int, task_weights: Tensor) -> PackMetrics:

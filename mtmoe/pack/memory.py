@@ -14,7 +14,7 @@ def memory_per_trial(net: MMoE, datamodule, device: torch.device, precision: str
     """Bytes per trial on a GPU: the difference of the peaks of a training step and an evaluation batch in packs
     of three and of one throwaway copy of ``net`` (each measured after a first pack of one has made the one-time
     allocations: cuBLAS's workspace, compiled kernels), halved, plus its best-weights snapshot and, with
-    ``checkpoints``, the state ``tune`` keeps on the device at each epoch end (``PackEngine.checkpoint(on_device=
+    ``checkpoints``, the state ``tune`` keeps on the device at each epoch end (``PackEngine.snapshot(on_device=
     True)``: its parameters and buffers, best weights and Adam's two moments)."""
     split = datamodule.splits["train"]
     size = datamodule.batch_size
