@@ -557,23 +557,33 @@ def flat(checkpoint) -> dict[str, torch.Tensor]:
     return out
 
 
-def test_a_checkpoint_kept_on_the_device_is_the_host_checkpoint_in_buffers_it_reuses() -> None:
-    """``checkpoint(on_device=True)`` (what ``tune`` keeps at each epoch end): every tensor of every trial's state
-    equal to the host checkpoint's, in buffers the next call overwrites (no new memory an epoch), which then hold
-    the later state."""
-    pack = trials("comet", 0.5, 3)
-    engine = engine_of(pack)
+def two_epochs(at_end) -> PackEngine:
+    """A comet pack of three trained two epochs (dropout on), ``at_end(engine, epoch)`` at each epoch's end."""
+    engine = engine_of(trials("comet", 0.5, 3))
     data = [batches(p, 2 * STEPS_PER_EPOCH) for p in range(3)]
     for epoch in range(2):
         engine.start_epoch()
         for i in range(epoch * STEPS_PER_EPOCH, (epoch + 1) * STEPS_PER_EPOCH):
             step(engine, data, i)
         engine.end_epoch([{"loss": 1.0 - epoch / 10 - p / 100} for p in range(3)])
+        at_end(engine, epoch)
+    return engine
+
+
+def test_a_checkpoint_kept_on_the_device_is_the_host_checkpoint_in_buffers_it_reuses() -> None:
+    """``checkpoint(on_device=True)`` (what ``tune`` keeps at each epoch end): every tensor of every trial's state
+    equal to the host checkpoint's, in buffers the next call overwrites (no new memory an epoch), which then hold
+    the later state."""
+    checkpoints = []
+
+    def compared(engine: PackEngine, epoch: int) -> None:
         kept, host = flat(engine.checkpoint(on_device=True)), flat(engine.checkpoint())
         assert kept.keys() == host.keys() and len(kept) > 30
         assert all(torch.equal(kept[name], host[name]) for name in host)
-        if epoch == 0:
-            first, first_host = kept, host
+        checkpoints.append((kept, host))
+
+    two_epochs(compared)
+    (first, first_host), (kept, host) = checkpoints
     assert all(kept[name].untyped_storage().data_ptr() == first[name].untyped_storage().data_ptr() for name in kept)
     assert any(not torch.equal(first_host[name], host[name]) for name in host)  # overwritten with the later state
 
@@ -582,17 +592,14 @@ def test_a_snapshot_made_into_states_an_epoch_later_holds_its_own_epoch_end() ->
     """``tune`` keeps ``snapshot(on_device=True)`` at each epoch end and makes the trials' states of it only when it
     writes a checkpoint (a stop, ``--checkpoint-every``), which may come an epoch later: those states are the host
     checkpoint of the snapshot's epoch end, tensors and progress, not of the epoch trained since."""
-    pack = trials("comet", 0.5, 3)
-    engine = engine_of(pack)
-    data = [batches(p, 2 * STEPS_PER_EPOCH) for p in range(3)]
-    for epoch in range(2):
-        engine.start_epoch()
-        for i in range(epoch * STEPS_PER_EPOCH, (epoch + 1) * STEPS_PER_EPOCH):
-            step(engine, data, i)
-        engine.end_epoch([{"loss": 1.0 - epoch / 10 - p / 100} for p in range(3)])
+    first = {}
+
+    def snapshot_first(engine: PackEngine, epoch: int) -> None:
         if epoch == 0:
-            states, host = engine.snapshot(on_device=True), engine.checkpoint()
-    later = states()
+            first.update(states=engine.snapshot(on_device=True), host=engine.checkpoint())
+
+    engine = two_epochs(snapshot_first)
+    later, host = first["states"](), first["host"]
     assert [(key, state["progress"]) for key, state in later] == [(key, state["progress"]) for key, state in host]
     kept, expected, now = flat(later), flat(host), flat(engine.checkpoint())
     assert kept.keys() == expected.keys() and len(kept) > 30
