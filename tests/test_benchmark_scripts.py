@@ -53,7 +53,8 @@ CASES = [
          ["bootstrap.md", "bootstrap.json"]),
     case("bench_checkpoints", ["--packs", "2"],
          [r"movielens-100k comet: [\d,]+ parameters per trial",
-          r"P=2: epoch-end snapshot \d+\.\d\d s CPU \(\d+\.\d\d s wall; a fresh host copy \d+\.\d\d s CPU, "
+          r"P=2: epoch-end snapshot \d+\.\d{3} s CPU \(\d+\.\d{3} s wall; the trials' states made of it "
+          r"\d+\.\d{3} s wall; a fresh host copy \d+\.\d\d s CPU, "
           r"\d+\.\d\d s wall\); file [1-9]\d* MiB \(\d+\.\d MiB a trial\) "
           r"written in \d+\.\d\d s CPU \(\d+\.\d\d s wall\)"]),
     case("bench_cli_typo", ["--runs", "1"],
