@@ -211,6 +211,7 @@ class PackWorker:
                 self._train(run, key, next_trial, alone)
             self._flush()
             self.writes.join()  # every result told before the study's counts are read
+            self._warn_dropped()
             self.progress.finish()
             if self.checkpoints is not None:
                 self.checkpoints.clear()
@@ -392,7 +393,7 @@ class PackWorker:
         return lost
 
     def _drop(self, trials: list[optuna.Trial]) -> None:
-        """Forget ``trials`` (failed by another worker): no result, no log written; :meth:`_epoch` warns."""
+        """Forget ``trials`` (failed by another worker): no result, no log written; :meth:`_warn_dropped` warns."""
         for trial in trials:
             self._forget(trial)
         with self.dropped_lock:
@@ -431,14 +432,7 @@ class PackWorker:
                 module.engine.drop(slot)
             elif trial.history:
                 self._report(trial.key[0], trial.history[-1])
-        with self.dropped_lock:
-            dropped, self.dropped = self.dropped, []
-        if dropped:  # one line for the epoch's (a frozen worker wakes up to all its trials taken over at once)
-            names = ", ".join(f"{t.number} (config_id {t.user_attrs.get('config_id')})" for t in dropped)
-            self.progress.write(f"warning: [{self.study.study_name}] trial(s) {names} were failed by another worker "
-                                f"while this one ({self.worker}) was silent past the {heartbeat_settings()[1]} s "
-                                "grace period (frozen or paused?) and run again there: dropped here, their logs left "
-                                "alone", warning=True)
+        self._warn_dropped()
         self.still_running = None
         if self.checkpoints is not None:
             states = module.engine.snapshot(on_device=True)  # the trials' states made only if written
@@ -446,6 +440,18 @@ class PackWorker:
                                            for key, state in states()])
         self.progress(module)
         self._flush()
+
+    def _warn_dropped(self) -> None:
+        """One line for the trials dropped since the last (a frozen worker wakes up to all its trials taken over at
+        once): at each epoch's end, and once the writes' thread is done (it drops a trial whose tell comes late)."""
+        with self.dropped_lock:
+            dropped, self.dropped = self.dropped, []
+        if dropped:
+            names = ", ".join(f"{t.number} (config_id {t.user_attrs.get('config_id')})" for t in dropped)
+            self.progress.write(f"warning: [{self.study.study_name}] trial(s) {names} were failed by another worker "
+                                f"while this one ({self.worker}) was silent past the {heartbeat_settings()[1]} s "
+                                "grace period (frozen or paused?) and run again there: dropped here, their logs left "
+                                "alone", warning=True)
 
     def _flush(self) -> None:
         """The held writes to the writes' thread, in order."""

@@ -532,9 +532,9 @@ class Periodic:
 class OrderedWrites:
     """Runs the calls given to :meth:`put` one after another, in order, in a daemon thread: storage writes a pack
     makes by the hundred an epoch (its trials' intermediate values, results and tells), which training need not wait
-    for. A call that
-    raises stops the thread's work: the calls queued after it are dropped, and :meth:`put` and :meth:`join` raise that
-    error in the caller's thread from then on (without it, :meth:`join` would wait forever for calls no thread runs)."""
+    for. A call that raises stops the thread's work: the calls queued after it are dropped, and :meth:`put` and
+    :meth:`join` raise that error in the caller's thread from then on (without it, :meth:`join` would wait forever
+    for calls no thread runs)."""
 
     def __init__(self) -> None:
         self.calls: queue.Queue = queue.Queue()
