@@ -94,6 +94,8 @@ CUDA_TESTS = ["tests/test_engine_cuda.py",
 # dry run: skipped, no CUDA, the kernels kept). Empty it once a lease's tests step passes them.
 PREFLIGHT = {"tests/test_epilogue.py::test_cuda_equals_cpu[dtype0]": "epilogue",
              "tests/test_mixing.py::test_cuda_equals_cpu[dtype0]": "mixing",
+             "tests/test_random.py::test_cuda_equals_cpu[dtype0]": "dropout",
+             "tests/test_shared_input.py::test_cuda_equals_cpu[dtype0]": "shared_input",
              **{f"tests/test_eval_graphs.py::test_cuda_evaluation_graphs_compute_the_eager_passes_without_synchronising"
                 f"[{gate}]": "eval_graphs" for gate in STUDY_GATES}}
 STEPS = ("tests", "bench", "preflight", "study", "report", "bootstrap")  # --steps chooses; install always runs
