@@ -16,7 +16,8 @@ each step as a subprocess with its own budget (the study: what is left of 9 minu
 theirs): a step that fails or overruns is logged and the next one runs; ``--steps`` runs some of them. The
 study's storage is a journal file in ``.gpu/study/``: the study stops cleanly before its budget ends (SIGTERM:
 running trials are marked interrupted and their state saved), its journal comes back in DIR, and carried to the
-next lease it resumes. The saved states (:data:`DEVICE_CHECKPOINTS`, about 24 MiB a trial: they cannot travel) stay
+next lease it resumes; the next call of the same lease resumes it from the copy the machine keeps
+(:data:`DEVICE_JOURNAL`), with no copy back between the calls. The saved states (:data:`DEVICE_CHECKPOINTS`, about 24 MiB a trial: they cannot travel) stay
 on the device, outside the carried ``.gpu/``: the next call of the same lease, on the same warm machine, continues
 the interrupted trials from their last epoch; a fresh machine reruns them from their first. DIR
 receives ``summary.json``, ``summary.md`` (the short table, also printed last), ``logs.tar.gz`` (every step's full
@@ -57,6 +58,9 @@ DEVICE_CHECKPOINTS = ROOT / ".gpu-device" / "checkpoints"
 # The preflight's verdict on this machine (the names its tests did not pass), kept there as the checkpoints are: a
 # call whose --steps lack the preflight trains the study as the preflight of an earlier call decided
 PREFLIGHT_VERDICT = ROOT / ".gpu-device" / "preflight.json"
+# The study's journal as the last call on this machine left it, kept there as the checkpoints are: carry replaces
+# .gpu/ with this machine's copy, older by that call's trials, and the next call resumes from the newer of the two
+DEVICE_JOURNAL = ROOT / ".gpu-device" / "study.journal"
 DATASET, GATE, SOURCE = "movielens-100k", "comet", "ml-100k"  # GATE: the bench's
 # The lease's studies, trained in this order, each to its 500 trials: COMET's, then Top-k's, the pair whose
 # tuning-trial reduction factor is the paper's Figures 2-3. One journal holds them; report and bootstrap read both.
@@ -200,6 +204,21 @@ def newest_kept_journal(results: Path) -> Path | None:
     return saved[-1] if saved else None
 
 
+def adopt_newer_state(journal: Path, state: bytes) -> bool | None:
+    """Write ``state``, a state of the study's journal kept elsewhere, over ``journal`` where that holds no journal
+    or an older state of it (a journal only grows: an older state is a prefix of a newer one). True where written,
+    False where ``journal`` holds ``state`` or a newer state already, ``None`` where neither holds the other (two
+    studies): ``journal`` is left as it is."""
+    here = journal.read_bytes() if journal.exists() else b""
+    if here.startswith(state):
+        return False
+    if not state.startswith(here):
+        return None
+    journal.parent.mkdir(parents=True, exist_ok=True)
+    journal.write_bytes(state)
+    return True
+
+
 def restore_study(study_dir: Path, results: Path) -> Path | None:
     """The study's storage as the last lease left it: the newest committed ``results/gpu-<date>[-...]/
     study.journal.gz`` unpacked into ``study_dir`` where that holds no journal or an older state of it (a journal only
@@ -210,16 +229,11 @@ def restore_study(study_dir: Path, results: Path) -> Path | None:
     if saved is None:
         return None
     with gzip.open(saved) as source:
-        kept = source.read()
-    here = journal.read_bytes() if journal.exists() else b""
-    if here.startswith(kept):
-        return None
-    if not kept.startswith(here):
+        adopted = adopt_newer_state(journal, source.read())
+    if adopted is None:
         fail(f"{journal} is not a state of the study in {saved} (neither holds the other): move it away, and "
              "gather again to resume from the committed one")
-    study_dir.mkdir(parents=True, exist_ok=True)
-    journal.write_bytes(kept)
-    return saved
+    return saved if adopted else None
 
 
 def gather() -> None:
@@ -458,12 +472,14 @@ def read_verdict(path: Path | None, commit: str) -> list[str] | None:
 
 def run(out: Path, sizes: Sizes, study_dir: Path, dry_run: bool = False, chosen: tuple[str, ...] = STEPS,
         precisions: tuple[str, ...] = tuple(PRECISIONS), checkpoint_dir: Path | None = None,
-        verdict_file: Path | None = None) -> dict:
+        verdict_file: Path | None = None, device_journal: Path | None = None) -> dict:
     """The ``chosen`` steps, their logs and the summary in ``out`` (see the module's docstring); the study's
     checkpoints in ``checkpoint_dir`` (``tune --checkpoint-dir``; default: beside its journal); the preflight's
     verdict in ``verdict_file``, for a later call's study (the study never trains kernels this machine has not
     checked: without the preflight in ``chosen`` it takes the verdict there, and without one it runs the preflight
-    first); returns the summary."""
+    first); the study's journal kept in ``device_journal`` after the study, and read from there where it is newer
+    than ``study_dir``'s (:func:`adopt_newer_state`: a lease's second call resumes where its first stopped, whatever
+    journal it carried); returns the summary."""
     start = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="gpu-check-"))
@@ -539,6 +555,13 @@ def run(out: Path, sizes: Sizes, study_dir: Path, dry_run: bool = False, chosen:
     study_dir.mkdir(parents=True, exist_ok=True)
     journal = study_journal(study_dir)
     storage = f"journal:{journal}"
+    journal_from = "carried" if journal.exists() else "none"
+    if device_journal is not None and device_journal.exists():  # an earlier call of this lease, on this machine
+        adopted = adopt_newer_state(journal, device_journal.read_bytes())
+        journal_from = "device" if adopted else journal_from
+        if adopted is None:
+            print(f"note: {device_journal} is another study's journal than {journal}: the run resumes the carried one",
+                  flush=True)
     states = study_states(journal, env)
     gate = next_study(states, sizes.trials) if "error" not in states else STUDY_GATES[0]
     name = study_name(gate or STUDY_GATES[-1])  # the study trained, or (all complete) the last
@@ -562,11 +585,15 @@ def run(out: Path, sizes: Sizes, study_dir: Path, dry_run: bool = False, chosen:
                     study_budget, sizes.stop,
                     stop_early=sizes.stop)
     env.pop(ENVIRONMENT, None)
+    if device_journal is not None and journal.exists():  # for the lease's next call: written whole, then renamed
+        device_journal.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(journal, device_journal.with_suffix(".partial"))
+        os.replace(device_journal.with_suffix(".partial"), device_journal)
     states = study_states(journal, env)
     after = states.get(name, states if "error" in states else NO_STUDY)
     trained = (after.get("trial_epochs") or 0) - (before.get("trial_epochs") or 0)  # interrupted trials' included
     summary["studies"] = states
-    summary["study"] = {"name": name, "journal": str(journal), "target": sizes.trials,
+    summary["study"] = {"name": name, "journal": str(journal), "journal_from": journal_from, "target": sizes.trials,
                         "before": before, **after,
                         "wall_s": tune.seconds,
                         "status": tune.status, "timeout_s": timeout, "plain_kernels": plain,
@@ -664,6 +691,9 @@ def short_table(summary: dict) -> str:
         lines += ["the journal's other studies: " + "; ".join(
             f"{name} {state.get('configurations_evaluated')} of {study.get('target')} configurations evaluated"
             for name, state in others.items())]
+    if study.get("journal_from") == "device":
+        lines += ["the study resumed from the journal this machine kept (the lease's earlier call), newer than the "
+                  "carried one"]
     if study.get("plain_kernels"):
         lines += [f"the preflight did not pass the kernels {', '.join(study['plain_kernels'])}: the study trained "
                   "them as torch operations, captures eagerly (MTMOE_PLAIN_KERNELS)"]
@@ -736,7 +766,7 @@ def main() -> None:
             fail("run needs --out DIR (on the device: --out $OUT)")
         sizes = replace(GPU, total=args.total or GPU.total, drain=GPU.drain if args.drain is None else args.drain)
         run(args.out, sizes, STUDY_DIR, chosen=chosen, precisions=precisions, checkpoint_dir=DEVICE_CHECKPOINTS,
-            verdict_file=PREFLIGHT_VERDICT)
+            verdict_file=PREFLIGHT_VERDICT, device_journal=DEVICE_JOURNAL)
     else:
         fail("give a command: gather, run --out DIR, or --dry-run")
 

@@ -168,6 +168,7 @@ def test_gather_restores_the_newest_committed_study_over_an_older_state_of_it(tm
     journal.write_bytes(newest + b"four\n")  # a lease's own, returned, not yet kept
     assert gpu_check.restore_study(study, results) is None and journal.read_bytes() == newest + b"four\n"
     journal.write_bytes(b"another study\n")
+    assert gpu_check.adopt_newer_state(journal, newest) is None and journal.read_bytes() == b"another study\n"
     with pytest.raises(SystemExit) as refused:
         gpu_check.restore_study(study, results)
     assert refused.value.code == 2 and journal.read_bytes() == b"another study\n"
@@ -197,7 +198,8 @@ def test_a_kernel_the_preflight_does_not_pass_is_trained_as_torch_operations(tmp
     Then the lease's studies in turn (:data:`gpu_check.STUDY_GATES`): with comet's complete the next run trains
     Top-k's into the same journal, and with both complete the study step has nothing to train. A run without the
     preflight in its steps trains as the verdict an earlier run left on the machine decided, and without a verdict it
-    runs the preflight first."""
+    runs the preflight first. A lease's second run resumes from the journal the machine kept after its first, which
+    is newer than the one the second run carries (here: none)."""
     from mtmoe.plain_kernels import NAMES
 
     assert set(gpu_check.PREFLIGHT.values()) <= set(NAMES)
@@ -205,9 +207,9 @@ def test_a_kernel_the_preflight_does_not_pass_is_trained_as_torch_operations(tmp
                                                  "tests/test_plain_kernels.py::test_a_value_names_kernels_or_all_and_"
                                                  "an_unknown_name_is_refused": "reach"})
     sizes = dataclasses.replace(gpu_check.DRY, tune_args=(*gpu_check.DRY.tune_args, "--trainer.accelerator=cpu"))
-    verdict = tmp_path / "device" / "preflight.json"
+    verdict, device_journal = tmp_path / "device" / "preflight.json", tmp_path / "device" / "study.journal"
     summary = gpu_check.run(tmp_path / "out", sizes, tmp_path / "study", chosen=("preflight", "study"),
-                            verdict_file=verdict)
+                            verdict_file=verdict, device_journal=device_journal)
     steps = summary["steps"]
     assert steps["preflight"]["status"] == "ok" and summary["preflight"]["skipped"] == 1, summary["preflight"]
     assert steps["study"]["status"] == "ok" and summary["study"]["plain_kernels"] == ["epilogue"], steps
@@ -223,8 +225,12 @@ def test_a_kernel_the_preflight_does_not_pass_is_trained_as_torch_operations(tmp
 
     assert gpu_check.STUDY_GATES == ("comet", "topk")
     assert json.loads(verdict.read_text()) == {"commit": summary["commit"], "plain": ["epilogue"]}
-    summary = gpu_check.run(tmp_path / "out2", sizes, tmp_path / "study", chosen=("study", "report"),
-                            verdict_file=verdict)
+    assert device_journal.read_bytes() == gpu_check.study_journal(tmp_path / "study").read_bytes()
+    carried = tmp_path / "carried"  # the second call's .gpu/study: as the lease began, no journal
+    summary = gpu_check.run(tmp_path / "out2", sizes, carried, chosen=("study", "report"),
+                            verdict_file=verdict, device_journal=device_journal)
+    assert summary["study"]["journal_from"] == "device"
+    assert "the study resumed from the journal this machine kept" in (tmp_path / "out2" / "summary.md").read_text()
     assert summary["study"]["name"] == "movielens-100k/topk" and summary["trials_complete"] == gpu_check.DRY.trials
     assert summary["steps"]["preflight"]["status"] == "skipped (not in --steps)"
     assert summary["study"]["plain_kernels"] == ["epilogue"] and summary["steps"]["report"]["status"] == "ok"
@@ -233,7 +239,7 @@ def test_a_kernel_the_preflight_does_not_pass_is_trained_as_torch_operations(tmp
     report = (tmp_path / "out2" / "report.md").read_text()  # both studies, one journal
     assert "| movielens-100k/topk | topk |" in report and "| movielens-100k/comet | comet |" in report
     another = tmp_path / "another-device" / "preflight.json"  # no verdict there: the preflight runs first
-    summary = gpu_check.run(tmp_path / "out3", sizes, tmp_path / "study", chosen=("study",), verdict_file=another)
+    summary = gpu_check.run(tmp_path / "out3", sizes, carried, chosen=("study",), verdict_file=another)
     assert summary["steps"]["preflight"]["status"] == "ok" and json.loads(another.read_text())["plain"] == ["epilogue"]
     assert summary["steps"]["study"]["status"] == "skipped (the studies of comet, topk are complete)"
 
