@@ -17,14 +17,14 @@ theirs): a step that fails or overruns is logged and the next one runs; ``--step
 study's storage is a journal file in ``.gpu/study/``: the study stops cleanly before its budget ends (SIGTERM:
 running trials are marked interrupted and their state saved), its journal comes back in DIR, and carried to the
 next lease it resumes; the next call of the same lease resumes it from the copy the machine keeps
-(:data:`DEVICE_JOURNAL`), with no copy back between the calls. The saved states (:data:`DEVICE_CHECKPOINTS`, about 24 MiB a trial: they cannot travel) stay
-on the device, outside the carried ``.gpu/``: the next call of the same lease, on the same warm machine, continues
-the interrupted trials from their last epoch; a fresh machine reruns them from their first. DIR
-receives ``summary.json``, ``summary.md`` (the short table, also printed last), ``logs.tar.gz`` (every step's full
-log), ``study.journal.gz`` (the journal gzipped: a file comes back only under 16 MiB), ``checkpoints.tar.gz`` (if
-the study left any and the archive is within
-:data:`RETURN_LIMIT`), ``report.md`` and ``results.tar.gz`` (the report's and the bootstrap's folders): at most 8
-files, as the device tool returns.
+(:data:`DEVICE_JOURNAL`), with no copy back between the calls. The saved states (:data:`DEVICE_CHECKPOINTS`, about
+24 MiB a trial: they cannot travel) stay on the device, outside the carried ``.gpu/``: the next call of the same
+lease, on the same warm machine, continues the interrupted trials from their last epoch; a fresh machine reruns them
+from their first. DIR receives ``summary.json``, ``summary.md`` (the short table, also printed last),
+``logs.tar.gz`` (every step's full log), ``study.journal.gz`` (the journal gzipped: a file comes back only under
+16 MiB), ``checkpoints.tar.gz`` (if the study left any and the archive is within :data:`RETURN_LIMIT`),
+``report.md`` and ``results.tar.gz`` (the report's and the bootstrap's folders): at most 8 files, as the device
+tool returns.
 
 ``--dry-run`` runs :func:`run` itself with :data:`DRY` sizes (2 trials of 1 epoch of 1 batch of 8 rows, 4 experts
 of 8 units, embeddings of 4, packs of 2, one profiled step, bands at 50%, Triton's interpreter) on the CPU, the

@@ -57,7 +57,7 @@ class DenseExperts(nn.Module):
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
         self.in_features, self.n_experts, self.units, self.dropout = in_features, n_experts, units, dropout
-        self.fused_sums = fused_sums  # the mixing's backward sums in its kernel (mixed_experts' sums: not bitwise)
+        self.fused_sums = fused_sums  # the mixing's sums in its kernels (mixed_experts' sums: not bitwise)
         self.out_features = units
         self.linear = nn.Linear(in_features, n_experts * units)
 
@@ -72,8 +72,9 @@ class DenseExperts(nn.Module):
     def mixed(self, y: Tensor, weights: Tensor, stream: Stream | None = None) -> Tensor:
         """The experts' outputs from the matmul's output ``y`` (:meth:`matmul`) weighted by the gates,
         ``bmm(weights, self(x, stream))`` for ``weights`` ``[B, T, n]``: ``[B, T, units]``, the same values, with a
-        backward that writes the gradient of ``y`` in one pass (:func:`mtmoe.mixing.mixed_experts`), and with
-        ``fused_sums`` the bias's and the weights' gradients in it too (to float rounding)."""
+        backward that writes the gradient of ``y`` in one pass (:func:`mtmoe.mixing.mixed_experts`); with
+        ``fused_sums`` the experts' outputs are never written, and the mixture and the bias's and the weights'
+        gradients come in the kernels' own summation order (to float rounding)."""
         return mixed_experts(y, autocast_bias(self.linear.bias), weights, *self._dropout(stream),
                              sums=self.fused_sums)
 

@@ -241,11 +241,12 @@ class NetSettings:
     perm_eval_rounded: bool = setting(True, "evaluate with the rounded permutation inside the window (official); "
                                             "False: soft.")
     fused_mixing_sums: bool = setting(
-        False, "the dense experts' mixing backward also sums the expert bias's gradient over the batch and the "
-        "gates' weights' gradient over the units in its one kernel (numba/Triton), in its own order: the same "
-        "values to float rounding, not bitwise torch's ``sum`` and ``bmm``; fewer bytes moved a step. Off by "
-        "default; recommenders only; part of a study's identity. A gate that reads the experts' outputs "
-        "(CompeteSMoE) does not mix through this kernel.")
+        False, "the dense experts' outputs are never written: the gates' weighted sum is taken as each row's "
+        "outputs are made, and the backward makes them again and sums the expert bias's gradient over the batch "
+        "and the gates' weights' gradient over the units in its one kernel (numba/Triton), in the kernels' own "
+        "order: the same values to float rounding, not bitwise torch's ``bmm`` and ``sum``; fewer bytes moved a "
+        "step. Off by default; recommenders only; part of a study's identity. A gate that reads the experts' "
+        "outputs (CompeteSMoE) does not mix through these kernels.")
 
 
 def build_net(info: DatasetInfo, settings: NetSettings) -> MMoE:

@@ -28,8 +28,9 @@ KERNELS = {
     "adam": "the packed Adam update (mtmoe.pack.adam): the element-wise update, block by block",
     "dropout": "the counter-based dropout (mtmoe.random): its reference in torch integer operations",
     "epilogue": "the experts' and towers' bias add, ReLU and dropout (mtmoe.epilogue): add, relu, dropout",
-    "mixing": "the mixing's backward (mtmoe.mixing): bmm, then the epilogue's backward; the weights' and bias's "
-              "gradients by bmm and sum where --model.fused_mixing_sums is on",
+    "mixing": "the mixing's backward (mtmoe.mixing): bmm, then the epilogue's backward; where "
+              "--model.fused_mixing_sums is on, the forward by the epilogue and bmm, the weights' and bias's "
+              "gradients by bmm and sum",
     "reach": "COMET's reach of its trees (mtmoe.gates.reach): the smooth step, index_select and product",
     "shared_input": "the sum of the bottom's readers' gradients (mtmoe.shared_input): casts and adds",
 }

@@ -34,7 +34,8 @@ TARGETS = [("cuda", 90, 32), ("cuda", 80, 32)]
 #: The element-wise kernels over a layer's activations: where their sizes are divisible by 16 (MovieLens' [P, 512,
 #: 4096]), their contiguous loads compile to 128-bit ones (``ld.global.v4`` or ``.v2`` of 64-bit words), a quarter of
 #: the memory instructions: their sizes are specialised, not ``do_not_specialize``.
-VECTORISED = {"_epilogue_cuda", "_epilogue_backward_cuda", "_mix_backward_cuda", "_dropout_cuda", "_sum_cuda"}
+VECTORISED = {"_epilogue_cuda", "_epilogue_backward_cuda", "_mix_backward_cuda", "_dropout_cuda", "_sum_cuda",
+              "_mixed_forward_cuda", "_mix_backward_sums_cuda"}
 
 
 def kernel_modules() -> list[str]:
@@ -110,6 +111,11 @@ def record_launches() -> None:
                 if dtype != torch.float64:  # the mixing's sums too (--model.fused_mixing_sums)
                     mixing.mixed_experts(y, bias, weights, p, torch.tensor([5, 6]), torch.tensor(3), 1,
                                          sums=True).sum().backward()
+    for dtype in (torch.float32, torch.bfloat16):  # the mixing's sums at a recommender's experts' width (256 units)
+        y, bias = torch.randn(2, 3, 512).to(dtype).requires_grad_(), torch.randn(2, 512).to(dtype)
+        weights = torch.rand(2, 3, 2, 2).to(dtype).requires_grad_()
+        mixing.mixed_experts(y, bias, weights, 0.25, torch.tensor([5, 6]), torch.tensor(3), 1,
+                             sums=True).sum().backward()
     for dtype in (torch.float32, torch.bfloat16):  # the bottom's readers' gradients (autocast: bf16)
         for count in range(2, shared_input.MAX_KERNEL_READERS + 1):
             for shape in ((2, 3, 41), (2, 3, 40)):
