@@ -208,6 +208,15 @@ def _trial_key(key: np.ndarray, trial: int, seeds: np.ndarray, steps: np.ndarray
         key[2] = trial
 
 
+@numba.njit(cache=True, inline="always")
+def _bfloat16_scratch(columns: int) -> tuple:
+    """A bfloat16 sums kernel's buffers: the stream's (:func:`mtmoe.random._scratch`: key, words, float32 values),
+    a row's ``h`` bits, and that row widened to float32 (its bits, its values)."""
+    key, words, values, _ = _scratch()
+    wide_bits = np.empty(columns, np.uint32)
+    return key, words, values, np.empty(columns, np.uint16), wide_bits, wide_bits.view(np.float32)
+
+
 @numba.njit(cache=True, nogil=True)
 def _mixed_forward_cpu(y: np.ndarray, bias: np.ndarray, weights: np.ndarray, out: np.ndarray, seeds: np.ndarray,
                        steps: np.ndarray, iv0: int, iv1: int, threshold: np.uint32, scale: np.float32, dropout: bool,
@@ -242,10 +251,7 @@ def _mixed_forward_cpu_bfloat16(y: np.ndarray, bias: np.ndarray, weights: np.nda
     accumulator, the sum rounded to bfloat16."""
     tasks, units, n = out.shape[1], out.shape[2], weights.shape[2]
     columns = y.shape[1]
-    key, words, values, _ = _scratch()
-    h_row = np.empty(columns, np.uint16)
-    wide_bits = np.empty(columns, np.uint32)
-    wide = wide_bits.view(np.float32)
+    key, words, values, h_row, wide_bits, wide = _bfloat16_scratch(columns)
     acc = np.empty(units, np.float32)
     acc_bits = acc.view(np.uint32)
     w = np.empty(1, np.uint32)
@@ -313,13 +319,10 @@ def _mix_backward_sums_cpu_bfloat16(grad: np.ndarray, weights: np.ndarray, y: np
     bfloat16 at the end."""
     tasks, units, n = grad.shape[1], grad.shape[2], weights.shape[2]
     columns = y.shape[1]
-    key, words, values, _ = _scratch()
-    h_row = np.empty(columns, np.uint16)
+    key, words, values, h_row, wide_bits, wide = _bfloat16_scratch(columns)
     w_bits, g_bits = np.empty(tasks * n, np.uint32), np.empty(tasks * units, np.uint32)
     g = g_bits.view(np.float32)
     acc = np.empty(units, np.float32)
-    wide_bits = np.empty(columns, np.uint32)
-    wide = wide_bits.view(np.float32)
     total = np.empty(columns, np.float32)
     total_bits = total.view(np.uint32)
     cell = np.empty(1, np.float32)
