@@ -81,9 +81,10 @@ CASES = [
           *(rf"\| {name} \| 32 \| \d+\.\d \[\d+\.\d, \d+\.\d\] \| [0-3] \| [0-3] \| (\d+\.\d\d|nan) \|"
             for name in ("nq", "nq-c1", "lognormal"))],
          ["parametric_coverage.md", "parametric_coverage.json"]),
-    case("bench_precision", ["--trials", "2", "--epochs", "1", "--train-batches", "1", "--val-batches", "1"],
+    case("bench_precision", ["--trials", "2", "--epochs", "1", "--train-batches", "1", "--val-batches", "1",
+                             "--variant", "bf16-fused-sums"],  # a precision and a fit option together
          [r"comet, 2 of 2 configurations \(none diverged in any run\), 1 epochs of 1 batches, 1 validation batches; .*",
-          r"\| fp32 vs bf16-mixed \(same seeds\) \| \d\.\d\de[-+]\d\d \| \d\.\d\de[-+]\d\d \| (-?\d\.\d{4}|nan) \|",
+          r"\| fp32 vs bf16-fused-sums \(same seeds\) \| \d\.\d\de[-+]\d\d \| \d\.\d\de[-+]\d\d \| (-?\d\.\d{4}|nan) \|",
           r"\| fp32 seed vs fp32 other seed \| \d\.\d\de[-+]\d\d \| \d\.\d\de[-+]\d\d \| -?\d\.\d{4} \|"],
          ["precision.md", "precision.json"], data="movielens-100k", timeout=300),
     case("bench_sinkhorn", ["--n", "4", "--batch", "2", "--iterations", "5", "--repeats", "3"],
