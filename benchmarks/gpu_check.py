@@ -73,10 +73,13 @@ WHEELS = ("optuna", "colorlog", "jsonargparse", "docstring_parser", "typeshed_cl
 ABSENT_ON_GPU = ("sqlalchemy", "alembic", "mako", "psycopg2", "optuna_dashboard", "python_calamine")
 TREE_LIMIT = 64 * 2**20  # the device tool's limit on the working tree with the carried folders
 RETURN_LIMIT = 16 * 2**20  # the device tool's limit on a file it returns from $OUT
-# bench_packs.py's options for each precision it benchmarks: the one place to add a precision
-PRECISIONS = {"fp32": ["--precision", "32"], "tf32": ["--precision", "32", "--matmul-precision", "high"],
-              "bf16": ["--precision", "bf16-mixed"]}
-GPU_PRECISIONS = ("tf32", "bf16")  # a lease's default: the study's precision and the fastest
+# bench_packs.py's options and the trials' fit options for each precision it benchmarks: the one place to add one
+PRECISIONS = {"fp32": (["--precision", "32"], ()), "tf32": (["--precision", "32", "--matmul-precision", "high"], ()),
+              "bf16": (["--precision", "bf16-mixed"], ()),
+              "bf16-fused-sums": (["--precision", "bf16-mixed"], ("--model.fused_mixing_sums=true",))}
+# a lease's default: the study's precision, and the fastest configuration (bf16 with the mixing's sums in its
+# kernels: not bitwise the default path, so a study setting; the one within 2x of the roofline's floor)
+GPU_PRECISIONS = ("tf32", "bf16-fused-sums")
 CUDA_TESTS = ["tests/test_engine_cuda.py",
               "tests/test_sinkhorn.py::test_cuda_kernels_equal_the_cpu_loops_without_synchronising",
               "tests/test_sinkhorn.py::test_a_cuda_graph_replays_a_pack_step_with_new_schedules",
@@ -125,6 +128,7 @@ class Sizes:
     drain: int = 10  # tune --timeout: no trial is claimed this long before the SIGTERM (one could not finish)
     last_pack: int | None = None  # with at most 5/4 of it left to run, the study's --pack (study_args)
     test_passes: str = "1,2"  # the bench's --test-pass: trials a test pass tests together
+    trial_args: tuple[str, ...] = ()  # the bench's fit options of every trial (bench_packs.py --trial-args)
 
 
 def study_args(sizes: Sizes, complete: int) -> list[str]:
@@ -153,11 +157,11 @@ GPU = Sizes("1,256", 500, ["--device", "cuda"], ["--trainer.accelerator=gpu", "-
             last_pack=256, test_passes="1,16,64")
 # the interpreter's pace: each program of a kernel costs milliseconds, each 1,024 parameters one Adam program
 TINY = "--data.batch_size=8 --model.n_experts=4 --model.embedding_dim=4 --model.expert_units=8 --model.tower_units=8"
-DRY = Sizes("2", 2, ["--limit-batches", "1", "--profile-steps", "1", "--adam-repeats", "3", f"--trial-args={TINY}"],
+DRY = Sizes("2", 2, ["--limit-batches", "1", "--profile-steps", "1", "--adam-repeats", "3"],
             ["--pack=2", "--trainer.max_epochs=1", "--trainer.limit_train_batches=1", "--trainer.limit_val_batches=1",
              "--trainer.limit_test_batches=1", *TINY.split()], ["--draws", "20", "--confidence", "0.5"],
             {"install": 30, "tests": 120, "bench": 150, "preflight": 60, "report": 60, "bootstrap": 60}, total=760,
-            stop=10)
+            stop=10, trial_args=tuple(TINY.split()))
 
 
 def fail(message: str) -> None:
@@ -531,13 +535,17 @@ def run(out: Path, sizes: Sizes, study_dir: Path, dry_run: bool = False, chosen:
     summary["tests"] = tests_summary(tests.output)
     rows, profiles, test_passes = [], [], []
     for precision in precisions:
+        options, fit_options = PRECISIONS[precision]
+        trial_args = (*sizes.trial_args, *fit_options)
         bench = step(f"bench-{precision}", [python, "benchmarks/bench_packs.py", "--gates", GATE, "--packs",
                                             sizes.packs, "--graphs", "on", "--profile-epoch",
                                             "--profile", sizes.packs, "--test-pass", sizes.test_passes,
                                             "--out", str(scratch / f"bench-{precision}"),
-                                            *PRECISIONS[precision], *sizes.bench_args], budgets["bench"])
+                                            *options, *sizes.bench_args,
+                                            *([f"--trial-args={' '.join(trial_args)}"] if trial_args else [])],
+                     budgets["bench"])
         rows += throughput(bench.output, precision)
-        profiles += key_value_lines(bench.output, "profile")
+        profiles += [{**line, "precision": precision} for line in key_value_lines(bench.output, "profile")]
         test_passes += [{**line, "precision": precision} for line in key_value_lines(bench.output, "test-pass")]
     summary["throughput"], summary["profile"], summary["test_pass"] = rows, profiles, test_passes
     preflight = step("preflight", [python, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-o", "addopts=",
@@ -721,7 +729,7 @@ def main() -> None:
     parser.add_argument("--total", type=int, help=f"run: seconds for all the steps (default {GPU.total}; less when "
                         "the lease has less left): the study gets what the others leave")
     parser.add_argument("--precisions", help=f"bench_packs.py's precisions, of {','.join(PRECISIONS)} (default: "
-                        f"{','.join(GPU_PRECISIONS)} on the GPU, where fp32 at P = 256 needs more than a minute; all "
+                        f"{','.join(GPU_PRECISIONS)}, where fp32 at P = 256 needs more than a minute on the GPU; all "
                         "in the dry run)")
     parser.add_argument("--drain", type=int, default=None, help=f"run: tune claims no trial this long before the "
                         f"study's stop, seconds (default {GPU.drain}: the trials in flight finish; 0 where the next "
