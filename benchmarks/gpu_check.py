@@ -475,7 +475,7 @@ def read_verdict(path: Path | None, commit: str) -> list[str] | None:
 
 
 def run(out: Path, sizes: Sizes, study_dir: Path, dry_run: bool = False, chosen: tuple[str, ...] = STEPS,
-        precisions: tuple[str, ...] = tuple(PRECISIONS), checkpoint_dir: Path | None = None,
+        precisions: tuple[str, ...] = GPU_PRECISIONS, checkpoint_dir: Path | None = None,
         verdict_file: Path | None = None, device_journal: Path | None = None) -> dict:
     """The ``chosen`` steps, their logs and the summary in ``out`` (see the module's docstring); the study's
     checkpoints in ``checkpoint_dir`` (``tune --checkpoint-dir``; default: beside its journal); the preflight's
@@ -729,8 +729,8 @@ def main() -> None:
     parser.add_argument("--total", type=int, help=f"run: seconds for all the steps (default {GPU.total}; less when "
                         "the lease has less left): the study gets what the others leave")
     parser.add_argument("--precisions", help=f"bench_packs.py's precisions, of {','.join(PRECISIONS)} (default: "
-                        f"{','.join(GPU_PRECISIONS)}, where fp32 at P = 256 needs more than a minute on the GPU; all "
-                        "in the dry run)")
+                        f"{','.join(GPU_PRECISIONS)}, what a lease runs, in the dry run too; fp32 at P = 256 needs "
+                        "more than a minute on the GPU)")
     parser.add_argument("--drain", type=int, default=None, help=f"run: tune claims no trial this long before the "
                         f"study's stop, seconds (default {GPU.drain}: the trials in flight finish; 0 where the next "
                         "call of the lease continues them from their checkpoints)")
@@ -738,8 +738,7 @@ def main() -> None:
                         help=f"run: the steps to run, of {','.join(STEPS)} (a resumed study: study,report,bootstrap)")
     args = parser.parse_args()
     chosen = tuple(args.steps.split(","))
-    precisions = tuple(args.precisions.split(",")) if args.precisions else \
-        tuple(PRECISIONS) if args.dry_run else GPU_PRECISIONS
+    precisions = tuple(args.precisions.split(",")) if args.precisions else GPU_PRECISIONS
     if not set(chosen) <= set(STEPS):
         fail(f"--steps {args.steps}: choose among {','.join(STEPS)}")
     if not set(precisions) <= set(PRECISIONS):
