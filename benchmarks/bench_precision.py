@@ -79,14 +79,18 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--variant", default="bf16-mixed", choices=list(VARIANTS),
                         help="what float32 is compared with (default bf16-mixed)")
+    parser.add_argument("--trial-args", default="", help="fit options of every trial in every run, space-separated "
+                        "(--trial-args='--model.n_experts=4'; gpu_check.py's dry run: tiny trials)")
     parser.add_argument("--out", type=Path, default=OUT, help="folder of precision.{md,json} (default: benchmarks/out)")
     args = parser.parse_args()
     where = (torch.cuda.get_device_name() if args.device == "cuda"
              else f"CPU {platform.machine()}, {torch.get_num_threads()} threads")
     common = (args.gate, args.trials, args.epochs, args.train_batches, args.val_batches, args.device)
-    runs = {"fp32": objectives(*common, "32", "highest", (), 0),
-            args.variant: objectives(*common, *VARIANTS[args.variant], 0),
-            "fp32, other seeds": objectives(*common, "32", "highest", (), 10_000)}
+    trial_args = tuple(args.trial_args.split())
+    precision, matmuls, variant_args = VARIANTS[args.variant]
+    runs = {"fp32": objectives(*common, "32", "highest", trial_args, 0),
+            args.variant: objectives(*common, precision, matmuls, (*trial_args, *variant_args), 0),
+            "fp32, other seeds": objectives(*common, "32", "highest", trial_args, 10_000)}
     fp32, variant, reseeded = (runs[name][0] for name in runs)
     kept = [i for i in range(args.trials) if all(v[i] == v[i] for v in (fp32, variant, reseeded))]  # none diverged
     differences = [abs(fp32[i] - variant[i]) for i in kept]

@@ -1,7 +1,8 @@
 """One prepared command for a lent GPU (issue 31): the CUDA tests, the pack throughput in each precision, where
 a pack's training step spends its time (its kernels, ``bench_packs.py --profile``) and where an epoch's host time
-goes (``--profile-epoch``: the train phase's wall time per step beside the step's kernels'), the 500-trial
-MovieLens-100K study of comet at the paper's budget, then Top-k's (:data:`STUDY_GATES`; resumable across leases),
+goes (``--profile-epoch``: the train phase's wall time per step beside the step's kernels'), whether TF32 changes
+what a study concludes (``bench_precision.py --variant high``: 32 configurations in float32 and in TF32), the
+500-trial MovieLens-100K study of comet at the paper's budget, then Top-k's (:data:`STUDY_GATES`; resumable across leases),
 then ``report`` and ``bootstrap``, each step in its own time budget, within 9 minutes.
 
     python benchmarks/gpu_check.py gather             # here: wheels and data into .gpu/ (git-ignored, carried)
@@ -105,7 +106,8 @@ PREFLIGHT = {"tests/test_epilogue.py::test_cuda_equals_cpu[dtype0]": "epilogue",
              "tests/test_shared_input.py::test_cuda_equals_cpu[dtype0]": "shared_input",
              **{f"tests/test_eval_graphs.py::test_cuda_evaluation_graphs_compute_the_eager_passes_without_synchronising"
                 f"[{gate}]": "eval_graphs" for gate in STUDY_GATES}}
-STEPS = ("tests", "bench", "preflight", "study", "report", "bootstrap")  # --steps chooses; install always runs
+# --steps chooses among them; install always runs
+STEPS = ("tests", "bench", "precision", "preflight", "study", "report", "bootstrap")
 KILL_GRACE = 5  # seconds from a step's SIGTERM to its SIGKILL; the study's clean stop has Sizes.stop
 MIN_STEP = 15  # seconds: a step with less left of --total is skipped
 SUMMARY_S = 10  # seconds of --total kept for the summary and the archives
@@ -129,6 +131,7 @@ class Sizes:
     last_pack: int | None = None  # with at most 5/4 of it left to run, the study's --pack (study_args)
     test_passes: str = "1,2"  # the bench's --test-pass: trials a test pass tests together
     trial_args: tuple[str, ...] = ()  # the bench's fit options of every trial (bench_packs.py --trial-args)
+    precision_args: tuple[str, ...] = ()  # bench_precision.py's options: does TF32 change what a study concludes?
 
 
 def study_args(sizes: Sizes, complete: int) -> list[str]:
@@ -152,16 +155,20 @@ def study_args(sizes: Sizes, complete: int) -> list[str]:
 # P = 128 epoch).
 GPU = Sizes("1,256", 500, ["--device", "cuda"], ["--trainer.accelerator=gpu", "--model.matmul_precision=high",
                                                "--pack=128"], ["--device", "cuda"],
-            {"install": 40, "tests": 180, "bench": 140, "preflight": 90, "report": 30, "bootstrap": 30},
+            {"install": 40, "tests": 180, "bench": 140, "precision": 150, "preflight": 90, "report": 30,
+             "bootstrap": 30},
             drain=120,  # a trial's 26 epochs at least (33 the fewest seen), a pack of 128's about 4 s each (H200)
-            last_pack=256, test_passes="1,16,64")
+            last_pack=256, test_passes="1,16,64", precision_args=("--device", "cuda", "--variant", "high"))
 # the interpreter's pace: each program of a kernel costs milliseconds, each 1,024 parameters one Adam program
 TINY = "--data.batch_size=8 --model.n_experts=4 --model.embedding_dim=4 --model.expert_units=8 --model.tower_units=8"
 DRY = Sizes("2", 2, ["--limit-batches", "1", "--profile-steps", "1", "--adam-repeats", "3"],
             ["--pack=2", "--trainer.max_epochs=1", "--trainer.limit_train_batches=1", "--trainer.limit_val_batches=1",
              "--trainer.limit_test_batches=1", *TINY.split()], ["--draws", "20", "--confidence", "0.5"],
-            {"install": 30, "tests": 120, "bench": 150, "preflight": 60, "report": 60, "bootstrap": 60}, total=760,
-            stop=10, trial_args=tuple(TINY.split()))
+            {"install": 30, "tests": 120, "bench": 150, "precision": 60, "preflight": 60, "report": 60,
+             "bootstrap": 60}, total=760,
+            stop=10, trial_args=tuple(TINY.split()),
+            precision_args=("--trials", "2", "--epochs", "1", "--train-batches", "1", "--val-batches", "1", "--variant",
+                            "high", f"--trial-args={TINY}"))
 
 
 def fail(message: str) -> None:
@@ -548,6 +555,9 @@ def run(out: Path, sizes: Sizes, study_dir: Path, dry_run: bool = False, chosen:
         profiles += [{**line, "precision": precision} for line in key_value_lines(bench.output, "profile")]
         test_passes += [{**line, "precision": precision} for line in key_value_lines(bench.output, "test-pass")]
     summary["throughput"], summary["profile"], summary["test_pass"] = rows, profiles, test_passes
+    step("precision", [python, "benchmarks/bench_precision.py", *sizes.precision_args, "--out",
+                       str(scratch / "precision")], budgets["precision"])
+    summary["precision"] = precision_summary(scratch / "precision" / "precision.json")
     preflight = step("preflight", [python, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-o", "addopts=",
                                    *PREFLIGHT], budgets["preflight"]) if PREFLIGHT else None
     summary["preflight"] = tests_summary(preflight.output) if preflight is not None else {}
@@ -666,6 +676,16 @@ def pack_epochs(runs: Path, logs: Path) -> dict:
     return {"pack_epochs": len(rows), **sums}
 
 
+def precision_summary(path: Path) -> dict:
+    """What ``bench_precision.py`` found (its ``precision.json`` without the objectives), or ``{}`` where it wrote
+    nothing."""
+    if not path.exists():
+        return {}
+    found = json.loads(path.read_text())
+    return {key: found[key] for key in ("configurations", "variant_max", "variant_median", "spearman_variant",
+                                        "seed_max", "seed_median", "spearman_seeds", "configs_std", "seconds")}
+
+
 def short_table(summary: dict) -> str:
     study, tests = summary["study"], summary["tests"]
     lines = [f"gpu-check on {summary['device']}, commit {summary['commit']}, torch {summary['environment']['torch']}, "
@@ -675,6 +695,12 @@ def short_table(summary: dict) -> str:
     lines += ["", f"tests: {tests.get('line') or 'no summary line'}"]
     if summary.get("preflight"):
         lines += [f"preflight: {summary['preflight'].get('line') or 'no summary line'}"]
+    found = summary.get("precision")
+    if found:
+        lines += [f"precision: {found['configurations']} configurations, float32 against TF32 (same seeds) at most "
+                  f"{found['variant_max']:.2e} apart (median {found['variant_median']:.2e}, Spearman "
+                  f"{found['spearman_variant']:.4f}); two seeds in float32 at most {found['seed_max']:.2e} (Spearman "
+                  f"{found['spearman_seeds']:.4f}); the configurations' standard deviation {found['configs_std']:.2e}"]
     lines += ["",
               "| precision | gate | P | epoch (s) | trial-epochs / hour | between / train / val / end (s) "
               "| train step (ms) | val, eager (s) |", "|---|---|---|---|---|---|---|---|"]

@@ -74,6 +74,8 @@ def test_the_dry_run_runs_every_step_and_writes_the_summary(tmp_path: Path) -> N
     assert sorted((row["precision"], row["K"]) for row in summary["test_pass"]) == sorted(
         (precision, k) for precision in gpu_check.GPU_PRECISIONS for k in (1.0, 2.0))
     assert all(row["ms"] > 0 and row["batches"] == 1 for row in summary["test_pass"])  # --limit-batches 1
+    assert summary["precision"]["configurations"] == 2 and summary["precision"]["seed_max"] >= 0
+    assert "precision: 2 configurations, float32 against TF32" in (tmp_path / "summary.md").read_text()
     for row in summary["throughput"]:  # the epoch's phases sum to it (bench_packs.py's rounding to 0.01 s)
         assert set(row["phases_s"]) == {"between", "train", "val", "end"}
         assert row["train_steps"] == row["val_batches"] == 1  # --limit-batches 1
