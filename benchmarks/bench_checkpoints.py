@@ -1,8 +1,9 @@
 """What a pack checkpoint costs (:mod:`mtmoe.tuning.checkpoints`): the snapshot of a pack's state ``tune`` keeps at
 every pack epoch's end (:meth:`mtmoe.pack.engine.PackEngine.snapshot` with ``on_device=True``: a copy into buffers
-on the pack's device, reused from one epoch to the next; the trials' states are made of it only for a write), beside a fresh host copy of it (``checkpoint()``, what
-``tune`` kept before), and the file written on a stop (:meth:`~mtmoe.tuning.checkpoints.PackCheckpoints.write`),
-for the paper's model of a dataset and gate on this CPU, every trial with best weights.
+on the pack's device, reused from one epoch to the next; the trials' states are made of it only for a write),
+beside a fresh host copy of it (``checkpoint()``, what ``tune`` kept before), and the file written on a stop
+(:meth:`~mtmoe.tuning.checkpoints.PackCheckpoints.write`), for the paper's model of a dataset and gate on this CPU,
+every trial with best weights.
 
     MTMOE_DATA=../shared/data python benchmarks/bench_checkpoints.py --packs 4,16
     MTMOE_DATA=../shared/data python benchmarks/bench_checkpoints.py --packs 256 \

@@ -2,8 +2,8 @@
 a pack's training step spends its time (its kernels, ``bench_packs.py --profile``) and where an epoch's host time
 goes (``--profile-epoch``: the train phase's wall time per step beside the step's kernels'), whether TF32 changes
 what a study concludes (``bench_precision.py --variant high``: 32 configurations in float32 and in TF32), the
-500-trial MovieLens-100K study of comet at the paper's budget, then Top-k's (:data:`STUDY_GATES`; resumable across leases),
-then ``report`` and ``bootstrap``, each step in its own time budget, within 9 minutes.
+500-trial MovieLens-100K study of comet at the paper's budget, then Top-k's (:data:`STUDY_GATES`; resumable across
+leases), then ``report`` and ``bootstrap``, each step in its own time budget, within 9 minutes.
 
     python benchmarks/gpu_check.py gather             # here: wheels and data into .gpu/ (git-ignored, carried)
     python3 benchmarks/gpu_check.py run --out DIR     # on the GPU (the exact device call: benchmarks/README.md)
@@ -130,7 +130,7 @@ class Sizes:
     drain: int = 10  # tune --timeout: no trial is claimed this long before the SIGTERM (one could not finish)
     last_pack: int | None = None  # with at most 5/4 of it left to run, the study's --pack (study_args)
     test_passes: str = "1,2"  # the bench's --test-pass: trials a test pass tests together
-    trial_args: tuple[str, ...] = ()  # the bench's fit options of every trial (bench_packs.py --trial-args)
+    trial_args: tuple[str, ...] = ()  # fit options of every trial of the bench and the precision check
     precision_args: tuple[str, ...] = ()  # bench_precision.py's options: does TF32 change what a study concludes?
 
 
@@ -168,7 +168,12 @@ DRY = Sizes("2", 2, ["--limit-batches", "1", "--profile-steps", "1", "--adam-rep
              "bootstrap": 60}, total=760,
             stop=10, trial_args=tuple(TINY.split()),
             precision_args=("--trials", "2", "--epochs", "1", "--train-batches", "1", "--val-batches", "1", "--variant",
-                            "high", f"--trial-args={TINY}"))
+                            "high"))
+
+
+def trial_options(trial_args: tuple[str, ...]) -> list[str]:
+    """``--trial-args`` of ``bench_packs.py`` and ``bench_precision.py`` for these fit options (none: nothing)."""
+    return [f"--trial-args={' '.join(trial_args)}"] if trial_args else []
 
 
 def fail(message: str) -> None:
@@ -549,14 +554,14 @@ def run(out: Path, sizes: Sizes, study_dir: Path, dry_run: bool = False, chosen:
                                             "--profile", sizes.packs, "--test-pass", sizes.test_passes,
                                             "--out", str(scratch / f"bench-{precision}"),
                                             *options, *sizes.bench_args,
-                                            *([f"--trial-args={' '.join(trial_args)}"] if trial_args else [])],
+                                            *trial_options(trial_args)],
                      budgets["bench"])
         rows += throughput(bench.output, precision)
         profiles += [{**line, "precision": precision} for line in key_value_lines(bench.output, "profile")]
         test_passes += [{**line, "precision": precision} for line in key_value_lines(bench.output, "test-pass")]
     summary["throughput"], summary["profile"], summary["test_pass"] = rows, profiles, test_passes
-    step("precision", [python, "benchmarks/bench_precision.py", *sizes.precision_args, "--out",
-                       str(scratch / "precision")], budgets["precision"])
+    step("precision", [python, "benchmarks/bench_precision.py", *sizes.precision_args,
+                       *trial_options(sizes.trial_args), "--out", str(scratch / "precision")], budgets["precision"])
     summary["precision"] = precision_summary(scratch / "precision" / "precision.json")
     preflight = step("preflight", [python, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-o", "addopts=",
                                    *PREFLIGHT], budgets["preflight"]) if PREFLIGHT else None

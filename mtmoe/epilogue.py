@@ -197,11 +197,7 @@ def _epilogue_kernel(y: Tensor, bias: Tensor, seed: Tensor | None, step: Tensor 
         return _dropout_kernel(h, seed.expand(trials), step.expand(trials), site, p)
     y, bias = y.detach().contiguous(), bias.detach().contiguous()
     dropout = p > 0
-    if dropout:
-        seeds, steps, iv0, iv1 = stream_arguments(seed, step, trials, site)
-    else:
-        seeds = steps = torch.zeros(count, dtype=torch.int64, device=y.device)  # not read
-        iv0 = iv1 = 0
+    seeds, steps, iv0, iv1 = stream_arguments(seed if dropout else None, step, trials, site, y.device)
     threshold, scale = dropout_threshold(p), dropout_scale(p)
     out = torch.empty_like(y)
     read = y.nbytes + bias.nbytes + (16 * count if dropout else 0)

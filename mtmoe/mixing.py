@@ -522,13 +522,8 @@ def _streams(y: Tensor, bias: Tensor, seed: Tensor | None, step: Tensor | None, 
     """What the sums' kernels take of the trials of ``bias`` ``[*trials, N]``: their number, each one's seed and
     step (zeros without dropout: not read), the site's initial key lanes, the dropout's threshold and scale."""
     trials = bias.shape[:-1]
-    count = math.prod(trials)
-    if p > 0:
-        seeds, steps, iv0, iv1 = stream_arguments(seed, step, trials, site)
-    else:
-        seeds = steps = torch.zeros(count, dtype=torch.int64, device=y.device)
-        iv0 = iv1 = 0
-    return count, seeds, steps, iv0, iv1, dropout_threshold(p), dropout_scale(p)
+    seeds, steps, iv0, iv1 = stream_arguments(seed if p > 0 else None, step, trials, site, y.device)
+    return math.prod(trials), seeds, steps, iv0, iv1, dropout_threshold(p), dropout_scale(p)
 
 
 def mixed_forward(y: Tensor, bias: Tensor, weights: Tensor, seed: Tensor | None, step: Tensor | None, site: int,
@@ -561,7 +556,7 @@ def mixed_forward(y: Tensor, bias: Tensor, weights: Tensor, seed: Tensor | None,
     arguments = (seeds.numpy(), steps.numpy(), iv0, iv1, np.uint32(threshold), np.float32(scale), p > 0, rows // count)
     y, weights, out_rows = y.view(rows, columns), weights.view(rows, tasks, n), out.view(rows, tasks, units)
     if y.dtype == torch.bfloat16:
-        run_split(_mixed_forward_cpu_bfloat16, rows, *(x.view(torch.uint16).numpy() for x in (y,)),
+        run_split(_mixed_forward_cpu_bfloat16, rows, y.view(torch.uint16).numpy(),
                   bias.float().view(count, columns).numpy(),
                   *(x.view(torch.uint16).numpy() for x in (weights, out_rows)), *arguments, min_part=16)
     else:

@@ -431,10 +431,15 @@ if triton is not None:
 _BLOCK = 1024
 
 
-def stream_arguments(seed: Tensor, step: Tensor, trials: tuple[int, ...], site: int) -> tuple[Tensor, Tensor, int, int]:
+def stream_arguments(seed: Tensor | None, step: Tensor | None, trials: tuple[int, ...], site: int,
+                     device: torch.device | None = None) -> tuple[Tensor, Tensor, int, int]:
     """What the dropout kernels take of the streams of ``trials`` trials: each trial's seed and step (int64,
-    contiguous) and the site's two initial key lanes."""
+    contiguous) and the site's two initial key lanes; with ``seed`` ``None`` (a kernel that drops nothing out, and
+    reads none of it), zeros on ``device`` and lanes 0."""
     count = math.prod(trials)
+    if seed is None:
+        zeros = torch.zeros(count, dtype=torch.int64, device=device)
+        return zeros, zeros, 0, 0
     seeds = seed.expand(trials).reshape(count).contiguous()
     steps = step.expand(trials).reshape(count).contiguous()
     return seeds, steps, *_initial_lanes(site)
