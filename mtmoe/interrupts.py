@@ -11,7 +11,8 @@ Lightning sets ``trainer.received_sigterm`` and raises ``SIGTERMException`` (a `
 is done, and the handler here only records the signal. The command ends with :class:`Interrupted` and exits with
 :func:`exit_code`, ``128 +`` the signal's number as a shell reports a process it stopped: 143 for SIGTERM, 130 for
 Ctrl-C; once it has caught the stop, :func:`stopping` keeps a later Ctrl-C, or a dropped one delivered again, from
-cutting that exit short.
+cutting that exit short. :func:`deferred` holds a stop for the few statements that must not be parted by one (a
+trial claimed in the storage and recorded as this worker's).
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ import _thread
 import signal
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import FrameType
 
 REDELIVERY_DELAY = 0.05  # seconds from a dropped stop to its second delivery
@@ -73,6 +76,29 @@ def stopping() -> None:
     _stopping = True
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@contextmanager
+def deferred() -> Iterator[None]:
+    """Ctrl-C and SIGTERM held while the block runs (in the main thread; elsewhere no signal lands), then delivered
+    to the handlers there were, in the order they came: for statements that a stop must not part, such as a storage
+    write and this process's record of it. A handler set outside Python (``signal.getsignal`` gives ``None``) is
+    left in place: that signal is not held."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    came: list[int] = []
+    before = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    held = [signum for signum, handler in before.items() if handler is not None]
+    for signum in held:
+        signal.signal(signum, lambda number, frame: came.append(number))
+    try:
+        yield
+    finally:
+        for signum in held:
+            signal.signal(signum, before[signum])
+        for signum in dict.fromkeys(came):
+            signal.raise_signal(signum)
 
 
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:

@@ -97,3 +97,29 @@ def test_nothing_cuts_short_the_exit_of_a_command_that_caught_its_stop(stopping:
         assert result.returncode == 130 and "Traceback" not in result.stderr, result.stderr
     else:  # the defect: the redelivered stop lands in the exit, an unhandled KeyboardInterrupt (Python exits by SIGINT)
         assert result.returncode == -2 and "KeyboardInterrupt" in result.stderr, (result.returncode, result.stderr)
+
+
+# A SIGTERM sent inside ``deferred()``: the block runs to its end, then the stop is delivered.
+DEFERRED = """
+import os, signal, sys
+from mtmoe import interrupts
+interrupts.handle_interrupts()
+try:
+    with interrupts.deferred():
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(100000):  # the signal's handler runs here
+            pass
+        print("the block ran to its end", flush=True)
+    print("not reached", flush=True)
+except KeyboardInterrupt:
+    print("interrupted after the block", flush=True)
+    sys.exit(interrupts.exit_code())
+"""
+
+
+@pytest.mark.integration
+def test_a_stop_inside_a_deferred_block_is_delivered_after_it() -> None:
+    result = subprocess.run([sys.executable, "-c", DEFERRED], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stdout) == (143, "the block ran to its end\ninterrupted after the block\n"), \
+        result.stderr
+    assert "Traceback" not in result.stderr

@@ -129,6 +129,33 @@ def test_ctrl_c_or_sigterm_fails_the_packs_trials_and_the_rerun_resumes(root_and
     assert_each_config_once(trials_of(url, "int"), 4)
 
 
+def test_a_stop_right_after_a_claim_fails_the_claimed_trial_as_interrupted(tiny_root: Path, tmp_path: Path,
+                                                                          monkeypatch) -> None:
+    """A Ctrl-C that lands just after the storage has made a waiting trial RUNNING, before the worker has recorded it
+    as its own (``mtmoe.interrupts.deferred`` holds it until then): the trial is failed as interrupted with the
+    others, not left RUNNING with no worker to fail it (CI once caught a SIGTERM there). ``_thread.interrupt_main``
+    stands for the signal, at the first claim's return."""
+    import _thread
+
+    claim = optuna.storages.RDBStorage.set_trial_state_values
+    claims = []
+
+    def claimed_then_stopped(storage, trial_id, state, values=None):
+        changed = claim(storage, trial_id, state, values)
+        if state == TrialState.RUNNING and not claims:
+            claims.append(trial_id)
+            _thread.interrupt_main()  # delivered at the next bytecode boundary: inside the claim
+        return changed
+
+    monkeypatch.setattr(optuna.storages.RDBStorage, "set_trial_state_values", claimed_then_stopped)
+    url = f"sqlite:///{tmp_path / 'claim.db'}"
+    assert run_cli(tune_args(url, tiny_root, tmp_path / "runs", *FAST, "--pack", "2", trials=3, name="claim")) == 130
+    trials = trials_of(url, "claim")
+    assert claims and not [t for t in trials if t.state == TrialState.RUNNING], [t.state for t in trials]
+    (claimed,) = [t for t in trials if t._trial_id == claims[0]]
+    assert claimed.state == TrialState.FAIL and claimed.user_attrs.get("interrupted")
+
+
 def start_in(host: str, args: list[str], tmp: Path, root: Path, log: str, **env: str):
     """:func:`start_tune` on this host, or on "another host": in a UTS namespace of its own whose host name differs
     (``unshare --uts``, as root), so that no process id tells whether it lives, only its heartbeats."""

@@ -65,6 +65,7 @@ from mtmoe.errors import UsageError
 from mtmoe.files import write_atomic, write_csv_atomic
 from mtmoe.gate_names import split_gate_name
 from mtmoe.gates import gate_class
+from mtmoe.interrupts import deferred
 from mtmoe.mmoe import per_trial_settings
 from mtmoe.lit.module import PackModule
 from mtmoe.pack.engine import EarlyStopping, Trial, TrialResult
@@ -332,16 +333,17 @@ class PackWorker:
                     LOST_ATTEMPTS, 0) >= ALONE_AFTER_LOST_ATTEMPTS)):
                 continue
             waiting_id = trial_id(self.storage, self.study, waiting.number)
-            try:  # as Study.ask claims a waiting trial, but this one: ask takes the first of any structure
-                if not self.storage.set_trial_state_values(waiting_id, TrialState.RUNNING):
-                    continue  # another worker took it first
-            except optuna.exceptions.UpdateFinishedTrialError:  # or took and finished it
-                continue
-            trial = claimed_trial(self.study, waiting_id)
-            trial.set_user_attr("worker", self.worker)
-            self.trial_ids[trial.number] = waiting_id
-            self.heartbeats.add(waiting_id)
-            self.running[trial.number] = trial
+            with deferred():  # a stop lands after the trial is this worker's running one (:meth:`_release` fails it)
+                try:  # as Study.ask claims a waiting trial, but this one: ask takes the first of any structure
+                    if not self.storage.set_trial_state_values(waiting_id, TrialState.RUNNING):
+                        continue  # another worker took it first
+                except optuna.exceptions.UpdateFinishedTrialError:  # or took and finished it
+                    continue
+                trial = claimed_trial(self.study, waiting_id)
+                trial.set_user_attr("worker", self.worker)
+                self.trial_ids[trial.number] = waiting_id
+                self.heartbeats.add(waiting_id)
+                self.running[trial.number] = trial
             if self.still_running is not None:  # claimed after this epoch end read the storage (a refill)
                 self.still_running.add(trial.number)
             params = {name: suggest(trial, name, dist) for name, dist in self.space.distributions.items()}
