@@ -11,7 +11,8 @@ gradients where they lie, float32 and bfloat16, transposed and contiguous) with 
 note its arguments (a tensor's dtype and alignment, a number's value, the constexprs and options). The test replays each
 through Triton's own argument binder for the target, which gives the types, constexprs and specialisations (an int's
 divisibility by 16 or value 1, a pointer's alignment) a launch on that GPU gets, and compiles them. A kernel launched
-(``name[grid](...)``) from code this recording does not reach fails the test.
+(``name[grid](...)``) from code this recording does not reach fails the test. The same launches are compiled for sm_90
+by the oldest Triton supported, the lent GPUs' (``MTMOE_OLDEST_TRITON``: ``.ci/run`` installs it beside this one).
 """
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGETS = [("cuda", 90, 32), ("cuda", 80, 32)]
+#: The environment variable naming a folder that holds the oldest supported Triton (``.ci/run`` installs it there).
+OLDEST_TRITON = "MTMOE_OLDEST_TRITON"
 #: The element-wise kernels over a layer's activations: where their sizes are divisible by 16 (MovieLens' [P, 512,
 #: 4096]), their contiguous loads compile to 128-bit ones (``ld.global.v4`` or ``.v2`` of 64-bit words), a quarter of
 #: the memory instructions: their sizes are specialised, not ``do_not_specialize``.
@@ -188,19 +191,52 @@ def bind(kernel, launch: dict, target) -> tuple[tuple, dict]:
     return (signature, constexprs, attrs), options.__dict__
 
 
-@pytest.mark.integration  # a Python process of its own, importing torch and Triton's interpreter: CI, not the inner loop
-def test_every_kernel_compiles_for_sm90_and_sm80_in_every_launched_signature() -> None:
+def compile_launches(launches: list[dict], targets: list[tuple]) -> tuple[dict[str, int], set[str]]:
+    """``triton.compile`` of each distinct signature of the recorded ``launches`` for each of ``targets``, a cubin
+    and PTX for that architecture asserted for each: the cubins per kernel, and the kernels some of whose loads
+    compiled to 128-bit (or 64-bit pairs) ones."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    found = kernels()
+    compiled, vectorised = set(), set()
+    for launch in launches:
+        kernel = found[launch["kernel"]]
+        for target in (GPUTarget(*t) for t in targets):
+            (signature, constexprs, attrs), options = bind(kernel, launch, target)
+            key = (launch["kernel"], target.arch, json.dumps([signature, sorted(map(str, constexprs.items())),
+                                                              sorted(map(str, attrs.items())), sorted(
+                                                                  map(str, options.items()))]))
+            if key in compiled:
+                continue
+            binary = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options)
+            assert binary.asm["cubin"][:4] == b"\x7fELF", key
+            assert f".target sm_{target.arch}" in binary.asm["ptx"], key
+            compiled.add(key)
+            if re.search(r"\bld\.global\.v[24]\.", binary.asm["ptx"]):
+                vectorised.add(launch["kernel"].rsplit(".", 1)[1])
+    return {name: sum(k[0] == name for k in compiled) for name in sorted(launched_names())}, vectorised
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory) -> Path:
+    """:func:`record_launches`' JSON, run once in a process of its own under Triton's interpreter, in a file."""
     code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_triton_compile as t; " \
            "t.record_launches()"
     result = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TRITON_INTERPRET": "1",
                                                                "OMP_NUM_THREADS": "1"},
                             capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
-    launches = json.loads(result.stdout.strip().splitlines()[-1])
+    path = tmp_path_factory.mktemp("launches") / "launches.json"
+    path.write_text(result.stdout.strip().splitlines()[-1])
+    return path
+
+
+@pytest.mark.integration  # a Python process of its own, importing torch and Triton's interpreter: CI, not the inner loop
+@pytest.mark.xdist_group("triton_compile")  # one worker: one recording for both compilations
+def test_every_kernel_compiles_for_sm90_and_sm80_in_every_launched_signature(recorded: Path) -> None:
+    launches = json.loads(recorded.read_text())
     found = kernels()
     assert {launch["kernel"] for launch in launches} == launched_names()
     reached, helpers = launched_names(), set(found) - launched_names()
@@ -211,26 +247,47 @@ def test_every_kernel_compiles_for_sm90_and_sm80_in_every_launched_signature() -
             break
         reached |= more
     assert helpers <= reached, helpers - reached
-    compiled, vectorised = {}, set()
-    for launch in launches:
-        kernel = found[launch["kernel"]]
-        for target in (GPUTarget(*t) for t in TARGETS):
-            (signature, constexprs, attrs), options = bind(kernel, launch, target)
-            key = (launch["kernel"], target.arch, json.dumps([signature, sorted(map(str, constexprs.items())),
-                                                              sorted(map(str, attrs.items())), sorted(
-                                                                  map(str, options.items()))]))
-            if key in compiled:
-                continue
-            binary = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options)
-            assert binary.asm["cubin"][:4] == b"\x7fELF", key
-            assert f".target sm_{target.arch}" in binary.asm["ptx"], key
-            compiled[key] = signature
-            if re.search(r"\bld\.global\.v[24]\.", binary.asm["ptx"]):
-                vectorised.add(launch["kernel"].rsplit(".", 1)[1])
-    per_kernel = {name: sum(k[0] == name for k in compiled) for name in sorted(launched_names())}
-    print(f"compiled {len(compiled)} cubins (sm_90 and sm_80) of {len(per_kernel)} kernels: {per_kernel}")
+    per_kernel, vectorised = compile_launches(launches, TARGETS)
+    print(f"compiled {sum(per_kernel.values())} cubins (sm_90 and sm_80) of {len(per_kernel)} kernels: {per_kernel}")
     assert all(per_kernel.values())
     assert VECTORISED <= vectorised, VECTORISED - vectorised
+
+
+def compile_with_oldest_triton(launches_file: str) -> None:
+    """Run with the oldest supported Triton first on the path: :func:`compile_launches` of the recorded launches for
+    sm_90; prints the version and the count as one JSON line."""
+    import triton
+
+    per_kernel, vectorised = compile_launches(json.loads(Path(launches_file).read_text()), [TARGETS[0]])
+    print(json.dumps({"triton": triton.__version__, "file": triton.__file__, "cubins": sum(per_kernel.values()),
+                      "kernels": per_kernel, "vectorised": sorted(vectorised)}))
+
+
+@pytest.mark.integration  # as above, with another Triton
+@pytest.mark.xdist_group("triton_compile")
+@pytest.mark.skipif(not os.environ.get(OLDEST_TRITON), reason=f"{OLDEST_TRITON} names no folder (.ci/run sets it)")
+def test_every_kernel_compiles_for_sm90_with_the_oldest_supported_triton(recorded: Path) -> None:
+    """The lent GPUs' image has the oldest Triton of :data:`~mtmoe.triton_support.SUPPORTED_VERSIONS` (3.6), older
+    than this machine's: each launch recorded here (by this Triton's interpreter: 3.6's fails on this numpy) compiled
+    for sm_90 (the H100 and H200) by that Triton, installed with ``pip install --no-deps --target`` into the folder
+    :data:`OLDEST_TRITON` names, first on the path of a process of its own. A kernel a lease's Triton would refuse
+    fails here, before the lease."""
+    from mtmoe.triton_support import SUPPORTED_VERSIONS
+
+    folder = Path(os.environ[OLDEST_TRITON]).resolve()
+    code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_triton_compile as t; " \
+           f"t.compile_with_oldest_triton({str(recorded)!r})"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(folder), os.environ.get("PYTHONPATH"))))}
+    env.pop("TRITON_INTERPRET", None)
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
+                            cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = json.loads(result.stdout.strip().splitlines()[-1])
+    print(f"Triton {found['triton']} compiled {found['cubins']} cubins (sm_90) of {len(found['kernels'])} kernels")
+    assert Path(found["file"]).is_relative_to(folder), found["file"]
+    assert found["triton"].split(".")[:2] == SUPPORTED_VERSIONS["triton"][0].split("."), found["triton"]
+    assert set(found["kernels"]) == launched_names() and all(found["kernels"].values()), found["kernels"]
+    assert VECTORISED <= set(found["vectorised"]), VECTORISED - set(found["vectorised"])
 
 
 def test_every_launch_grid_is_checked_against_cudas_limits() -> None:
