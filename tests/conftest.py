@@ -72,6 +72,29 @@ def threads_per_worker():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(autouse=True)
+def signal_handlers():
+    """Each test starts with Python's own Ctrl-C handler, and leaves SIGTERM's handler and the unraisable hook as it
+    found them. A process that a shell starts in the background ignores Ctrl-C (and so would its children), and
+    ``mtmoe.cli.main`` run in-process (:func:`run_cli`) keeps its handlers as a command's process does to its exit
+    (after a stop, :func:`mtmoe.interrupts.stopping`, Ctrl-C ignored): either way a test that stops a command with
+    ``_thread.interrupt_main``, a no-op while Ctrl-C is ignored, would not stop it."""
+    import signal
+    import sys
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    sigterm, hook = signal.getsignal(signal.SIGTERM), sys.unraisablehook
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if sigterm is not None:  # None: a handler set outside Python, which Python cannot set back
+        signal.signal(signal.SIGTERM, sigterm)
+    sys.unraisablehook = hook
+
+
 def require_dataset(name: str) -> None:
     """Skip the calling test unless the dataset ``name``'s files are under the data root (``$MTMOE_DATA``)."""
     from mtmoe.data.layout import data_root, files_status
