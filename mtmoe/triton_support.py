@@ -21,7 +21,9 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # The GPU paths' supported range, oldest to newest: torch and Triton of the lent GPUs' image (torch 2.11, Triton 3.6)
 # to those of the CI machine, where tests/test_triton_compile.py compiles every kernel for sm_80 and sm_90 and the
 # interpreter runs them (torch 2.15, Triton 3.9; a VM capped at torch 2.14.1 gets Triton 3.8, whose interpreter rounds
-# tl.fma twice: mtmoe.random fuses it there). benchmarks/gpu_check.py prints it beside the versions in use.
+# tl.fma twice: mtmoe.random fuses it there). The oldest are CI's too: torch 2.11 is pyproject.toml's lower bound
+# (.ci/run tests it), and tests/test_triton_compile.py compiles every kernel for sm_90 with Triton 3.6 as well.
+# benchmarks/gpu_check.py prints the range beside the versions in use.
 SUPPORTED_VERSIONS = {"torch": ("2.11", "2.15"), "triton": ("3.6", "3.9")}
 
 
