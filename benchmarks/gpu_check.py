@@ -513,6 +513,10 @@ def run(out: Path, sizes: Sizes, study_dir: Path, dry_run: bool = False, chosen:
     python = sys.executable
     summary = {"environment": environment(dry_run)}
     summary["device"], summary["commit"] = summary["environment"]["device"], summary["environment"]["commit"]
+    if summary["commit"]:  # what each trial records as the code that trained it (git's history here may be stale)
+        from mtmoe.code_version import ENVIRONMENT as CODE
+
+        env[CODE] = summary["commit"]
     print(json.dumps(summary["environment"]), flush=True)
     verdict = read_verdict(verdict_file, summary["commit"])
     if "study" in chosen and "preflight" not in chosen and PREFLIGHT and verdict is None and not dry_run:

@@ -220,6 +220,7 @@ def test_a_kernel_the_preflight_does_not_pass_is_trained_as_torch_operations(tmp
         str(gpu_check.study_journal(tmp_path / "study"))))
     trials = optuna.load_study(study_name=f"{gpu_check.DATASET}/{gpu_check.GATE}", storage=storage).trials
     assert [t.user_attrs.get("plain_kernels") for t in trials] == [["epilogue"]] * gpu_check.DRY.trials
+    assert [t.user_attrs.get("code") for t in trials] == [summary["commit"]] * gpu_check.DRY.trials  # MTMOE_CODE
     with tarfile.open(tmp_path / "out" / "logs.tar.gz") as archive:
         log = archive.extractfile("logs/study.log").read().decode()
     assert "note: MTMOE_PLAIN_KERNELS: epilogue run as torch operations (the same values, slower)" in log

@@ -27,7 +27,7 @@ LAYERS = {  # module or package prefix -> layer (0 = bottom)
     "mtmoe": 0, "mtmoe.errors": 0, "mtmoe.files": 0, "mtmoe.scalars": 0, "mtmoe.random": 0, "mtmoe.dataset_info": 0,
     "mtmoe.losses": 0, "mtmoe.host_memory": 0, "mtmoe.host_threads": 0, "mtmoe.gate_names": 0, "mtmoe.interrupts": 0,
     "mtmoe.triton_support": 0, "mtmoe.plain_kernels": 0, "mtmoe.discovery": 0, "mtmoe.kernel_traffic": 0,
-    "mtmoe.routing_names": 0,
+    "mtmoe.routing_names": 0, "mtmoe.code_version": 0,
     "mtmoe.epilogue": 0, "mtmoe.mixing": 0, "mtmoe.shared_input": 0,
     "mtmoe.gates": 0, "mtmoe.experts": 0, "mtmoe.mmoe": 0, "mtmoe.permutation": 0, "mtmoe.sinkhorn": 0,
     "mtmoe.schedules": 0,

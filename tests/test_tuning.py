@@ -389,6 +389,38 @@ def test_trained_on_counts_each_device_and_its_plain_kernels() -> None:
     assert trained_on(rows) == ("not recorded ×2; NVIDIA H200 ×1; NVIDIA H200, plain epilogue,mixing ×1; "
                                 "NVIDIA H100 80GB HBM3 ×1")
     assert trained_on(rows.iloc[:2]) == "-"  # a study from before the device was recorded
+    rows["code"] = "5252e5a"
+    assert "code" not in trained_on(rows)  # one code: not named
+    rows["code"] = ["", "", "5252e5a", "5252e5a", "5252e5a"]
+    assert trained_on(rows).startswith("not recorded, code not recorded ×2; NVIDIA H200, code 5252e5a ×1;")
+    rows.loc[4, "code"] = "9e35c08"  # a study resumed under other code: each trial's is named
+    assert trained_on(rows) == ("not recorded, code not recorded ×2; NVIDIA H200, code 5252e5a ×1; "
+                                "NVIDIA H200, plain epilogue,mixing, code 5252e5a ×1; NVIDIA H100 80GB HBM3, code 9e35c08 ×1")
+
+
+def test_the_code_version_is_the_environments_else_gits_else_the_installed_version(monkeypatch,
+                                                                                  tmp_path: Path) -> None:
+    """``code_version``: ``$MTMOE_CODE`` (a lent GPU's copy of a checkout: its git history may be stale), else this
+    checkout's ``git describe`` (the CI's clean clone: a commit), else the installed version."""
+    import subprocess
+
+    import mtmoe.code_version as code
+
+    try:
+        monkeypatch.setenv(code.ENVIRONMENT, "5252e5a")
+        code.code_version.cache_clear()
+        assert code.code_version() == "5252e5a"
+        monkeypatch.delenv(code.ENVIRONMENT)
+        code.code_version.cache_clear()
+        root = Path(code.__file__).resolve().parent.parent
+        git = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=root, capture_output=True, text=True)
+        if (root / ".git").exists() and git.returncode == 0:
+            assert code.code_version() == git.stdout.strip() and code.code_version() != ""
+        code.code_version.cache_clear()
+        monkeypatch.setattr(code, "__file__", str(tmp_path / "mtmoe" / "code_version.py"))  # no checkout around it
+        assert code.code_version() == code.version("mtmoe")
+    finally:
+        code.code_version.cache_clear()
 
 
 def test_router_names_with_hyphens_and_plus_flow_through_tune_and_report(tiny_root: Path, tmp_path: Path,

@@ -119,14 +119,17 @@ def suggest(trial: optuna.Trial, key: str, distribution: optuna.distributions.Ba
 
 
 def record_result(trial: optuna.Trial, seed: int, wall_time_s: float, results: dict, diverged: str | None) -> float:
-    """Record a finished trial's results as its user attributes (seed, wall time, epochs, ``test/<key>`` for every
+    """Record a finished trial's results as its user attributes (seed, the code that trained it
+    (:func:`~mtmoe.code_version.code_version`), wall time, epochs, ``test/<key>`` for every
     test metric, ``val/<key>`` for the best epoch's routing statistics, ``test_loss``; a ``fail_reason`` when it
     diverged; ``plain_kernels`` when ``MTMOE_PLAIN_KERNELS`` ran fused kernels as torch operations) and return its
     objective: the best epoch's
     validation loss, or NaN for a diverged trial (Optuna records it FAILED; it counts among the N with +inf)."""
+    from mtmoe.code_version import code_version
     from mtmoe.plain_kernels import plain_kernels  # torch: not at import (report and bootstrap read this module)
 
     trial.set_user_attr("seed", seed)
+    trial.set_user_attr("code", code_version())
     plain = plain_kernels()
     if plain:  # the same values to rounding, but which code trained it is on record
         trial.set_user_attr("plain_kernels", sorted(plain))

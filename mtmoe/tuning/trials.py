@@ -5,7 +5,8 @@ Columns: ``study, gate, alpha, seed, settings, config_id, trial, failed, fail_re
 ``epochs_run`` (the trial's), ``max_epochs`` (the study's ``trainer.max_epochs`` setting, NaN where it set none),
 ``planned`` (the configurations the study plans, ``tune --trials``; NaN for a study that does not record it),
 ``device`` (what trained the trial, a GPU's name or ``cpu``; ``""`` where an older mtmoe did not record it),
-``plain_kernels`` (the fused kernels it ran as torch operations, comma-separated; ``""``: none),
+``plain_kernels`` (the fused kernels it ran as torch operations, comma-separated; ``""``: none), ``code`` (the code
+that trained it, :func:`mtmoe.code_version.code_version`; ``""`` where an older mtmoe did not record it),
 ``params`` and ``distributions`` (the trial's hyperparameters and their search distributions, dicts),
 ``data``, the per-task test metrics as ``<task>/<metric>`` and the routing statistics of the trial's best epoch
 (on the validation split) as ``routing.<task>.<key>`` (``expert_load`` a list). A study is one row group per study
@@ -153,6 +154,7 @@ def trial_rows(study_name: str, attrs: dict[str, Any], trials: list, alpha: str 
             "max_epochs": _number((attrs.get("settings") or {}).get("trainer.max_epochs")),
             "planned": _number(attrs.get("trials")),
             "device": str(user.get("device", "")), "plain_kernels": ",".join(user.get("plain_kernels", [])),
+            "code": str(user.get("code", "")),
             "params": dict(trial.params), "distributions": dict(trial.distributions),
         }
         if not reason:
@@ -172,10 +174,14 @@ def trial_rows(study_name: str, attrs: dict[str, Any], trials: list, alpha: str 
 
 def trained_on(trials: pd.DataFrame) -> str:
     """What trained a study's trials (``trials``, one study's rows): each device and the kernels it ran as torch
-    operations, with its count of trials (``NVIDIA H200 ×234; cpu, plain epilogue ×2``), ``-`` where none is
-    recorded."""
+    operations, and the code where the trials have more than one, with its count of trials (``NVIDIA H200 ×234;
+    cpu, plain epilogue ×2``; ``NVIDIA H200, code 5252e5a ×181; NVIDIA H200, code 9e35c08 ×266``), ``-`` where none
+    is recorded."""
+    codes = trials.code if "code" in trials else pd.Series("", index=trials.index)
+    several = codes.nunique() > 1  # "" among them: trials of an mtmoe that did not record it
     kinds = (trials.device.replace("", "not recorded")
-             + trials.plain_kernels.map(lambda names: f", plain {names}" if names else ""))
+             + trials.plain_kernels.map(lambda names: f", plain {names}" if names else "")
+             + codes.map(lambda code: f", code {code or 'not recorded'}" if several else ""))
     counts = kinds.value_counts(sort=False)
     if set(counts.index) == {"not recorded"}:
         return "-"
