@@ -57,12 +57,9 @@ def usage() -> str:
 
 def version() -> str:
     """The installed distribution's version (pyproject.toml's)."""
-    from importlib.metadata import PackageNotFoundError, version as installed_version
+    from mtmoe.code_version import installed_version
 
-    try:
-        return installed_version("mtmoe")
-    except PackageNotFoundError:
-        return "(not installed: pip install the checkout to give it a version)"
+    return installed_version() or "(not installed: pip install the checkout to give it a version)"
 
 
 def listing_parser(command: str) -> OneLineParser:

@@ -30,7 +30,12 @@ def code_version() -> str:
             git = None
         if git is not None and git.returncode == 0 and git.stdout.strip():
             return git.stdout.strip()
+    return installed_version() or "unknown"
+
+
+def installed_version() -> str | None:
+    """The installed distribution's version (pyproject.toml's), ``None`` where mtmoe is not installed."""
     try:
         return version("mtmoe")
     except PackageNotFoundError:
-        return "unknown"
+        return None

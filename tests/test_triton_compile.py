@@ -219,17 +219,21 @@ def compile_launches(launches: list[dict], targets: list[tuple]) -> tuple[dict[s
     return {name: sum(k[0] == name for k in compiled) for name in sorted(launched_names())}, vectorised
 
 
+def last_line_of(call: str, env: dict[str, str]) -> str:
+    """The last line ``call`` (a call of a function of this module) prints, run in a Python process of its own with
+    ``env``, which must succeed."""
+    code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_triton_compile as t; t.{call}"
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
+                            cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout.strip().splitlines()[-1]
+
+
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory) -> Path:
     """:func:`record_launches`' JSON, run once in a process of its own under Triton's interpreter, in a file."""
-    code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_triton_compile as t; " \
-           "t.record_launches()"
-    result = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TRITON_INTERPRET": "1",
-                                                               "OMP_NUM_THREADS": "1"},
-                            capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert result.returncode == 0, result.stderr[-3000:]
     path = tmp_path_factory.mktemp("launches") / "launches.json"
-    path.write_text(result.stdout.strip().splitlines()[-1])
+    path.write_text(last_line_of("record_launches()", {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}))
     return path
 
 
@@ -275,14 +279,9 @@ def test_every_kernel_compiles_for_sm90_with_the_oldest_supported_triton(recorde
     from mtmoe.triton_support import SUPPORTED_VERSIONS
 
     folder = Path(os.environ[OLDEST_TRITON]).resolve()
-    code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_triton_compile as t; " \
-           f"t.compile_with_oldest_triton({str(recorded)!r})"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(folder), os.environ.get("PYTHONPATH"))))}
     env.pop("TRITON_INTERPRET", None)
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
-                            cwd=ROOT)
-    assert result.returncode == 0, result.stderr[-3000:]
-    found = json.loads(result.stdout.strip().splitlines()[-1])
+    found = json.loads(last_line_of(f"compile_with_oldest_triton({str(recorded)!r})", env))
     print(f"Triton {found['triton']} compiled {found['cubins']} cubins (sm_90) of {len(found['kernels'])} kernels")
     assert Path(found["file"]).is_relative_to(folder), found["file"]
     assert found["triton"].split(".")[:2] == SUPPORTED_VERSIONS["triton"][0].split("."), found["triton"]

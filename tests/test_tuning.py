@@ -385,7 +385,7 @@ def test_trained_on_counts_each_device_and_its_plain_kernels() -> None:
     from mtmoe.tuning.trials import trained_on
 
     rows = pd.DataFrame({"device": ["", "", "NVIDIA H200", "NVIDIA H200", "NVIDIA H100 80GB HBM3"],
-                         "plain_kernels": ["", "", "", "epilogue,mixing", ""]})
+                         "plain_kernels": ["", "", "", "epilogue,mixing", ""], "code": ""})
     assert trained_on(rows) == ("not recorded ×2; NVIDIA H200 ×1; NVIDIA H200, plain epilogue,mixing ×1; "
                                 "NVIDIA H100 80GB HBM3 ×1")
     assert trained_on(rows.iloc[:2]) == "-"  # a study from before the device was recorded

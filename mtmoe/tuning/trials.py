@@ -177,11 +177,10 @@ def trained_on(trials: pd.DataFrame) -> str:
     operations, and the code where the trials have more than one, with its count of trials (``NVIDIA H200 ×234;
     cpu, plain epilogue ×2``; ``NVIDIA H200, code 5252e5a ×181; NVIDIA H200, code 9e35c08 ×266``), ``-`` where none
     is recorded."""
-    codes = trials.code if "code" in trials else pd.Series("", index=trials.index)
-    several = codes.nunique() > 1  # "" among them: trials of an mtmoe that did not record it
+    several = trials.code.nunique() > 1  # "" among them: trials of an mtmoe that did not record it
     kinds = (trials.device.replace("", "not recorded")
              + trials.plain_kernels.map(lambda names: f", plain {names}" if names else "")
-             + codes.map(lambda code: f", code {code or 'not recorded'}" if several else ""))
+             + trials.code.map(lambda code: f", code {code or 'not recorded'}" if several else ""))
     counts = kinds.value_counts(sort=False)
     if set(counts.index) == {"not recorded"}:
         return "-"
