@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from mtmoe.tuning.study import pid_alive
+
 SCRIPT = Path(__file__).resolve().parents[1] / "studies" / "ablation_local_search.py"
 
 
@@ -44,7 +46,7 @@ def test_sigterm_keeps_the_finished_runs_and_a_rerun_trains_the_rest_and_writes_
     assert process.returncode == 143 and "rerun the same command to resume" in err  # 128 + SIGTERM
     time.sleep(1)
     for pid in workers:
-        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text(), pid
+        assert not pid_alive(pid), pid
     kept = {(r["gate"], r["seed"]) for r in runs(out)}
     assert kept and len(kept) == len(runs(out))
 

@@ -471,6 +471,17 @@ def test_a_worker_that_exited_unreaped_is_not_alive() -> None:
         child.wait()
 
 
+@pytest.mark.integration  # a child process
+@pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="reads a process's state in /proc")
+def test_a_worker_reaped_between_kill_and_proc_is_not_alive(monkeypatch) -> None:
+    """The race CI met (stop 48): ``os.kill(pid, 0)`` finds the process, its parent reaps it before ``/proc`` is
+    read. ``pid_alive`` says not alive (it said alive, and a test reading ``/proc/<pid>/status`` raised)."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # exited and reaped: gone from /proc
+    monkeypatch.setattr(os, "kill", lambda pid, sig: None)  # as if kill had looked just before the reaping
+    assert not pid_alive(child.pid)
+
+
 # ------------------------------------------------------------------------------------------- threads that write
 @pytest.mark.timeout(60)
 def test_ordered_writes_hand_a_failed_write_to_the_caller_instead_of_hanging() -> None:

@@ -119,17 +119,22 @@ class _QuietTrialLog(logging.Filter):
 def pid_alive(pid: int) -> bool:
     """Whether process ``pid`` of this host still runs. A process that has exited but that its parent has not yet
     waited for (a zombie: a dead ``tune --workers`` child, until the parent reaps it) is not: ``os.kill(pid, 0)``
-    still finds it, its state in ``/proc`` says it exited (where there is no ``/proc``, ``kill``'s answer)."""
+    still finds it, its state in ``/proc`` says it exited (where there is no ``/proc``, ``kill``'s answer). One reaped
+    between the two looks is gone from ``/proc``: not alive either."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         pass  # another user's process: it exists
+    if not Path("/proc/self/stat").is_file():
+        return True
     try:
         stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except (FileNotFoundError, ProcessLookupError):
+        return False  # reaped since kill found it
     except OSError:
-        return True
+        return True  # there but not readable (procfs mounted with hidepid): kill found it
     return stat[stat.rfind(b")") + 2:][:1] not in (b"Z", b"X")  # the state follows the command's name
 
 
