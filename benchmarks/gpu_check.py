@@ -18,12 +18,14 @@ theirs): a step that fails or overruns is logged and the next one runs; ``--step
 study's storage is a journal file in ``.gpu/study/``: the study stops cleanly before its budget ends (SIGTERM:
 running trials are marked interrupted and their state saved), its journal comes back in DIR, and carried to the
 next lease it resumes; the next call of the same lease resumes it from the copy the machine keeps
-(:data:`DEVICE_JOURNAL`), with no copy back between the calls. The saved states (:data:`DEVICE_CHECKPOINTS`, about
-24 MiB a trial: they cannot travel) stay on the device, outside the carried ``.gpu/``: the next call of the same
-lease, on the same warm machine, continues the interrupted trials from their last epoch; a fresh machine reruns them
-from their first. DIR receives ``summary.json``, ``summary.md`` (the short table, also printed last),
-``logs.tar.gz`` (every step's full log), ``study.journal.gz`` (the journal gzipped: a file comes back only under
-16 MiB), ``checkpoints.tar.gz`` (if the study left any and the archive is within :data:`RETURN_LIMIT`),
+(:func:`device_paths`), with no copy back between the calls. The saved states (about 24 MiB a trial: they cannot
+travel) stay on the device, outside the carried ``.gpu/``: the next call of the same lease, on the same warm machine,
+continues the interrupted trials from their last epoch; a fresh machine reruns them from their first. ``--study``
+chooses how the studies train (:data:`STUDY_SETTINGS`: TF32, the default and the leases' study so far, or bf16 with
+the mixing's sums fused); each setting has its own journal, preflight and precision check, so a study never mixes
+them. DIR receives ``summary.json``, ``summary.md`` (the short table, also printed last), ``logs.tar.gz`` (every
+step's full log), the journal gzipped (``study.journal.gz``, TF32's; ``study-<setting>.journal.gz``: a file comes
+back only under 16 MiB), ``checkpoints.tar.gz`` (if the study left any and the archive is within :data:`RETURN_LIMIT`),
 ``report.md`` and ``results.tar.gz`` (the report's and the bootstrap's folders): at most 8 files, as the device
 tool returns.
 
@@ -53,15 +55,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script from a checkout on the device, where the suite is not installed
 CARRIED = ROOT / ".gpu"  # travels with the working tree: carry=[".gpu"]
 WHEELS_DIR, DATA_DIR, STUDY_DIR = CARRIED / "wheels", CARRIED / "data", CARRIED / "study"
-# The study's checkpoints on the device: git-ignored and not carried, so kept from one call of a lease to the next
-# on the same warm machine (the device tool keeps ignored files between calls; carry replaces .gpu/ whole)
-DEVICE_CHECKPOINTS = ROOT / ".gpu-device" / "checkpoints"
-# The preflight's verdict on this machine (the names its tests did not pass), kept there as the checkpoints are: a
-# call whose --steps lack the preflight trains the study as the preflight of an earlier call decided
-PREFLIGHT_VERDICT = ROOT / ".gpu-device" / "preflight.json"
-# The study's journal as the last call on this machine left it, kept there as the checkpoints are: carry replaces
-# .gpu/ with this machine's copy, older by that call's trials, and the next call resumes from the newer of the two
-DEVICE_JOURNAL = ROOT / ".gpu-device" / "study.journal"
+# What a lease's calls keep on the device, per study setting (device_paths): git-ignored and not carried, so kept
+# from one call of a lease to the next on the same warm machine (the device tool keeps ignored files between calls;
+# carry replaces .gpu/ whole). The study's checkpoints; the preflight's verdict on this machine (the names its tests
+# did not pass: a call whose --steps lack the preflight trains the study as the preflight of an earlier call
+# decided); the study's journal as the last call left it (carry replaces .gpu/ with this machine's copy, older by
+# that call's trials, and the next call resumes from the newer of the two).
+ON_DEVICE = ROOT / ".gpu-device"
 DATASET, GATE, SOURCE = "movielens-100k", "comet", "ml-100k"  # GATE: the bench's
 # The lease's studies, trained in this order, each to its 500 trials: COMET's, then Top-k's, the pair whose
 # tuning-trial reduction factor is the paper's Figures 2-3. One journal holds them; report and bootstrap read both.
@@ -95,17 +95,63 @@ CUDA_TESTS = ["tests/test_engine_cuda.py",
               "tests/test_image_models.py::test_trains_on_gpu_with_uint8_batches"]
 
 
-# The float32 CUDA tests of the kernels (and captures) a study launches that changed since a GPU last ran them, each
-# with the name it checks (mtmoe.plain_kernels): ``--steps preflight,study`` runs them first, and the study trains
-# with each kernel whose test did not pass run as its torch operations, each capture as eager dispatches
-# (MTMOE_PLAIN_KERNELS: the same values, slower), so that no trial is trained by code the GPU computes wrongly (the
-# dry run: skipped, no CUDA, the kernels kept). Empty it once a lease's tests step passes them.
-PREFLIGHT = {"tests/test_epilogue.py::test_cuda_equals_cpu[dtype0]": "epilogue",
-             "tests/test_mixing.py::test_cuda_equals_cpu[dtype0]": "mixing",
-             "tests/test_random.py::test_cuda_equals_cpu[dtype0]": "dropout",
-             "tests/test_shared_input.py::test_cuda_equals_cpu[dtype0]": "shared_input",
-             **{f"tests/test_eval_graphs.py::test_cuda_evaluation_graphs_compute_the_eager_passes_without_synchronising"
-                f"[{gate}]": "eval_graphs" for gate in STUDY_GATES}}
+EVAL_GRAPHS_TEST = ("tests/test_eval_graphs.py::"
+                    "test_cuda_evaluation_graphs_compute_the_eager_passes_without_synchronising")
+
+
+@dataclass(frozen=True)
+class StudySetting:
+    """How a lease's studies train (``run --study``): the trials' ``fit`` options, part of each study's identity; the
+    pack a GPU trains them in, and the one pack it runs the study's last trials in once at most 5/4 of it are left
+    (``None``: none); the file of their journal (one journal a setting: ``report`` and ``bootstrap`` compare gates
+    trained alike); ``bench_precision.py``'s ``--variant`` that checks this arithmetic against float32's; and the
+    preflight: the CUDA tests of the kernels (and captures) its trials launch that changed since a GPU last ran them,
+    each with the name it checks (:mod:`mtmoe.plain_kernels`). ``--steps preflight,study`` runs them first, and the
+    study trains with each kernel whose test did not pass run as its torch operations, each capture as eager
+    dispatches (``MTMOE_PLAIN_KERNELS``: the same values, slower; the mixing's sums to rounding), so that no trial is
+    trained by code the GPU computes wrongly (the dry run: skipped, no CUDA, the kernels kept). Empty a preflight once
+    a lease's tests step passes its tests."""
+
+    fit_args: tuple[str, ...]
+    pack: int
+    last_pack: int | None
+    journal: str
+    returned: str  # the journal's name, gzipped, as a lease returns it and docs/results/gpu-*/ keeps it
+    variant: str
+    preflight: dict[str, str]
+
+
+# TF32 (the official code's arithmetic on Ampere and later GPUs), packs of 128, checkpoints kept on the device
+# (DEVICE_CHECKPOINTS). A trial interrupted at a lease's end reruns from its first epoch in the next lease (a pack's
+# checkpoints, about 24 MiB a trial, cannot travel), so a lease keeps only the trials that finish inside it: packs
+# small enough that a trial's 26 to 100 epochs end within one lease's study, rather than the pack ``--pack auto``
+# finds fastest (all 500 at once, measured on an H200: none finished in a lease). With at most 320 trials left, one
+# pack of 256: no trial waits for a slot, and the pack shrinks as they end (``benchmarks/lease_plan.py``: more of
+# them complete in a lease than in packs of 128).
+# bf16-mixed with the mixing's sums fused (``--model.fused_mixing_sums``: the experts' outputs never written; the
+# configuration the roofline puts within 2x of its floor), all 500 trials in one pack: ``lease_plan.py`` models a
+# lease of two calls completing them all at a pack epoch of ``1.24 + 0.0130 P`` s (the H200's fixed part, the part
+# that grows with P shrunk as the roofline's projection of a trial-epoch), where packs of 256 complete some 462.
+STUDY_SETTINGS = {
+    "tf32": StudySetting(("--model.matmul_precision=high",), 128, 256, f"{DATASET}.journal", "study.journal.gz",
+                         "high", {
+        "tests/test_epilogue.py::test_cuda_equals_cpu[dtype0]": "epilogue",
+        "tests/test_mixing.py::test_cuda_equals_cpu[dtype0]": "mixing",
+        "tests/test_random.py::test_cuda_equals_cpu[dtype0]": "dropout",
+        "tests/test_shared_input.py::test_cuda_equals_cpu[dtype0]": "shared_input",
+        **{f"{EVAL_GRAPHS_TEST}[{gate}]": "eval_graphs" for gate in STUDY_GATES}}),
+    "bf16-fused-sums": StudySetting(
+        ("--trainer.precision=bf16-mixed", "--model.fused_mixing_sums=true"), 500, None,
+        f"{DATASET}-bf16-fused-sums.journal", "study-bf16-fused-sums.journal.gz", "bf16-fused-sums", {
+            "tests/test_epilogue.py::test_cuda_equals_cpu[dtype2]": "epilogue",
+            "tests/test_mixing_sums.py::test_cuda_equals_cpu[dtype1]": "mixing",
+            "tests/test_random.py::test_cuda_equals_cpu[dtype2]": "dropout",
+            "tests/test_shared_input.py::test_cuda_equals_cpu[dtype1]": "shared_input",
+            "tests/test_comet_reach.py::test_cuda_equals_cpu[dtype1]": "reach",
+            **{f"{EVAL_GRAPHS_TEST}[{gate}]": "eval_graphs" for gate in STUDY_GATES}}),
+}
+#: The setting of the study the leases so far trained (234 of comet's 500 trials after those of 2026-11-27)
+DEFAULT_STUDY = "tf32"
 # --steps chooses among them; install always runs
 STEPS = ("tests", "bench", "precision", "preflight", "study", "report", "bootstrap")
 KILL_GRACE = 5  # seconds from a step's SIGTERM to its SIGKILL; the study's clean stop has Sizes.stop
@@ -128,47 +174,39 @@ class Sizes:
     total: int = 540
     stop: int = 30  # the study's SIGTERM comes this long before its budget ends
     drain: int = 10  # tune --timeout: no trial is claimed this long before the SIGTERM (one could not finish)
-    last_pack: int | None = None  # with at most 5/4 of it left to run, the study's --pack (study_args)
+    pack: int | None = None  # the study's --pack whatever its setting's (the dry run's tiny studies)
     test_passes: str = "1,2"  # the bench's --test-pass: trials a test pass tests together
     trial_args: tuple[str, ...] = ()  # fit options of every trial of the bench and the precision check
-    precision_args: tuple[str, ...] = ()  # bench_precision.py's options: does TF32 change what a study concludes?
+    precision_args: tuple[str, ...] = ()  # bench_precision.py's options (the setting gives its --variant)
 
 
-def study_args(sizes: Sizes, complete: int) -> list[str]:
-    """``tune``'s options for a study with ``complete`` of its trials done: ``sizes.tune_args``, their ``--pack`` made
-    ``sizes.last_pack`` when that holds nearly every trial left (``benchmarks/lease_plan.py`` models both)."""
-    left = sizes.trials - complete
-    if sizes.last_pack is None or 4 * left > 5 * sizes.last_pack:
-        return list(sizes.tune_args)
-    return [f"--pack={sizes.last_pack}" if arg.startswith("--pack=") else arg for arg in sizes.tune_args]
+def study_args(sizes: Sizes, setting: StudySetting, complete: int) -> list[str]:
+    """``tune``'s options for a study of ``setting`` with ``complete`` of its trials done: ``sizes.tune_args``, the
+    setting's fit options and its ``--pack`` (``sizes.pack`` where given), its last pack once that holds nearly
+    every trial left (``benchmarks/lease_plan.py`` models both)."""
+    pack = sizes.pack or setting.pack
+    if sizes.pack is None and setting.last_pack is not None and 4 * (sizes.trials - complete) <= 5 * setting.last_pack:
+        pack = setting.last_pack
+    return [*sizes.tune_args, *setting.fit_args, f"--pack={pack}"]
 
 
-# The study: TF32 (the official code's precision on Ampere and later GPUs), packs of 128, checkpoints kept on the
-# device (DEVICE_CHECKPOINTS). A trial interrupted at a lease's end reruns from its first epoch in the next lease
-# (a pack's checkpoints, about 24 MiB a trial, cannot travel), so a lease keeps only the trials that finish inside
-# it: packs small enough that a trial's 26 to 100 epochs end within one lease's study, rather than the
-# pack ``--pack auto`` finds fastest (all 500 at once, measured on an H200: none finished in a lease). With at most
-# 320 trials left, one pack of 256: no trial waits for a slot, and the pack shrinks as they end
-# (``benchmarks/lease_plan.py``: more of them complete in a lease than in packs of 128).
 # The bench: packs of 1 and of 256, each timed by phase and profiled: a step of P = 1 is the part of every step that
 # packing does not amortise (its kernels' fixed cost; lease_plan.py puts what does not grow with P at a quarter of a
 # P = 128 epoch).
-GPU = Sizes("1,256", 500, ["--device", "cuda"], ["--trainer.accelerator=gpu", "--model.matmul_precision=high",
-                                               "--pack=128"], ["--device", "cuda"],
+GPU = Sizes("1,256", 500, ["--device", "cuda"], ["--trainer.accelerator=gpu"], ["--device", "cuda"],
             {"install": 40, "tests": 180, "bench": 140, "precision": 150, "preflight": 90, "report": 30,
              "bootstrap": 30},
             drain=120,  # a trial's 26 epochs at least (33 the fewest seen), a pack of 128's about 4 s each (H200)
-            last_pack=256, test_passes="1,16,64", precision_args=("--device", "cuda", "--variant", "high"))
+            test_passes="1,16,64", precision_args=("--device", "cuda"))
 # the interpreter's pace: each program of a kernel costs milliseconds, each 1,024 parameters one Adam program
 TINY = "--data.batch_size=8 --model.n_experts=4 --model.embedding_dim=4 --model.expert_units=8 --model.tower_units=8"
 DRY = Sizes("2", 2, ["--limit-batches", "1", "--profile-steps", "1", "--adam-repeats", "3"],
-            ["--pack=2", "--trainer.max_epochs=1", "--trainer.limit_train_batches=1", "--trainer.limit_val_batches=1",
+            ["--trainer.max_epochs=1", "--trainer.limit_train_batches=1", "--trainer.limit_val_batches=1",
              "--trainer.limit_test_batches=1", *TINY.split()], ["--draws", "20", "--confidence", "0.5"],
             {"install": 30, "tests": 120, "bench": 150, "precision": 60, "preflight": 60, "report": 60,
              "bootstrap": 60}, total=760,
-            stop=10, trial_args=tuple(TINY.split()),
-            precision_args=("--trials", "2", "--epochs", "1", "--train-batches", "1", "--val-batches", "1", "--variant",
-                            "high"))
+            stop=10, pack=2, trial_args=tuple(TINY.split()),
+            precision_args=("--trials", "2", "--epochs", "1", "--train-batches", "1", "--val-batches", "1"))
 
 
 def trial_options(trial_args: tuple[str, ...]) -> list[str]:
@@ -191,10 +229,17 @@ def tree_bytes() -> int:
     return sum(p.stat().st_size for p in files if p.is_file())
 
 
-def study_journal(study_dir: Path) -> Path:
-    """The journal storage of the lease's studies (:data:`STUDY_GATES`) in ``study_dir`` (``.gpu/study`` on a
-    lease)."""
-    return study_dir / f"{DATASET}.journal"
+def study_journal(study_dir: Path, setting: str) -> Path:
+    """The journal storage of the lease's studies (:data:`STUDY_GATES`) of ``setting`` in ``study_dir``
+    (``.gpu/study`` on a lease)."""
+    return study_dir / STUDY_SETTINGS[setting].journal
+
+
+def device_paths(setting: str) -> tuple[Path, Path, Path]:
+    """The checkpoints folder, the preflight's verdict and the journal that a lease's calls keep on the device for
+    the studies of ``setting`` (:data:`ON_DEVICE`)."""
+    return ON_DEVICE / "checkpoints" / setting, ON_DEVICE / f"preflight-{setting}.json", \
+        ON_DEVICE / STUDY_SETTINGS[setting].journal
 
 
 def study_name(gate: str) -> str:
@@ -214,9 +259,11 @@ def lease_order(folder: str) -> tuple[str, int]:
     return (match.group(1), int(match.group(2) or 1)) if match else (folder, 1)
 
 
-def newest_kept_journal(results: Path) -> Path | None:
-    """The newest lease's ``results/gpu-<date>[-N]/study.journal.gz`` (:func:`lease_order`), or ``None``."""
-    saved = sorted(results.glob("gpu-*/study.journal.gz"), key=lambda path: lease_order(path.parent.name))
+def newest_kept_journal(results: Path, setting: str) -> Path | None:
+    """The newest lease's ``results/gpu-<date>[-N]/<the setting's returned journal>`` (:func:`lease_order`), or
+    ``None``."""
+    saved = sorted(results.glob(f"gpu-*/{STUDY_SETTINGS[setting].returned}"),
+                   key=lambda path: lease_order(path.parent.name))
     return saved[-1] if saved else None
 
 
@@ -235,13 +282,13 @@ def adopt_newer_state(journal: Path, state: bytes) -> bool | None:
     return True
 
 
-def restore_study(study_dir: Path, results: Path) -> Path | None:
-    """The study's storage as the last lease left it: the newest committed ``results/gpu-<date>[-...]/
-    study.journal.gz`` unpacked into ``study_dir`` where that holds no journal or an older state of it (a journal only
-    grows: an older one is a prefix of the newer), so that a lease resumes the study, never runs its trials again; a
-    journal there that the committed one is a prefix of (a lease's own, not yet kept) stays. The journal restored,
-    or ``None``; one error line where the two are no states of one study."""
-    journal, saved = study_journal(study_dir), newest_kept_journal(results)
+def restore_study(study_dir: Path, results: Path, setting: str) -> Path | None:
+    """The storage of ``setting``'s studies as the last lease left it: the newest committed ``results/gpu-<date>
+    [-...]/<returned journal>`` unpacked into ``study_dir`` where that holds no journal or an older state of it (a
+    journal only grows: an older one is a prefix of the newer), so that a lease resumes the study, never runs its
+    trials again; a journal there that the committed one is a prefix of (a lease's own, not yet kept) stays. The
+    journal restored, or ``None``; one error line where the two are no states of one study."""
+    journal, saved = study_journal(study_dir, setting), newest_kept_journal(results, setting)
     if saved is None:
         return None
     with gzip.open(saved) as source:
@@ -279,9 +326,10 @@ def gather() -> None:
                             text=True).stdout.strip()
     (CARRIED / "commit").write_text(commit + "\n")
     STUDY_DIR.mkdir(exist_ok=True)
-    restored = restore_study(STUDY_DIR, ROOT / "docs" / "results")
-    if restored is not None:
-        print(f"the study resumes from {restored.relative_to(ROOT)}")
+    for setting in STUDY_SETTINGS:
+        restored = restore_study(STUDY_DIR, ROOT / "docs" / "results", setting)
+        if restored is not None:
+            print(f"the {setting} studies resume from {restored.relative_to(ROOT)}")
     size = tree_bytes()
     print(f"gathered {len(list(WHEELS_DIR.glob('*.whl')))} wheels ({', '.join(pinned)}) and {SOURCE} into "
           f"{CARRIED}; commit {commit}; the working tree with .gpu/ is {size / 2**20:.1f} MiB of the "
@@ -299,8 +347,8 @@ def keep(calls: list[Path], results: Path, day: str) -> Path:
     """A lease's returned folders (its device calls' ``files_at``, in order) into a new ``results/gpu-<day>``
     (``-2``, ``-3``... where that exists): each call's ``summary.json``, ``summary.md`` and ``logs.tar.gz`` as
     ``call<K>-*``; from the last ``results.tar.gz`` the report, the bootstrap's table and both figures
-    (:data:`KEPT_RESULTS`); the last ``study.journal.gz``, which :func:`restore_study` unpacks for the next lease.
-    The folder made."""
+    (:data:`KEPT_RESULTS`); each study setting's last returned journal, which :func:`restore_study` unpacks for the
+    next lease. The folder made."""
     if not calls:
         fail("keep needs the folders a lease's device calls returned (their files_at), in order")
     for call in calls:
@@ -321,9 +369,10 @@ def keep(calls: list[Path], results: Path, day: str) -> Path:
             for member in archive.getmembers():
                 if member.name in KEPT_RESULTS:
                     (folder / KEPT_RESULTS[member.name]).write_bytes(archive.extractfile(member).read())
-    journals = [call / "study.journal.gz" for call in calls if (call / "study.journal.gz").is_file()]
-    if journals:
-        shutil.copyfile(journals[-1], folder / "study.journal.gz")
+    for returned in {setting.returned for setting in STUDY_SETTINGS.values()}:
+        journals = [call / returned for call in calls if (call / returned).is_file()]
+        if journals:
+            shutil.copyfile(journals[-1], folder / returned)
     return folder
 
 
@@ -488,14 +537,15 @@ def read_verdict(path: Path | None, commit: str) -> list[str] | None:
 
 def run(out: Path, sizes: Sizes, study_dir: Path, dry_run: bool = False, chosen: tuple[str, ...] = STEPS,
         precisions: tuple[str, ...] = GPU_PRECISIONS, checkpoint_dir: Path | None = None,
-        verdict_file: Path | None = None, device_journal: Path | None = None) -> dict:
-    """The ``chosen`` steps, their logs and the summary in ``out`` (see the module's docstring); the study's
-    checkpoints in ``checkpoint_dir`` (``tune --checkpoint-dir``; default: beside its journal); the preflight's
-    verdict in ``verdict_file``, for a later call's study (the study never trains kernels this machine has not
-    checked: without the preflight in ``chosen`` it takes the verdict there, and without one it runs the preflight
-    first); the study's journal kept in ``device_journal`` after the study, and read from there where it is newer
-    than ``study_dir``'s (:func:`adopt_newer_state`: a lease's second call resumes where its first stopped, whatever
-    journal it carried); returns the summary."""
+        verdict_file: Path | None = None, device_journal: Path | None = None, setting: str = DEFAULT_STUDY) -> dict:
+    """The ``chosen`` steps, their logs and the summary in ``out`` (see the module's docstring), the studies, the
+    preflight and the precision check those of ``setting`` (:data:`STUDY_SETTINGS`); the study's checkpoints in
+    ``checkpoint_dir`` (``tune --checkpoint-dir``; default: beside its journal); the preflight's verdict in
+    ``verdict_file``, for a later call's study (the study never trains kernels this machine has not checked: without
+    the preflight in ``chosen`` it takes the verdict there, and without one it runs the preflight first); the study's
+    journal kept in ``device_journal`` after the study, and read from there where it is newer than ``study_dir``'s
+    (:func:`adopt_newer_state`: a lease's second call resumes where its first stopped, whatever journal it carried);
+    returns the summary."""
     start = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="gpu-check-"))
@@ -518,8 +568,11 @@ def run(out: Path, sizes: Sizes, study_dir: Path, dry_run: bool = False, chosen:
 
         env[CODE] = summary["commit"]
     print(json.dumps(summary["environment"]), flush=True)
+    study_setting = STUDY_SETTINGS[setting]
+    summary["setting"] = setting
     verdict = read_verdict(verdict_file, summary["commit"])
-    if "study" in chosen and "preflight" not in chosen and PREFLIGHT and verdict is None and not dry_run:
+    if "study" in chosen and "preflight" not in chosen and study_setting.preflight and verdict is None \
+            and not dry_run:
         chosen = (*chosen, "preflight")  # no verdict on this machine for this commit: the preflight first
     steps: list[Step] = []
     budgets = sizes.budgets
@@ -564,23 +617,25 @@ def run(out: Path, sizes: Sizes, study_dir: Path, dry_run: bool = False, chosen:
         profiles += [{**line, "precision": precision} for line in key_value_lines(bench.output, "profile")]
         test_passes += [{**line, "precision": precision} for line in key_value_lines(bench.output, "test-pass")]
     summary["throughput"], summary["profile"], summary["test_pass"] = rows, profiles, test_passes
-    step("precision", [python, "benchmarks/bench_precision.py", *sizes.precision_args,
-                       *trial_options(sizes.trial_args), "--out", str(scratch / "precision")], budgets["precision"])
+    step("precision", [python, "benchmarks/bench_precision.py", *sizes.precision_args, "--variant",
+                       study_setting.variant, *trial_options(sizes.trial_args), "--out", str(scratch / "precision")],
+         budgets["precision"])
     summary["precision"] = precision_summary(scratch / "precision" / "precision.json")
     preflight = step("preflight", [python, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-o", "addopts=",
-                                   *PREFLIGHT], budgets["preflight"]) if PREFLIGHT else None
+                                   *study_setting.preflight], budgets["preflight"]) if study_setting.preflight else None
     summary["preflight"] = tests_summary(preflight.output) if preflight is not None else {}
     if preflight is None or dry_run:
         plain = []
     elif preflight.status == "skipped (not in --steps)":
         plain = verdict or []  # an earlier call's preflight on this machine
     else:  # the names whose tests did not pass (none passed in a preflight skipped for want of time)
-        plain = sorted({kernel for test, kernel in PREFLIGHT.items() if test not in passed_tests(preflight.output)})
+        plain = sorted({kernel for test, kernel in study_setting.preflight.items()
+                        if test not in passed_tests(preflight.output)})
         if verdict_file is not None and not preflight.status.startswith("skipped"):
             verdict_file.parent.mkdir(parents=True, exist_ok=True)
             verdict_file.write_text(json.dumps({"commit": summary["commit"], "plain": plain}))  # torn: no verdict
     study_dir.mkdir(parents=True, exist_ok=True)
-    journal = study_journal(study_dir)
+    journal = study_journal(study_dir, setting)
     storage = f"journal:{journal}"
     journal_from = "carried" if journal.exists() else "none"
     if device_journal is not None and device_journal.exists():  # an earlier call of this lease, on this machine
@@ -596,7 +651,7 @@ def run(out: Path, sizes: Sizes, study_dir: Path, dry_run: bool = False, chosen:
     study_budget = int(sizes.total - (time.perf_counter() - start) - reserved_after("study", chosen, budgets)
                        - SUMMARY_S)
     timeout = max(1, study_budget - sizes.stop - sizes.drain)  # the trials claimed later could not finish
-    tune_args = study_args(sizes, before.get("trials_complete") or 0)
+    tune_args = study_args(sizes, study_setting, before.get("trials_complete") or 0)
     from mtmoe.plain_kernels import ENVIRONMENT
 
     if plain:  # the kernels whose test failed or did not run: the study trains without them
@@ -649,7 +704,7 @@ def run(out: Path, sizes: Sizes, study_dir: Path, dry_run: bool = False, chosen:
         for report in results.rglob("report.md"):
             shutil.copyfile(report, out / "report.md")
     if journal.exists():
-        (out / "study.journal.gz").write_bytes(gzip.compress(journal.read_bytes(), compresslevel=9))
+        (out / study_setting.returned).write_bytes(gzip.compress(journal.read_bytes(), compresslevel=9))
     shutil.rmtree(scratch, ignore_errors=True)
     print(table, flush=True)
     return summary
@@ -706,7 +761,8 @@ def short_table(summary: dict) -> str:
         lines += [f"preflight: {summary['preflight'].get('line') or 'no summary line'}"]
     found = summary.get("precision")
     if found:
-        lines += [f"precision: {found['configurations']} configurations, float32 against TF32 (same seeds) at most "
+        lines += [f"precision: {found['configurations']} configurations, float32 against {summary['setting']} (same "
+                  f"seeds) at most "
                   f"{found['variant_max']:.2e} apart (median {found['variant_median']:.2e}, Spearman "
                   f"{found['spearman_variant']:.4f}); two seeds in float32 at most {found['seed_max']:.2e} (Spearman "
                   f"{found['spearman_seeds']:.4f}); the configurations' standard deviation {found['configs_std']:.2e}"]
@@ -771,6 +827,9 @@ def main() -> None:
                         "call of the lease continues them from their checkpoints)")
     parser.add_argument("--steps", default=",".join(STEPS),
                         help=f"run: the steps to run, of {','.join(STEPS)} (a resumed study: study,report,bootstrap)")
+    parser.add_argument("--study", default=DEFAULT_STUDY, help=f"run: how the studies train, of "
+                        f"{','.join(STUDY_SETTINGS)} (default {DEFAULT_STUDY}); each setting has its own journal, "
+                        "preflight and precision check")
     args = parser.parse_args()
     chosen = tuple(args.steps.split(","))
     precisions = tuple(args.precisions.split(",")) if args.precisions else GPU_PRECISIONS
@@ -778,6 +837,8 @@ def main() -> None:
         fail(f"--steps {args.steps}: choose among {','.join(STEPS)}")
     if not set(precisions) <= set(PRECISIONS):
         fail(f"--precisions {args.precisions}: choose among {','.join(PRECISIONS)}")
+    if args.study not in STUDY_SETTINGS:
+        fail(f"--study {args.study}: choose among {','.join(STUDY_SETTINGS)}")
     if args.drain is not None and args.drain < 0:
         fail(f"--drain must be a number of seconds >= 0, got {args.drain}")
     if args.total is not None and args.total <= 0:
@@ -791,7 +852,7 @@ def main() -> None:
         out = args.out or Path(tempfile.mkdtemp(prefix="gpu-check-dry-"))
         study = Path(tempfile.mkdtemp(prefix="gpu-check-study-"))
         summary = run(out, DRY, study, dry_run=True, chosen=chosen, precisions=precisions,
-                      checkpoint_dir=study / "device-checkpoints")
+                      checkpoint_dir=study / "device-checkpoints", setting=args.study)
         shutil.rmtree(study)
         # a step skipped for want of time is broken here (the dry run's sizes leave plenty); one left out by
         # --steps, or the install without gathered wheels (CI has none), is not
@@ -807,8 +868,9 @@ def main() -> None:
         if args.out is None:
             fail("run needs --out DIR (on the device: --out $OUT)")
         sizes = replace(GPU, total=args.total or GPU.total, drain=GPU.drain if args.drain is None else args.drain)
-        run(args.out, sizes, STUDY_DIR, chosen=chosen, precisions=precisions, checkpoint_dir=DEVICE_CHECKPOINTS,
-            verdict_file=PREFLIGHT_VERDICT, device_journal=DEVICE_JOURNAL)
+        checkpoints, verdict, journal = device_paths(args.study)
+        run(args.out, sizes, STUDY_DIR, chosen=chosen, precisions=precisions, checkpoint_dir=checkpoints,
+            verdict_file=verdict, device_journal=journal, setting=args.study)
     else:
         fail("give a command: gather, run --out DIR, or --dry-run")
 

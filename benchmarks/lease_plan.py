@@ -190,7 +190,7 @@ def main() -> None:
     parser.add_argument("--draws", type=int, default=200)
     args = parser.parse_args()
     folders = sorted((p for p in RESULTS.glob("gpu-*") if p.is_dir()), key=lambda p: gpu_check.lease_order(p.name))
-    journal = args.journal or gpu_check.newest_kept_journal(RESULTS)
+    journal = args.journal or gpu_check.newest_kept_journal(RESULTS, gpu_check.DEFAULT_STUDY)
     if journal is None or not journal.is_file():
         sys.exit(f"error: no study journal at {journal or RESULTS / 'gpu-*/study.journal.gz'}: give --journal PATH")
     logs = []

@@ -75,7 +75,7 @@ def test_the_dry_run_runs_every_step_and_writes_the_summary(tmp_path: Path) -> N
         (precision, k) for precision in gpu_check.GPU_PRECISIONS for k in (1.0, 2.0))
     assert all(row["ms"] > 0 and row["batches"] == 1 for row in summary["test_pass"])  # --limit-batches 1
     assert summary["precision"]["configurations"] == 2 and summary["precision"]["seed_max"] >= 0
-    assert "precision: 2 configurations, float32 against TF32" in (tmp_path / "summary.md").read_text()
+    assert "precision: 2 configurations, float32 against tf32 (same seeds)" in (tmp_path / "summary.md").read_text()
     for row in summary["throughput"]:  # the epoch's phases sum to it (bench_packs.py's rounding to 0.01 s)
         assert set(row["phases_s"]) == {"between", "train", "val", "end"}
         assert row["train_steps"] == row["val_batches"] == 1  # --limit-batches 1
@@ -139,15 +139,23 @@ def test_the_studys_checkpoints_come_back_only_within_the_returned_file_limit(tm
 
 
 def test_the_study_runs_in_one_last_pack_once_nearly_all_its_trials_left_fit_in_it() -> None:
-    """Packs of 128 while more than 5/4 of 256 trials are left to run; then one pack of 256 (the lease's study)."""
-    def pack(complete: int) -> list[str]:
-        return [arg for arg in gpu_check.study_args(gpu_check.GPU, complete) if arg.startswith("--pack")]
+    """TF32: packs of 128 while more than 5/4 of 256 trials are left to run; then one pack of 256 (the lease's study
+    so far). bf16 with the mixing's sums fused: one pack of 500 throughout. Each with its fit options; the dry run's
+    pack whatever the setting's."""
+    tf32, bf16 = gpu_check.STUDY_SETTINGS["tf32"], gpu_check.STUDY_SETTINGS["bf16-fused-sums"]
 
-    assert pack(0) == pack(179) == ["--pack=128"]  # 321 left
-    assert pack(180) == pack(234) == pack(499) == ["--pack=256"]
-    others = [a for a in gpu_check.study_args(gpu_check.GPU, 234) if not a.startswith("--pack")]
-    assert others == [a for a in gpu_check.GPU.tune_args if not a.startswith("--pack")]
-    assert gpu_check.study_args(gpu_check.DRY, 1) == gpu_check.DRY.tune_args  # no last pack: as given
+    def pack(setting: gpu_check.StudySetting, complete: int) -> list[str]:
+        return [arg for arg in gpu_check.study_args(gpu_check.GPU, setting, complete) if arg.startswith("--pack")]
+
+    assert pack(tf32, 0) == pack(tf32, 179) == ["--pack=128"]  # 321 left
+    assert pack(tf32, 180) == pack(tf32, 234) == pack(tf32, 499) == ["--pack=256"]
+    assert pack(bf16, 0) == pack(bf16, 234) == pack(bf16, 499) == ["--pack=500"]
+    assert gpu_check.study_args(gpu_check.GPU, tf32, 234)[:-1] == [*gpu_check.GPU.tune_args,
+                                                                    "--model.matmul_precision=high"]
+    assert gpu_check.study_args(gpu_check.GPU, bf16, 0)[:-1] == [
+        *gpu_check.GPU.tune_args, "--trainer.precision=bf16-mixed", "--model.fused_mixing_sums=true"]
+    assert gpu_check.study_args(gpu_check.DRY, tf32, 1)[-1] == gpu_check.study_args(gpu_check.DRY, bf16, 1)[-1] \
+        == "--pack=2"
 
 
 def test_gather_restores_the_newest_committed_study_over_an_older_state_of_it(tmp_path: Path) -> None:
@@ -162,19 +170,26 @@ def test_gather_restores_the_newest_committed_study_over_an_older_state_of_it(tm
         (results / folder).mkdir(parents=True)
         (results / folder / "study.journal.gz").write_bytes(gzip.compress(text))
     restored = results / "gpu-2026-11-27-10" / "study.journal.gz"
-    journal = gpu_check.study_journal(study)
-    assert gpu_check.restore_study(study, results) == restored and journal.read_bytes() == newest
-    assert gpu_check.restore_study(study, results) is None and journal.read_bytes() == newest
+    journal = gpu_check.study_journal(study, "tf32")
+    assert gpu_check.restore_study(study, results, "tf32") == restored and journal.read_bytes() == newest
+    assert gpu_check.restore_study(study, results, "tf32") is None and journal.read_bytes() == newest
     journal.write_bytes(b"one\ntwo\n")  # a state an earlier lease left, stale
-    assert gpu_check.restore_study(study, results) == restored and journal.read_bytes() == newest
+    assert gpu_check.restore_study(study, results, "tf32") == restored and journal.read_bytes() == newest
     journal.write_bytes(newest + b"four\n")  # a lease's own, returned, not yet kept
-    assert gpu_check.restore_study(study, results) is None and journal.read_bytes() == newest + b"four\n"
+    assert gpu_check.restore_study(study, results, "tf32") is None and journal.read_bytes() == newest + b"four\n"
     journal.write_bytes(b"another study\n")
     assert gpu_check.adopt_newer_state(journal, newest) is None and journal.read_bytes() == b"another study\n"
     with pytest.raises(SystemExit) as refused:
-        gpu_check.restore_study(study, results)
+        gpu_check.restore_study(study, results, "tf32")
     assert refused.value.code == 2 and journal.read_bytes() == b"another study\n"
-    assert gpu_check.restore_study(tmp_path / "empty", tmp_path / "none") is None
+    assert gpu_check.restore_study(tmp_path / "empty", tmp_path / "none", "tf32") is None
+    # another setting's studies: their own kept journal, into their own file
+    assert gpu_check.restore_study(study, results, "bf16-fused-sums") is None
+    (results / "gpu-2026-11-27" / "study-bf16-fused-sums.journal.gz").write_bytes(gzip.compress(b"bf16\n"))
+    assert gpu_check.restore_study(study, results, "bf16-fused-sums") == \
+        results / "gpu-2026-11-27" / "study-bf16-fused-sums.journal.gz"
+    assert gpu_check.study_journal(study, "bf16-fused-sums").read_bytes() == b"bf16\n"
+    assert journal.read_bytes() == b"another study\n"
 
 
 def test_no_step_outlasts_total(tmp_path: Path) -> None:
@@ -204,10 +219,12 @@ def test_a_kernel_the_preflight_does_not_pass_is_trained_as_torch_operations(tmp
     is newer than the one the second run carries (here: none)."""
     from mtmoe.plain_kernels import NAMES
 
-    assert set(gpu_check.PREFLIGHT.values()) <= set(NAMES)
-    monkeypatch.setattr(gpu_check, "PREFLIGHT", {"tests/test_epilogue.py::test_cuda_equals_cpu[dtype0]": "epilogue",
-                                                 "tests/test_plain_kernels.py::test_a_value_names_kernels_or_all_and_"
-                                                 "an_unknown_name_is_refused": "reach"})
+    for setting in gpu_check.STUDY_SETTINGS.values():
+        assert set(setting.preflight.values()) <= set(NAMES)
+    tf32 = dataclasses.replace(gpu_check.STUDY_SETTINGS["tf32"], preflight={
+        "tests/test_epilogue.py::test_cuda_equals_cpu[dtype0]": "epilogue",
+        "tests/test_plain_kernels.py::test_a_value_names_kernels_or_all_and_an_unknown_name_is_refused": "reach"})
+    monkeypatch.setitem(gpu_check.STUDY_SETTINGS, "tf32", tf32)
     sizes = dataclasses.replace(gpu_check.DRY, tune_args=(*gpu_check.DRY.tune_args, "--trainer.accelerator=cpu"))
     verdict, device_journal = tmp_path / "device" / "preflight.json", tmp_path / "device" / "study.journal"
     summary = gpu_check.run(tmp_path / "out", sizes, tmp_path / "study", chosen=("preflight", "study"),
@@ -217,7 +234,7 @@ def test_a_kernel_the_preflight_does_not_pass_is_trained_as_torch_operations(tmp
     assert steps["study"]["status"] == "ok" and summary["study"]["plain_kernels"] == ["epilogue"], steps
     assert summary["trials_complete"] == gpu_check.DRY.trials
     storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(
-        str(gpu_check.study_journal(tmp_path / "study"))))
+        str(gpu_check.study_journal(tmp_path / "study", "tf32"))))
     trials = optuna.load_study(study_name=f"{gpu_check.DATASET}/{gpu_check.GATE}", storage=storage).trials
     assert [t.user_attrs.get("plain_kernels") for t in trials] == [["epilogue"]] * gpu_check.DRY.trials
     assert [t.user_attrs.get("code") for t in trials] == [summary["commit"]] * gpu_check.DRY.trials  # MTMOE_CODE
@@ -228,7 +245,7 @@ def test_a_kernel_the_preflight_does_not_pass_is_trained_as_torch_operations(tmp
 
     assert gpu_check.STUDY_GATES == ("comet", "topk")
     assert json.loads(verdict.read_text()) == {"commit": summary["commit"], "plain": ["epilogue"]}
-    assert device_journal.read_bytes() == gpu_check.study_journal(tmp_path / "study").read_bytes()
+    assert device_journal.read_bytes() == gpu_check.study_journal(tmp_path / "study", "tf32").read_bytes()
     carried = tmp_path / "carried"  # the second call's .gpu/study: as the lease began, no journal
     summary = gpu_check.run(tmp_path / "out2", sizes, carried, chosen=("study", "report"),
                             verdict_file=verdict, device_journal=device_journal)
@@ -247,16 +264,37 @@ def test_a_kernel_the_preflight_does_not_pass_is_trained_as_torch_operations(tmp
     assert summary["steps"]["study"]["status"] == "skipped (the studies of comet, topk are complete)"
 
 
+@pytest.mark.integration
+def test_a_study_setting_trains_its_own_studies_into_its_own_journal(tmp_path: Path) -> None:
+    """``run --study bf16-fused-sums`` (the dry run's tiny study, in Triton's interpreter): the trials train in
+    bf16-mixed with the mixing's sums fused, recorded in the study's identity, into that setting's journal, which the
+    run returns under its own name; TF32's journal is neither made nor read."""
+    require_dataset("movielens-100k")
+    summary = gpu_check.run(tmp_path / "out", gpu_check.DRY, tmp_path / "study", dry_run=True, chosen=("study",),
+                            checkpoint_dir=tmp_path / "checkpoints", setting="bf16-fused-sums")
+    assert summary["steps"]["study"]["status"] == "ok" and summary["setting"] == "bf16-fused-sums", summary["steps"]
+    assert summary["trials_complete"] == gpu_check.DRY.trials and summary["study"]["pack"] == "2"
+    journal = gpu_check.study_journal(tmp_path / "study", "bf16-fused-sums")
+    assert summary["study"]["journal"] == str(journal)
+    assert not gpu_check.study_journal(tmp_path / "study", "tf32").exists()
+    assert {p.name for p in (tmp_path / "out").glob("*.journal.gz")} == {"study-bf16-fused-sums.journal.gz"}
+    storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(journal)))
+    settings = optuna.load_study(study_name="movielens-100k/comet", storage=storage).user_attrs["settings"]
+    assert settings["trainer.precision"] == "bf16-mixed" and settings["model.fused_mixing_sums"] is True, settings
+
+
 def test_keep_files_a_lease_under_docs_results(tmp_path: Path) -> None:
-    """``keep``: each call's summary and logs, the last call's report, bootstrap table and figures, and its gzipped
-    journal, in a new ``gpu-<day>`` folder (``-2`` beside an existing one), which ``restore_study`` then restores;
-    a folder that is not a call's is one error line, exit code 2, and nothing written."""
+    """``keep``: each call's summary and logs, the last call's report, bootstrap table and figures, and each study
+    setting's last returned journal, in a new ``gpu-<day>`` folder (``-2`` beside an existing one), which
+    ``restore_study`` then restores; a folder that is not a call's is one error line, exit code 2, and nothing
+    written."""
     calls = [tmp_path / "1", tmp_path / "2"]
     for index, call in enumerate(calls, 1):
         call.mkdir()
         for file in ("summary.json", "summary.md", "logs.tar.gz"):
             (call / file).write_text(f"{file} of call {index}")
         (call / "study.journal.gz").write_bytes(gzip.compress(f"journal of call {index}".encode()))
+    (calls[0] / "study-bf16-fused-sums.journal.gz").write_bytes(gzip.compress(b"bf16 journal of call 1"))
     source = tmp_path / "source"
     for member in gpu_check.KEPT_RESULTS:
         (source / member).parent.mkdir(parents=True, exist_ok=True)
@@ -270,12 +308,14 @@ def test_keep_files_a_lease_under_docs_results(tmp_path: Path) -> None:
     assert folder == results / "gpu-2026-11-28-2"
     assert sorted(p.name for p in folder.iterdir()) == sorted(
         [f"call{k}-{f}" for k in (1, 2) for f in ("summary.json", "summary.md", "logs.tar.gz")]
-        + list(gpu_check.KEPT_RESULTS.values()) + ["study.journal.gz"])
+        + list(gpu_check.KEPT_RESULTS.values()) + ["study.journal.gz", "study-bf16-fused-sums.journal.gz"])
     assert (folder / "call1-summary.md").read_text() == "summary.md of call 1"
     assert (folder / "bootstrap.png").read_text() == "results/bootstrap/bootstrap.png"
     assert gzip.decompress((folder / "study.journal.gz").read_bytes()) == b"journal of call 2"
-    gpu_check.restore_study(tmp_path / "study", results)
-    assert gpu_check.study_journal(tmp_path / "study").read_text() == "journal of call 2"
+    gpu_check.restore_study(tmp_path / "study", results, "tf32")
+    assert gpu_check.study_journal(tmp_path / "study", "tf32").read_text() == "journal of call 2"
+    gpu_check.restore_study(tmp_path / "study", results, "bf16-fused-sums")
+    assert gpu_check.study_journal(tmp_path / "study", "bf16-fused-sums").read_text() == "bf16 journal of call 1"
     result = subprocess.run([sys.executable, str(SCRIPT), "keep", str(tmp_path / "source")], capture_output=True,
                             text=True)
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
