@@ -122,7 +122,7 @@ class StudySetting:
 
 
 # TF32 (the official code's arithmetic on Ampere and later GPUs), packs of 128, checkpoints kept on the device
-# (DEVICE_CHECKPOINTS). A trial interrupted at a lease's end reruns from its first epoch in the next lease (a pack's
+# (device_paths). A trial interrupted at a lease's end reruns from its first epoch in the next lease (a pack's
 # checkpoints, about 24 MiB a trial, cannot travel), so a lease keeps only the trials that finish inside it: packs
 # small enough that a trial's 26 to 100 epochs end within one lease's study, rather than the pack ``--pack auto``
 # finds fastest (all 500 at once, measured on an H200: none finished in a lease). With at most 320 trials left, one
