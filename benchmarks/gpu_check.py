@@ -11,8 +11,9 @@ leases), then ``report`` and ``bootstrap``, each step in its own time budget, wi
     python benchmarks/gpu_check.py keep FILES_AT...   # here: what the lease's calls returned, into docs/results
 
 A lent GPU's image has torch and Triton but not the suite's other dependencies, and nothing can be downloaded
-there: ``gather`` fetches the wheels of :data:`WHEELS` (the versions installed here) and copies the MovieLens-100K
-files into ``.gpu/``, which the device call carries with the working tree. ``run`` installs the wheels, then runs
+there: ``gather`` fetches the wheels of :data:`WHEELS` (the versions installed here), copies the MovieLens-100K
+files into ``.gpu/``, which the device call carries with the working tree, and records the commit with a digest of
+the tracked files (a tree changed since names its results ``<commit>+changed-since-gather``). ``run`` installs the wheels, then runs
 each step as a subprocess with its own budget (the study: what is left of 9 minutes once the steps after it have
 theirs): a step that fails or overruns is logged and the next one runs; ``--steps`` runs some of them. The
 study's storage is a journal file in ``.gpu/study/``: the study stops cleanly before its budget ends (SIGTERM:
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import hashlib
 import json
 import os
 import re
@@ -229,6 +231,23 @@ def tree_bytes() -> int:
     return sum(p.stat().st_size for p in files if p.is_file())
 
 
+def tree_record(root: Path, paths: list[str]) -> dict:
+    """What ``gather`` records of the code that travels: the tracked files (relative to ``root``) and one digest of
+    their contents (a missing file counts as missing), so that the device can tell whether the tree it runs is the
+    one the recorded commit names."""
+    digest = hashlib.sha256()
+    for name in paths:
+        path = root / name
+        digest.update(name.encode() + b"\0" + (hashlib.sha256(path.read_bytes()).digest() if path.is_file()
+                                                else b"missing"))
+    return {"files": paths, "digest": digest.hexdigest()}
+
+
+def tree_matches(root: Path, record: dict) -> bool:
+    """Whether the files ``record`` lists (:func:`tree_record`) hold in ``root`` what they held when recorded."""
+    return tree_record(root, record["files"])["digest"] == record["digest"]
+
+
 def study_journal(study_dir: Path, setting: str) -> Path:
     """The journal storage of the lease's studies (:data:`STUDY_GATES`) of ``setting`` in ``study_dir``
     (``.gpu/study`` on a lease)."""
@@ -325,6 +344,8 @@ def gather() -> None:
     commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
     (CARRIED / "commit").write_text(commit + "\n")
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout.decode()
+    (CARRIED / "tree.json").write_text(json.dumps(tree_record(ROOT, sorted(filter(None, tracked.split("\0"))))))
     STUDY_DIR.mkdir(exist_ok=True)
     for setting in STUDY_SETTINGS:
         restored = restore_study(STUDY_DIR, ROOT / "docs" / "results", setting)
@@ -437,11 +458,19 @@ def environment(dry_run: bool) -> dict:
     else:
         found["device"] = "cpu (no CUDA device)"
     git = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True)
-    gathered = CARRIED / "commit"
+    gathered, tree = CARRIED / "commit", CARRIED / "tree.json"
     # the device tool sends the working tree as it is but git's metadata as it was when the session began: the
-    # commit ``gather`` recorded names the code (run gather after the last commit); git's is kept beside it
+    # commit ``gather`` recorded names the code (run gather after the last commit); git's is kept beside it. A tree
+    # changed since that gather is not that commit's: its results say so (the commit marked, a note printed)
     found["git_describe"] = git.stdout.strip() if git.returncode == 0 else None
     found["commit"] = gathered.read_text().strip() if gathered.exists() and not dry_run else found["git_describe"]
+    if gathered.exists() and tree.exists() and not dry_run:
+        found["tree_as_gathered"] = tree_matches(ROOT, json.loads(tree.read_text()))
+        if not found["tree_as_gathered"]:
+            found["commit"] += "+changed-since-gather"
+            print(f"note: the tracked files differ from those gather recorded with {gathered.read_text().strip()}: "
+                  f"this run's results name the code {found['commit']} (run gather after the last commit)",
+                  flush=True)
     return found
 
 

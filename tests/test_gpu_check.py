@@ -192,6 +192,34 @@ def test_gather_restores_the_newest_committed_study_over_an_older_state_of_it(tm
     assert journal.read_bytes() == b"another study\n"
 
 
+def test_a_tree_changed_since_gather_is_not_named_as_the_gathered_commit(tmp_path: Path, monkeypatch, capsys) -> None:
+    """``gather`` records the commit and a digest of the tracked files; on the device, where git's metadata is as
+    old as the session, a tree that differs from the recorded one (an edit after ``gather``) gives results named
+    ``<commit>+changed-since-gather``, with a note, instead of the commit's name alone."""
+    (tmp_path / "a.py").write_text("one")
+    (tmp_path / "b.py").write_text("two")
+    record = gpu_check.tree_record(tmp_path, ["a.py", "b.py"])
+    assert gpu_check.tree_matches(tmp_path, record)
+    (tmp_path / "a.py").write_text("one!")
+    assert not gpu_check.tree_matches(tmp_path, record)
+    (tmp_path / "a.py").write_text("one")
+    (tmp_path / "b.py").unlink()
+    assert not gpu_check.tree_matches(tmp_path, record)
+
+    carried = tmp_path / "carried"
+    carried.mkdir()
+    (carried / "commit").write_text("abc1234\n")
+    monkeypatch.setattr(gpu_check, "CARRIED", carried)
+    (carried / "tree.json").write_text(json.dumps(gpu_check.tree_record(ROOT, ["README.md", "pyproject.toml"])))
+    found = gpu_check.environment(dry_run=False)
+    assert found["commit"] == "abc1234" and found["tree_as_gathered"] is True
+    (carried / "tree.json").write_text(json.dumps({"files": ["README.md"], "digest": "0" * 64}))
+    found = gpu_check.environment(dry_run=False)
+    assert found["commit"] == "abc1234+changed-since-gather" and found["tree_as_gathered"] is False
+    assert "differ from those gather recorded with abc1234" in capsys.readouterr().out
+    assert gpu_check.environment(dry_run=True)["commit"] == found["git_describe"]  # the dry run: git's own
+
+
 def test_no_step_outlasts_total(tmp_path: Path) -> None:
     """A step gets at most what is left of ``--total`` (less the budgets kept for report and bootstrap after it, and
     10 s for the summary), and is skipped, saying so, with less than ``MIN_STEP`` left: the device call's limit never
