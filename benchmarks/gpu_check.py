@@ -10,25 +10,24 @@ leases), then ``report`` and ``bootstrap``, each step in its own time budget, wi
     python benchmarks/gpu_check.py --dry-run          # here: the same steps, tiny, on the CPU, in the interpreter
     python benchmarks/gpu_check.py keep FILES_AT...   # here: what the lease's calls returned, into docs/results
 
-A lent GPU's image has torch and Triton but not the suite's other dependencies, and nothing can be downloaded
-there: ``gather`` fetches the wheels of :data:`WHEELS` (the versions installed here), copies the MovieLens-100K
-files into ``.gpu/``, which the device call carries with the working tree, and records the commit with a digest of
-the tracked files (a tree changed since names its results ``<commit>+changed-since-gather``). ``run`` installs the wheels, then runs
-each step as a subprocess with its own budget (the study: what is left of 9 minutes once the steps after it have
-theirs): a step that fails or overruns is logged and the next one runs; ``--steps`` runs some of them. The
+A lent GPU's image has torch and Triton but not the suite's other dependencies, and nothing can be downloaded there:
+``gather`` fetches the wheels of :data:`WHEELS` (the versions installed here), copies the MovieLens-100K files into
+``.gpu/``, which the device call carries with the working tree, and records the commit with a digest of the tracked
+files (a tree changed since names its results ``<commit>+changed-since-gather``). ``run`` installs the wheels, then
+runs each step as a subprocess with its own budget (the study: what is left of 9 minutes once the steps after it
+have theirs): a step that fails or overruns is logged and the next one runs; ``--steps`` runs some of them. The
 study's storage is a journal file in ``.gpu/study/``: the study stops cleanly before its budget ends (SIGTERM:
-running trials are marked interrupted and their state saved), its journal comes back in DIR, and carried to the
-next lease it resumes; the next call of the same lease resumes it from the copy the machine keeps
-(:func:`device_paths`), with no copy back between the calls. The saved states (about 24 MiB a trial: they cannot
-travel) stay on the device, outside the carried ``.gpu/``: the next call of the same lease, on the same warm machine,
-continues the interrupted trials from their last epoch; a fresh machine reruns them from their first. ``--study``
-chooses how the studies train (:data:`STUDY_SETTINGS`: TF32, the default and the leases' study so far, or bf16 with
-the mixing's sums fused); each setting has its own journal, preflight and precision check, so a study never mixes
-them. DIR receives ``summary.json``, ``summary.md`` (the short table, also printed last), ``logs.tar.gz`` (every
-step's full log), the journal gzipped (``study.journal.gz``, TF32's; ``study-<setting>.journal.gz``: a file comes
-back only under 16 MiB), ``checkpoints.tar.gz`` (if the study left any and the archive is within :data:`RETURN_LIMIT`),
-``report.md`` and ``results.tar.gz`` (the report's and the bootstrap's folders): at most 8 files, as the device
-tool returns.
+running trials are marked interrupted and their state saved), its journal comes back in DIR, and carried to the next
+lease it resumes; the next call of the same lease resumes it from the copy the machine keeps (:func:`device_paths`),
+with no copy back between the calls. The saved states (about 24 MiB a trial: they cannot travel) stay on the device,
+outside the carried ``.gpu/``: the next call of the same lease, on the same warm machine, continues the interrupted
+trials from their last epoch; a fresh machine reruns them from their first. ``--study`` chooses how the studies
+train (:data:`STUDY_SETTINGS`: TF32, the default and the leases' study so far, or bf16 with the mixing's sums
+fused); each setting has its own journal, preflight and precision check, so a study never mixes them. DIR receives
+``summary.json``, ``summary.md`` (the short table, also printed last), ``logs.tar.gz`` (every step's full log), the
+journal gzipped (``study.journal.gz``, TF32's; ``study-<setting>.journal.gz``: a file comes back only under 16 MiB),
+``checkpoints.tar.gz`` (if the study left any and the archive is within :data:`RETURN_LIMIT`), ``report.md`` and
+``results.tar.gz`` (the report's and the bootstrap's folders): at most 8 files, as the device tool returns.
 
 ``--dry-run`` runs :func:`run` itself with :data:`DRY` sizes (2 trials of 1 epoch of 1 batch of 8 rows, 4 experts
 of 8 units, embeddings of 4, packs of 2, one profiled step, bands at 50%, Triton's interpreter) on the CPU, the
@@ -135,16 +134,18 @@ class StudySetting:
 # lease of two calls completing them all at a pack epoch of ``1.24 + 0.0130 P`` s (the H200's fixed part, the part
 # that grows with P shrunk as the roofline's projection of a trial-epoch), where packs of 256 complete some 462.
 STUDY_SETTINGS = {
-    "tf32": StudySetting(("--model.matmul_precision=high",), 128, 256, f"{DATASET}.journal", "study.journal.gz",
-                         "high", {
-        "tests/test_epilogue.py::test_cuda_equals_cpu[dtype0]": "epilogue",
-        "tests/test_mixing.py::test_cuda_equals_cpu[dtype0]": "mixing",
-        "tests/test_random.py::test_cuda_equals_cpu[dtype0]": "dropout",
-        "tests/test_shared_input.py::test_cuda_equals_cpu[dtype0]": "shared_input",
-        **{f"{EVAL_GRAPHS_TEST}[{gate}]": "eval_graphs" for gate in STUDY_GATES}}),
+    "tf32": StudySetting(
+        fit_args=("--model.matmul_precision=high",), pack=128, last_pack=256, journal=f"{DATASET}.journal",
+        returned="study.journal.gz", variant="high", preflight={
+            "tests/test_epilogue.py::test_cuda_equals_cpu[dtype0]": "epilogue",
+            "tests/test_mixing.py::test_cuda_equals_cpu[dtype0]": "mixing",
+            "tests/test_random.py::test_cuda_equals_cpu[dtype0]": "dropout",
+            "tests/test_shared_input.py::test_cuda_equals_cpu[dtype0]": "shared_input",
+            **{f"{EVAL_GRAPHS_TEST}[{gate}]": "eval_graphs" for gate in STUDY_GATES}}),
     "bf16-fused-sums": StudySetting(
-        ("--trainer.precision=bf16-mixed", "--model.fused_mixing_sums=true"), 500, None,
-        f"{DATASET}-bf16-fused-sums.journal", "study-bf16-fused-sums.journal.gz", "bf16-fused-sums", {
+        fit_args=("--trainer.precision=bf16-mixed", "--model.fused_mixing_sums=true"), pack=500, last_pack=None,
+        journal=f"{DATASET}-bf16-fused-sums.journal", returned="study-bf16-fused-sums.journal.gz",
+        variant="bf16-fused-sums", preflight={
             "tests/test_epilogue.py::test_cuda_equals_cpu[dtype2]": "epilogue",
             "tests/test_mixing_sums.py::test_cuda_equals_cpu[dtype1]": "mixing",
             "tests/test_random.py::test_cuda_equals_cpu[dtype2]": "dropout",

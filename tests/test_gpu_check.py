@@ -97,6 +97,19 @@ def test_the_dry_run_runs_every_step_and_writes_the_summary(tmp_path: Path) -> N
     assert states.count(optuna.trial.TrialState.COMPLETE) == trials
 
 
+@pytest.mark.integration  # a pytest process
+def test_every_test_a_lease_names_exists() -> None:
+    """The CUDA tests and each setting's preflight tests are named by node id; one that pytest cannot find would
+    fail only on a lease (a preflight that finds none trains every kernel as torch operations)."""
+    preflight = sorted({test for setting in gpu_check.STUDY_SETTINGS.values() for test in setting.preflight})
+    result = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-o",
+                             "addopts=", *gpu_check.CUDA_TESTS, *preflight], cwd=ROOT, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    collected = set(result.stdout.split())
+    assert set(preflight) <= collected, set(preflight) - collected
+
+
 def test_bench_packs_lines_are_read_with_their_numbers() -> None:
     output = ("| comet | 256 | on | fused | 9.27 | 99,455 |  | 34 |\n"
               "\n"
