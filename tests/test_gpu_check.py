@@ -110,6 +110,29 @@ def test_every_test_a_lease_names_exists() -> None:
     assert set(preflight) <= collected, set(preflight) - collected
 
 
+@pytest.mark.integration  # a tune process
+def test_the_next_lease_resumes_the_kept_study_it_names(tmp_path: Path) -> None:
+    """The TF32 study the leases train resumes with this code: ``tune`` with the options ``gpu_check`` gives it (the
+    accelerator, not part of a study's identity, made the CPU's) on a copy of the newest kept journal accepts the
+    study's identity (search space, seed, settings) and finds its trials, where a changed space or setting would
+    refuse it and cost the lease. ``--timeout 1``: it claims nothing."""
+    require_dataset("movielens-100k")
+    kept = gpu_check.newest_kept_journal(ROOT / "docs" / "results", gpu_check.DEFAULT_STUDY)
+    journal = tmp_path / "study.journal"
+    journal.write_bytes(gzip.decompress(kept.read_bytes()))
+    storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(journal)))
+    study = optuna.load_study(study_name=gpu_check.study_name(gpu_check.GATE), storage=storage)
+    complete = sum(t.state == optuna.trial.TrialState.COMPLETE for t in study.get_trials(deepcopy=False))
+    options = gpu_check.study_args(gpu_check.GPU, gpu_check.STUDY_SETTINGS[gpu_check.DEFAULT_STUDY], complete)
+    options = [option.replace("accelerator=gpu", "accelerator=cpu") for option in options]
+    result = subprocess.run([sys.executable, "-m", "mtmoe", "tune", "--gate", gpu_check.GATE, "--data",
+                             gpu_check.DATASET, "--trials", str(gpu_check.GPU.trials), "--storage", f"journal:{journal}",
+                             "--log-dir", str(tmp_path / "runs"), "--checkpoint-dir", str(tmp_path / "checkpoints"),
+                             "--timeout", "1", *options], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert f"{complete} complete" in result.stdout, result.stdout[-2000:]
+
+
 def test_bench_packs_lines_are_read_with_their_numbers() -> None:
     output = ("| comet | 256 | on | fused | 9.27 | 99,455 |  | 34 |\n"
               "\n"
