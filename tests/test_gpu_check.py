@@ -113,7 +113,7 @@ def test_every_test_a_lease_names_exists() -> None:
 @pytest.mark.integration  # a tune process
 def test_the_next_lease_resumes_the_kept_study_it_names(tmp_path: Path) -> None:
     """The TF32 study the leases train resumes with this code: ``tune`` with the options ``gpu_check`` gives it (the
-    accelerator, not part of a study's identity, made the CPU's) on a copy of the newest kept journal accepts the
+    accelerator and the pack, not part of a study's identity, made the CPU's) on a copy of the newest kept journal accepts the
     study's identity (search space, seed, settings) and finds its trials, where a changed space or setting would
     refuse it and cost the lease. ``--timeout 1``: it claims nothing."""
     require_dataset("movielens-100k")
@@ -124,7 +124,10 @@ def test_the_next_lease_resumes_the_kept_study_it_names(tmp_path: Path) -> None:
     study = optuna.load_study(study_name=gpu_check.study_name(gpu_check.GATE), storage=storage)
     complete = sum(t.state == optuna.trial.TrialState.COMPLETE for t in study.get_trials(deepcopy=False))
     options = gpu_check.study_args(gpu_check.GPU, gpu_check.STUDY_SETTINGS[gpu_check.DEFAULT_STUDY], complete)
-    options = [option.replace("accelerator=gpu", "accelerator=cpu") for option in options]
+    # neither the accelerator nor the pack is part of a study's identity: the CPU's, and a pack this CPU's free
+    # memory always holds (tune refuses a pack that does not fit)
+    options = ["--pack=1" if option.startswith("--pack=") else option.replace("accelerator=gpu", "accelerator=cpu")
+               for option in options]
     result = subprocess.run([sys.executable, "-m", "mtmoe", "tune", "--gate", gpu_check.GATE, "--data",
                              gpu_check.DATASET, "--trials", str(gpu_check.GPU.trials), "--storage", f"journal:{journal}",
                              "--log-dir", str(tmp_path / "runs"), "--checkpoint-dir", str(tmp_path / "checkpoints"),
