@@ -325,6 +325,7 @@ def gather() -> None:
     lease's (:func:`restore_study`); the commit; the size that travels."""
     from importlib.metadata import version
 
+    from mtmoe.code_version import git_describe
     from mtmoe.data.download import ensure_files, manifest_entry
     from mtmoe.data.layout import data_root
 
@@ -342,8 +343,7 @@ def gather() -> None:
         target = DATA_DIR / relative
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(data_root() / relative, target)
-    commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
+    commit = git_describe(ROOT) or ""
     (CARRIED / "commit").write_text(commit + "\n")
     tracked = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout.decode()
     (CARRIED / "tree.json").write_text(json.dumps(tree_record(ROOT, sorted(filter(None, tracked.split("\0"))))))
@@ -448,6 +448,7 @@ def environment(dry_run: bool) -> dict:
     """GPU, driver, torch, Triton (in use and supported), commit."""
     import torch
 
+    from mtmoe.code_version import git_describe
     from mtmoe.triton_support import SUPPORTED_VERSIONS, triton
 
     found = {"torch": torch.__version__, "triton": getattr(triton, "__version__", None),
@@ -458,12 +459,11 @@ def environment(dry_run: bool) -> dict:
         found |= {"device": torch.cuda.get_device_name(), "nvidia_smi": smi, "cuda": torch.version.cuda}
     else:
         found["device"] = "cpu (no CUDA device)"
-    git = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True)
     gathered, tree = CARRIED / "commit", CARRIED / "tree.json"
     # the device tool sends the working tree as it is but git's metadata as it was when the session began: the
     # commit ``gather`` recorded names the code (run gather after the last commit); git's is kept beside it. A tree
     # changed since that gather is not that commit's: its results say so (the commit marked, a note printed)
-    found["git_describe"] = git.stdout.strip() if git.returncode == 0 else None
+    found["git_describe"] = git_describe(ROOT)
     found["commit"] = gathered.read_text().strip() if gathered.exists() and not dry_run else found["git_describe"]
     if gathered.exists() and tree.exists() and not dry_run:
         found["tree_as_gathered"] = tree_matches(ROOT, json.loads(tree.read_text()))

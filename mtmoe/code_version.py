@@ -21,16 +21,22 @@ def code_version() -> str:
     (``0.1.0``), or ``unknown``. Computed once a process."""
     if os.environ.get(ENVIRONMENT):
         return os.environ[ENVIRONMENT]
-    root = Path(__file__).resolve().parent.parent
-    if (root / ".git").exists():
-        try:
-            git = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=root, capture_output=True,
-                                 text=True, timeout=30)
-        except (OSError, subprocess.TimeoutExpired):
-            git = None
-        if git is not None and git.returncode == 0 and git.stdout.strip():
-            return git.stdout.strip()
-    return installed_version() or "unknown"
+    return git_describe(Path(__file__).resolve().parent.parent) or installed_version() or "unknown"
+
+
+def git_describe(root: Path) -> str | None:
+    """The commit of the git checkout ``root`` as ``git describe --always --dirty`` writes it; ``None`` where
+    ``root`` is no checkout's top (an installed mtmoe: not the repository some folder above it may be) or git
+    cannot say."""
+    if not (root / ".git").exists():
+        return None
+    try:
+        git = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=root, capture_output=True, text=True,
+                             timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    described = git.stdout.strip() if git.returncode == 0 else ""
+    return described or None
 
 
 def installed_version() -> str | None:
